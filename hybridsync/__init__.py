@@ -1,0 +1,46 @@
+"""hybridsync: per-variable gradient synchronization for Horovod data-parallel training.
+
+``import hybridsync as hs`` replaces ``import horovod.torch as hvd`` in a training
+script. ``hs.DistributedOptimizer`` takes an extra ``strategy=`` (or reads
+``HYBRIDSYNC_STRATEGY``); without one it behaves exactly like Horovod's. The process
+functions (``init``, ``rank``, ``size``, ``broadcast_parameters``...) are Horovod's own,
+imported on first use so that ``import hybridsync`` works where Horovod is absent
+(e.g. to run the search or ``hybridsync explain`` on a laptop).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hybridsync.strategy import Strategy, VarConfig
+
+__version__ = "0.1.0"
+
+_HOROVOD_FUNCTIONS = frozenset({
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+    "allgather_object", "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join",
+    "barrier", "mpi_enabled", "gloo_enabled", "mpi_built", "gloo_built", "ProcessSet",
+    "HorovodInternalError",
+})
+_LAZY = {
+    "DistributedOptimizer": "hybridsync.optimizer",
+    "Average": "hybridsync.optimizer",
+    "Sum": "hybridsync.optimizer",
+    "Compression": "hybridsync.compression",
+}
+
+__all__ = ["Strategy", "VarConfig", *sorted(_LAZY), *sorted(_HOROVOD_FUNCTIONS)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _HOROVOD_FUNCTIONS:
+        try:
+            hvd = importlib.import_module("horovod.torch")
+        except ImportError as e:
+            raise ImportError(f"hybridsync.{name} needs horovod.torch, which does not import here: {e}. "
+                              f"Run `make test` (or scripts/bootstrap.sh) to install it.") from e
+        return getattr(hvd, name)
+    raise AttributeError(f"module 'hybridsync' has no attribute {name!r}")

@@ -1,0 +1,47 @@
+"""The small protocol every transport implements, and the reduction it is asked for.
+
+The router knows backends only through this module: it hands a backend a list of
+tensors that form one message (already compressed, views into gradients where
+possible) and gets back a handle; after ``handle.wait()`` returns, the tensors hold
+the synchronized values in place. No backend imports another.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Protocol, Sequence
+
+import torch
+
+ReduceOp = Literal["average", "sum"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reduction:
+    """How the workers' tensors are combined (mirrors Horovod's op and scale factors)."""
+
+    op: ReduceOp = "average"
+    """``average`` divides the sum by the number of workers, ``sum`` does not."""
+    prescale_factor: float = 1.0
+    """Each worker multiplies its tensor by this before the reduction."""
+    postscale_factor: float = 1.0
+    """The reduced tensor is multiplied by this afterwards."""
+
+
+class Handle(Protocol):
+    """An in-flight synchronization of one message."""
+
+    def wait(self) -> None:
+        """Block until the message's tensors hold the synchronized values."""
+        ...
+
+
+class Backend(Protocol):
+    """A transport that synchronizes one message (a list of tensors) across workers."""
+
+    def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> Handle:
+        """Start synchronizing ``tensors`` in place; ``name`` is identical on every rank."""
+        ...
+
+
+class RouteUnavailableError(ValueError):
+    """A strategy asks for a route or algorithm this installation cannot run."""

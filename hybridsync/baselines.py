@@ -1,0 +1,85 @@
+"""Hand-made strategies, as plain functions of a model's variables.
+
+These are what a user would pick by hand (and what AutoDist ships as builders); the
+autotuner has to beat every one of them. Each returns a validated ``Strategy``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+from hybridsync.strategy import Strategy, VarConfig
+from hybridsync.variables import VariableInfo
+
+DEFAULT_PARTITION_BYTES = 4_096_000  # BytePS's BYTEPS_PARTITION_BYTES default
+
+
+def _build(variables: Mapping[str, VariableInfo], configs: Mapping[str, VarConfig]) -> Strategy:
+    strategy = Strategy(variables=dict(configs))
+    strategy.validate_for(variables)
+    return strategy
+
+
+def all_allreduce(variables: Mapping[str, VariableInfo]) -> Strategy:
+    """Horovod's default: every variable ring all-reduced, each its own message."""
+    return _build(variables, {name: VarConfig(route="allreduce") for name in variables})
+
+
+def all_ps(variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
+    """Every variable on the parameter servers, placed round-robin (BytePS/TF PS default)."""
+    _check_servers(num_servers)
+    return _build(variables, {name: VarConfig(route="ps", servers=(i % num_servers,))
+                              for i, name in enumerate(variables)})
+
+
+def load_balanced_ps(variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
+    """Every variable on the PS, largest first onto the least-loaded server (greedy by bytes)."""
+    _check_servers(num_servers)
+    load = [0] * num_servers
+    configs = {}
+    for info in sorted(variables.values(), key=lambda v: (-v.nbytes, v.name)):
+        server = min(range(num_servers), key=lambda s: (load[s], s))
+        load[server] += info.nbytes
+        configs[info.name] = VarConfig(route="ps", servers=(server,))
+    return _build(variables, {name: configs[name] for name in variables})
+
+
+def partitioned_ps(variables: Mapping[str, VariableInfo], num_servers: int,
+                   partition_bytes: int = DEFAULT_PARTITION_BYTES) -> Strategy:
+    """Every variable on the PS, split into shards of about ``partition_bytes``, shards load-balanced."""
+    _check_servers(num_servers)
+    if partition_bytes < 1:
+        raise ValueError(f"partition_bytes must be >= 1, got {partition_bytes}")
+    load = [0] * num_servers
+    configs = {}
+    for info in sorted(variables.values(), key=lambda v: (-v.nbytes, v.name)):
+        rows = info.shape[0] if info.shape else 1
+        partitions = max(1, min(rows, math.ceil(info.nbytes / partition_bytes)))
+        servers = []
+        for _ in range(partitions):
+            server = min(range(num_servers), key=lambda s: (load[s], s))
+            load[server] += info.nbytes // partitions
+            servers.append(server)
+        configs[info.name] = VarConfig(route="ps", partitions=partitions, servers=tuple(servers))
+    return _build(variables, {name: configs[name] for name in variables})
+
+
+def parallax(variables: Mapping[str, VariableInfo], num_servers: int, num_groups: int = 1) -> Strategy:
+    """Parallax's sparsity-aware hybrid: sparse variables -> PS, dense -> all-reduce in ``num_groups`` fused groups."""
+    _check_servers(num_servers)
+    dense = [name for name, info in variables.items() if not info.sparse]
+    chunk = max(1, math.ceil(len(dense) / max(1, num_groups)))
+    configs = {name: VarConfig(route="allreduce", group=i // chunk) for i, name in enumerate(dense)}
+    sparse = [name for name, info in variables.items() if info.sparse]
+    configs.update({name: VarConfig(route="ps", servers=(i % num_servers,)) for i, name in enumerate(sparse)})
+    return _build(variables, {name: configs[name] for name in variables})
+
+
+def _check_servers(num_servers: int) -> None:
+    if not isinstance(num_servers, int) or num_servers < 1:
+        raise ValueError(f"num_servers must be an integer >= 1, got {num_servers!r}")
+
+
+BUILDERS = {"allreduce": all_allreduce, "ps": all_ps, "ps-lb": load_balanced_ps,
+            "ps-partitioned": partitioned_ps, "parallax": parallax}
+"""Builder name -> function, for the command line."""

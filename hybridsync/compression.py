@@ -1,0 +1,53 @@
+"""Wire compression with Horovod's ``Compressor`` interface, so either library's objects fit.
+
+``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``; the
+fp16 variant casts floating tensors to float16 on the wire and back afterwards.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class NoneCompressor:
+    """Sends the tensor as it is (and in place, so the result lands in the gradient)."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class FP16Compressor:
+    """Halves the bytes of floating-point gradients; other dtypes pass unchanged."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        dtype = tensor.dtype
+        if dtype.is_floating_point:
+            tensor = tensor.type(torch.float16)
+        return tensor, dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if ctx.is_floating_point:
+            tensor = tensor.type(ctx)
+        return tensor
+
+
+class Compression:
+    """The compressors by name, as ``hvd.Compression`` spells them."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+def compressor_named(name: str | None, default: Any) -> Any:
+    """The compressor a strategy's ``compression`` names; ``None`` keeps the optimizer's."""
+    if name is None:
+        return default
+    return {"none": Compression.none, "fp16": Compression.fp16}[name]

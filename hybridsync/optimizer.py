@@ -1,0 +1,192 @@
+"""The drop-in ``DistributedOptimizer``: Horovod's contract, per-variable routing underneath.
+
+It keeps ``horovod.torch.DistributedOptimizer``'s names and behaviour (per-parameter
+hooks, ``synchronize()``, ``skip_synchronize()``, ``step()``, the ``zero_grad()`` check,
+``backward_passes_per_step``, ``op``, ``gradient_predivide_factor``, sparse gradients,
+parameters that got no gradient), and hands each ready gradient to the router, which
+sends it the way the strategy says. With no strategy every variable is its own ring
+all-reduce under its own name: exactly what Horovod does.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from hybridsync.backends import Reduction
+from hybridsync.compression import Compression
+from hybridsync.router.plan import RoutingPlan, build_plan
+from hybridsync.router.runtime import Router
+from hybridsync.strategy import Strategy, resolve_strategy
+from hybridsync.variables import variables_from_parameters
+
+# Horovod's reduce-op constants (horovod.common.basics), so hs.Average == hvd.Average.
+Average = 0
+Sum = 1
+Adasum = 2
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixin whose ``__dict__`` becomes a subclass of the user's optimizer class (as Horovod does)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, strategy):
+        super(self.__class__, self).__init__(params)
+        import horovod.torch as hvd
+        self._hvd = hvd
+        named = _checked_named_parameters(named_parameters, self.param_groups)
+        self._parameter_names = {p: name for name, p in named}
+        self._params = [p for _, p in named]
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._params}
+        self._requires_update = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._fired: set[Any] = set()
+        self._grad_accs: list[Any] = []
+        self._synchronized = False
+        self._should_synchronize = True
+        self.strategy = strategy
+        self.plan = build_plan(variables_from_parameters(named), strategy)
+        reduction = _reduction(op, gradient_predivide_factor)
+        self._router = Router(self.plan, self._params, compression=compression, reduction=reduction)
+        if hvd.size() > 1:
+            _check_ranks_agree(hvd, strategy, self.plan)
+            self._register_hooks()
+
+    def load_state_dict(self, *args, **kwargs):
+        self._fired.clear()
+        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._params}
+        super(self.__class__, self).load_state_dict(*args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally before synchronizing."""
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _register_hooks(self) -> None:
+        for p in self._params:
+            if p.requires_grad:
+                self._grad_accs.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _make_hook(self, p):
+        def hook(_):
+            if p in self._fired and self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call "
+                    "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            self._allreduce_delay[p] -= 1
+            self._fired.add(p)
+            if self._allreduce_delay[p] == 0:
+                self._router.mark_ready(self._index[p])
+        return hook
+
+    def synchronize(self) -> None:
+        """Finish every gradient's synchronization of this step and write the results into ``p.grad``."""
+        if self._hvd.size() == 1:
+            self._synchronized = True
+            return
+        try:
+            self._router.finish()
+        finally:
+            self._fired.clear()
+            for p in self._allreduce_delay:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Use after a manual ``synchronize()`` (e.g. for gradient clipping) so ``step()`` does not repeat it."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = False):
+        if self._router.pending or self._fired:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it "
+                                 "can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _checked_named_parameters(named_parameters: Iterable | None, param_groups) -> list[tuple[str, Any]]:
+    """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise."""
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(param_groups)
+                for j, p in enumerate(group["params"])]
+    named = list(named_parameters)
+    if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
+                         "produced by model.named_parameters().")
+    names = [name for name, _ in named]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
+                         f"{', '.join(duplicates)}")
+    named_set = {id(p) for _, p in named}
+    unnamed = [p for group in param_groups for p in group["params"] if id(p) not in named_set]
+    if unnamed:
+        raise ValueError(f"named_parameters was specified, but one or more model parameters were not "
+                         f"named. Python object ids: {', '.join(str(id(p)) for p in unnamed)}")
+    optimized = {id(p) for group in param_groups for p in group["params"]}
+    return [(name, p) for name, p in named if id(p) in optimized]
+
+
+def _reduction(op: int, gradient_predivide_factor: float) -> Reduction:
+    if op == Average:
+        # Horovod splits the average: 1/f before the sum, f/size after it.
+        return Reduction(op="average", prescale_factor=1.0 / gradient_predivide_factor,
+                         postscale_factor=gradient_predivide_factor)
+    return Reduction(op="sum")
+
+
+def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan) -> None:
+    """Every rank must route identically; a mismatch fails on all ranks now instead of hanging later."""
+    mine = ((strategy or Strategy()).fingerprint(), plan.fingerprint())
+    everyone = hvd.allgather_object(mine, name="hybridsync.strategy_fingerprint")
+    if any(theirs != mine for theirs in everyone):
+        table = "; ".join(f"rank {r}: strategy {s}, plan {p}" for r, (s, p) in enumerate(everyone))
+        raise ValueError(f"ranks disagree on the synchronization strategy ({table}). Every rank must load "
+                         f"the same strategy file (HYBRIDSYNC_STRATEGY={os.environ.get('HYBRIDSYNC_STRATEGY')!r} "
+                         f"here) and build the same model.")
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: int = Average, gradient_predivide_factor: float = 1.0,
+                         strategy: Strategy | Mapping[str, Any] | str | os.PathLike | None = None
+                         ) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so gradients are synchronized across ranks before ``step()``.
+
+    Same arguments and semantics as ``horovod.torch.DistributedOptimizer``, plus
+    ``strategy``: a ``Strategy``, a strategy dict, or a path to a JSON/YAML file. When
+    ``None``, the path in ``HYBRIDSYNC_STRATEGY`` is used; with neither, every variable
+    is ring all-reduced under its own name, exactly as Horovod does.
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if op not in (Average, Sum):
+        raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
+    resolved = resolve_strategy(strategy)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, resolved)

@@ -1,0 +1,128 @@
+"""Runs a routing plan during a step: submit a message once all its gradients are ready,
+wait for every message in ``synchronize()``, and write results back into ``p.grad``.
+
+Messages start as soon as their last gradient is ready, so communication overlaps the
+rest of the backward pass, exactly as Horovod's per-parameter hooks do.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+from hybridsync.backends import Backend, Handle, Reduction, make_backend
+from hybridsync.compression import compressor_named
+from hybridsync.router.plan import Message, Piece, RoutingPlan
+
+
+@dataclasses.dataclass
+class _InFlight:
+    message: Message
+    handle: Handle | None
+    sparse_result: Callable[[], torch.Tensor] | None
+    views: list[torch.Tensor]
+    sent: list[torch.Tensor]
+    contexts: list[Any]
+    compressor: Any
+
+
+class Router:
+    """Submits and completes the messages of one plan over the parameters it was built for."""
+
+    def __init__(self, plan: RoutingPlan, params: Sequence[torch.nn.Parameter], *,
+                 compression: Any, reduction: Reduction) -> None:
+        assert len(params) == len(plan.var_names)
+        self.plan = plan
+        self._params = list(params)
+        self._reduction = reduction
+        self._compressors = [compressor_named(m.config.compression, compression) for m in plan.messages]
+        self._backends = self._make_backends(plan)
+        self._waiting_on = [len(m.var_indices) for m in plan.messages]
+        self._ready: set[int] = set()
+        self._in_flight: list[_InFlight] = []
+
+    @staticmethod
+    def _make_backends(plan: RoutingPlan) -> list[Backend]:
+        """One backend per distinct route; an unavailable route raises here, at construction."""
+        users: dict[tuple[str, str], list[str]] = {}
+        for message in plan.messages:
+            key = (message.config.route, message.config.algorithm)
+            users.setdefault(key, []).extend(p.var_name for p in message.pieces)
+        backends = {key: make_backend(*key, variables=names) for key, names in users.items()}
+        return [backends[(m.config.route, m.config.algorithm)] for m in plan.messages]
+
+    @property
+    def pending(self) -> bool:
+        """True while gradients have been marked ready or messages are in flight this step."""
+        return bool(self._ready or self._in_flight)
+
+    def mark_ready(self, var_index: int) -> None:
+        """A variable's gradient is final for this step; start every message it completes."""
+        if var_index in self._ready:
+            return
+        self._ready.add(var_index)
+        for m_index in self.plan.messages_of_var[var_index]:
+            self._waiting_on[m_index] -= 1
+            if self._waiting_on[m_index] == 0:
+                self._submit(m_index)
+
+    def finish(self) -> None:
+        """Start what never became ready (zero gradients), wait for all, write results back."""
+        for var_index in range(len(self._params)):
+            if var_index not in self._ready:
+                param = self._params[var_index]
+                if param.grad is None:
+                    # Another rank may have a gradient here (dynamic graphs): send zeros, as Horovod does.
+                    param.grad = torch.zeros_like(param)
+                self.mark_ready(var_index)
+        try:
+            for flight in self._in_flight:
+                self._complete(flight)
+        finally:
+            self._in_flight.clear()
+            self._ready.clear()
+            self._waiting_on = [len(m.var_indices) for m in self.plan.messages]
+
+    def _submit(self, m_index: int) -> None:
+        message = self.plan.messages[m_index]
+        backend, compressor = self._backends[m_index], self._compressors[m_index]
+        grads = [self._gradient(piece) for piece in message.pieces]
+        if any(grad.is_sparse for grad in grads):
+            if len(grads) != 1 or not message.pieces[0].whole:
+                raise RuntimeError(
+                    f"a sparse gradient cannot be partitioned or merged on the all-reduce route "
+                    f"(message {message.name!r} holds {', '.join(p.var_name for p in message.pieces)}); "
+                    f"give the sparse variable its own entry without 'partitions'/'group'")
+            submit_sparse = getattr(backend, "submit_sparse", None)
+            assert submit_sparse is not None, f"backend of {message.name!r} lacks sparse support"
+            result = submit_sparse(message.name, grads[0], self._reduction)
+            self._in_flight.append(_InFlight(message, None, result, [], [], [], compressor))
+            return
+        views = [self._view(piece, grad) for piece, grad in zip(message.pieces, grads)]
+        sent, contexts = zip(*(compressor.compress(view) for view in views))
+        handle = backend.submit(message.name, sent, self._reduction)
+        self._in_flight.append(_InFlight(message, handle, None, views, list(sent), list(contexts), compressor))
+
+    def _gradient(self, piece: Piece) -> torch.Tensor:
+        param = self._params[piece.var_index]
+        grad = param.grad
+        if not grad.is_sparse and not grad.is_contiguous():
+            param.grad = grad = grad.contiguous()
+        return grad
+
+    @staticmethod
+    def _view(piece: Piece, grad: torch.Tensor) -> torch.Tensor:
+        if piece.whole:
+            return grad
+        return grad.narrow(0, piece.start, piece.stop - piece.start)
+
+    def _complete(self, flight: _InFlight) -> None:
+        if flight.sparse_result is not None:
+            grad = self._params[flight.message.pieces[0].var_index].grad
+            grad.zero_().add_(flight.sparse_result())  # sparse tensors do not support set_()
+            return
+        flight.handle.wait()
+        for view, sent, ctx in zip(flight.views, flight.sent, flight.contexts):
+            if sent is not view:
+                view.copy_(flight.compressor.decompress(sent, ctx))

@@ -1,0 +1,276 @@
+"""The ``Strategy`` value object: how each variable's gradient is synchronized.
+
+A strategy is what the search produces and what a user can write by hand. It is a
+plain, versioned document (JSON or YAML) of this shape::
+
+    {"version": 1,
+     "default": {"route": "allreduce", "algorithm": "ring"},
+     "variables": {
+       "emb.weight": {"route": "ps", "partitions": 4, "protocol": "bsp"},
+       "fc1.weight": {"route": "allreduce", "partitions": 2, "group": 1, "compression": "fp16"},
+       "fc1.bias":   {"route": "allreduce", "group": 1}}}
+
+Every user mistake is reported at once, as a ``ValueError`` that names every culprit,
+so a bad file fails before the first step instead of half-way through training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Literal, Mapping
+
+from hybridsync.variables import VariableInfo
+
+STRATEGY_VERSION = 1
+Route = Literal["allreduce", "ps"]
+Algorithm = Literal["ring", "hierarchical"]
+CompressionName = Literal["none", "fp16"]
+Protocol = Literal["bsp", "asp", "ssp"]
+
+ROUTES: tuple[str, ...] = ("allreduce", "ps")
+ALGORITHMS: tuple[str, ...] = ("ring", "hierarchical")
+COMPRESSIONS: tuple[str, ...] = ("none", "fp16")
+PROTOCOLS: tuple[str, ...] = ("bsp", "asp", "ssp")
+_COMMON_KEYS = {"route", "partitions", "group", "compression"}
+KEYS_BY_ROUTE: dict[str, frozenset[str]] = {
+    "allreduce": frozenset(_COMMON_KEYS | {"algorithm"}),
+    "ps": frozenset(_COMMON_KEYS | {"protocol", "staleness", "servers"}),
+}
+_TOP_LEVEL_KEYS = {"version", "default", "variables"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VarConfig:
+    """How one variable's gradient travels."""
+
+    route: Route = "allreduce"
+    """``allreduce`` (Horovod collectives) or ``ps`` (parameter servers)."""
+    algorithm: Algorithm = "ring"
+    """All-reduce algorithm: Horovod's ``ring``, or ``hierarchical`` (intra-node first)."""
+    partitions: int = 1
+    """Split the gradient along dim 0 into this many near-equal shards, one message each."""
+    group: int | None = None
+    """Variables sharing a group (and route settings) have their k-th shards fused into one message."""
+    compression: CompressionName | None = None
+    """Wire compression; ``None`` means the optimizer's ``compression=`` argument decides."""
+    protocol: Protocol = "bsp"
+    """Parameter-server consistency: bulk-synchronous, asynchronous or stale-synchronous."""
+    staleness: int | None = None
+    """For ``ssp``: how many steps a worker may run ahead of the slowest one."""
+    servers: tuple[int, ...] | None = None
+    """For ``ps``: the server index of each shard; ``None`` balances shards by bytes."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical document form: only the keys meaningful for the route, defaults omitted."""
+        out: dict[str, Any] = {"route": self.route}
+        if self.route == "allreduce":
+            out["algorithm"] = self.algorithm
+        else:
+            out["protocol"] = self.protocol
+            if self.staleness is not None:
+                out["staleness"] = self.staleness
+            if self.servers is not None:
+                out["servers"] = list(self.servers)
+        if self.partitions != 1:
+            out["partitions"] = self.partitions
+        if self.group is not None:
+            out["group"] = self.group
+        if self.compression is not None:
+            out["compression"] = self.compression
+        return out
+
+    @property
+    def message_key(self) -> tuple:
+        """What two variables must share to be fused into one message."""
+        return (self.route, self.algorithm if self.route == "allreduce" else self.protocol,
+                self.compression, self.staleness, self.group)
+
+
+def _config_errors(where: str, raw: Any) -> list[str]:
+    """Every problem with one variable's (or the default's) config, as messages."""
+    if not isinstance(raw, Mapping):
+        return [f"{where}: expected a mapping, got {type(raw).__name__}"]
+    route = raw.get("route", "allreduce")
+    if route not in ROUTES:
+        return [f"{where}: route {route!r} is not one of {', '.join(ROUTES)}"]
+    errors = [f"{where}: unknown key {key!r} for route {route!r} "
+              f"(allowed: {', '.join(sorted(KEYS_BY_ROUTE[route]))})"
+              for key in raw if key not in KEYS_BY_ROUTE[route]]
+    choices = {"algorithm": ALGORITHMS, "compression": COMPRESSIONS, "protocol": PROTOCOLS}
+    for key, allowed in choices.items():
+        if key in raw and raw[key] not in allowed:
+            errors.append(f"{where}: {key} {raw[key]!r} is not one of {', '.join(allowed)}")
+    for key, minimum in (("partitions", 1), ("staleness", 0), ("group", 0)):
+        value = raw.get(key)
+        if key in raw and (not _is_int(value) or value < minimum):
+            errors.append(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+    protocol = raw.get("protocol", "bsp")
+    if protocol == "ssp" and "staleness" not in raw:
+        errors.append(f"{where}: protocol 'ssp' needs a 'staleness' (steps a worker may run ahead)")
+    if "staleness" in raw and protocol != "ssp":
+        errors.append(f"{where}: 'staleness' only applies to protocol 'ssp'")
+    if "servers" in raw:
+        errors += _servers_errors(where, raw["servers"], raw.get("partitions", 1))
+    return errors
+
+
+def _servers_errors(where: str, servers: Any, partitions: Any) -> list[str]:
+    if not isinstance(servers, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in servers):
+        return [f"{where}: servers must be a list of server indices >= 0, got {servers!r}"]
+    if _is_int(partitions) and len(servers) != partitions:
+        return [f"{where}: servers lists {len(servers)} placements but partitions is {partitions}"]
+    return []
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _config_from_raw(raw: Mapping[str, Any]) -> VarConfig:
+    values = dict(raw)
+    if "servers" in values:
+        values["servers"] = tuple(values["servers"])
+    return VarConfig(**values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """Per-variable synchronization configs, with a default for unlisted variables."""
+
+    default: VarConfig = VarConfig()
+    """Applies to every variable not listed in ``variables``."""
+    variables: Mapping[str, VarConfig] = dataclasses.field(default_factory=dict)
+    """Variable name (as in ``named_parameters``) -> its config."""
+
+    def config_for(self, name: str) -> VarConfig:
+        """The config that applies to the variable ``name``."""
+        return self.variables.get(name, self.default)
+
+    # --- document round trip -------------------------------------------------------
+    @classmethod
+    def from_dict(cls, doc: Any) -> "Strategy":
+        """Parse and validate a strategy document; raises ``ValueError`` naming every culprit."""
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"invalid strategy: expected a mapping at top level, got {type(doc).__name__}")
+        errors = [f"unknown top-level key {key!r} (allowed: {', '.join(sorted(_TOP_LEVEL_KEYS))})"
+                  for key in doc if key not in _TOP_LEVEL_KEYS]
+        if doc.get("version", STRATEGY_VERSION) != STRATEGY_VERSION:
+            errors.append(f"version {doc.get('version')!r} is not supported (this hybridsync reads "
+                          f"version {STRATEGY_VERSION})")
+        default_raw = doc.get("default", {})
+        errors += _config_errors("default", default_raw)
+        variables_raw = doc.get("variables", {})
+        if not isinstance(variables_raw, Mapping):
+            errors.append(f"variables: expected a mapping of name -> config, got "
+                          f"{type(variables_raw).__name__}")
+            variables_raw = {}
+        for name, raw in variables_raw.items():
+            errors += _config_errors(f"variable {name!r}", raw)
+        if errors:
+            raise ValueError("invalid strategy:\n  - " + "\n  - ".join(errors))
+        return cls(default=_config_from_raw(default_raw),
+                   variables={name: _config_from_raw(raw) for name, raw in variables_raw.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical document (sorted variables, defaults omitted)."""
+        return {"version": STRATEGY_VERSION, "default": self.default.to_dict(),
+                "variables": {name: self.variables[name].to_dict() for name in sorted(self.variables)}}
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Strategy":
+        """Read a ``.json``, ``.yaml`` or ``.yml`` strategy file."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read strategy file {path!r}: {e.strerror}") from e
+        try:
+            doc = _parse_document(path, text)
+        except ValueError as e:
+            raise ValueError(f"strategy file {path!r} is not valid: {e}") from e
+        try:
+            return cls.from_dict(doc)
+        except ValueError as e:
+            raise ValueError(f"strategy file {path!r}: {e}") from e
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the canonical document; YAML if the name ends in .yaml/.yml, else JSON."""
+        path = os.fspath(path)
+        with open(path, "w", encoding="utf-8") as f:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+                yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+            else:
+                json.dump(self.to_dict(), f, indent=2)
+                f.write("\n")
+
+    def fingerprint(self) -> str:
+        """A stable hash of the canonical document: equal strategies hash equally on every machine."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+    # --- validation against a model --------------------------------------------------
+    def validate_for(self, variables: Mapping[str, VariableInfo]) -> None:
+        """Check the strategy against a model's variables; ``ValueError`` naming every culprit."""
+        errors = [f"variable {name!r} is not in the model" for name in self.variables
+                  if name not in variables]
+        for name, info in variables.items():
+            errors += _fit_errors(name, info, self.config_for(name))
+        errors += _group_errors(self, variables)
+        if errors:
+            raise ValueError("strategy does not fit the model:\n  - " + "\n  - ".join(errors))
+
+
+def _fit_errors(name: str, info: VariableInfo, config: VarConfig) -> list[str]:
+    rows = info.shape[0] if info.shape else 1
+    if config.partitions > rows:
+        return [f"variable {name!r}: partitions {config.partitions} exceeds its {rows} rows "
+                f"(shape {tuple(info.shape)})"]
+    return []
+
+
+def _group_errors(strategy: Strategy, variables: Mapping[str, VariableInfo]) -> list[str]:
+    """Variables in one group must agree on everything that shapes the message."""
+    keys_by_group: dict[int, dict[tuple, list[str]]] = {}
+    for name in variables:
+        config = strategy.config_for(name)
+        if config.group is not None:
+            keys_by_group.setdefault(config.group, {}).setdefault(config.message_key, []).append(name)
+    return [f"group {group}: its variables disagree on route/algorithm/protocol/compression: "
+            + "; ".join(", ".join(names) for names in by_key.values())
+            for group, by_key in sorted(keys_by_group.items()) if len(by_key) > 1]
+
+
+def _parse_document(path: str, text: str) -> Any:
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(str(e)) from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(str(e)) from e
+
+
+def resolve_strategy(strategy: "Strategy | Mapping[str, Any] | str | os.PathLike | None") -> Strategy | None:
+    """Turn the optimizer's ``strategy=`` argument into a Strategy.
+
+    ``None`` reads the path in ``HYBRIDSYNC_STRATEGY``; with neither, returns ``None``
+    (plain Horovod behaviour: every variable ring all-reduced).
+    """
+    if strategy is None:
+        strategy = os.environ.get("HYBRIDSYNC_STRATEGY") or None
+        if strategy is None:
+            return None
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, Mapping):
+        return Strategy.from_dict(strategy)
+    if isinstance(strategy, (str, os.PathLike)):
+        return Strategy.load(strategy)
+    raise ValueError(f"strategy must be a Strategy, a dict or a path, got {type(strategy).__name__}")

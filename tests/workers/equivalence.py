@@ -1,0 +1,125 @@
+"""Run under horovodrun/mpirun: train the same model with Horovod's optimizer and with
+hybridsync's, case by case, and write each case's largest parameter difference to JSON.
+
+Usage: python equivalence.py OUT.json [CASE ...]   (no case: all of them)
+Every rank trains on its own data, so the result depends on a correct reduction.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hybridsync as hs
+
+STEPS = 4
+GROUPED = {"fc1.weight": {"route": "allreduce", "group": 1}, "fc1.bias": {"route": "allreduce", "group": 1},
+           "fc2.weight": {"route": "allreduce", "group": 2}, "fc2.bias": {"route": "allreduce", "group": 2}}
+PARTITIONED = {"fc1.weight": {"route": "allreduce", "partitions": 3},
+               "fc2.weight": {"route": "allreduce", "partitions": 2}, "emb.weight": {"route": "allreduce", "partitions": 4}}
+MIXED = {"fc1.weight": {"route": "allreduce", "partitions": 2, "group": 1, "compression": "fp16"},
+         "fc1.bias": {"route": "allreduce", "group": 1, "compression": "fp16"},
+         "fc2.weight": {"route": "allreduce", "partitions": 2, "group": 7},
+         "fc2.bias": {"route": "allreduce", "group": 7}, "emb.weight": {"route": "allreduce", "partitions": 2}}
+
+
+def strategy(variables: dict) -> dict:
+    return {"version": 1, "default": {"route": "allreduce", "algorithm": "ring"}, "variables": variables}
+
+
+# name -> (optimizer kwargs for both, hybridsync-only kwargs, model kwargs, tolerance)
+CASES = {
+    "default": ({}, {}, {}, 1e-5),
+    "op_sum": ({"op": "Sum"}, {}, {}, 1e-5),
+    "backward_passes_2": ({"backward_passes_per_step": 2}, {}, {}, 1e-5),
+    "fp16": ({"compression": "fp16"}, {}, {}, 2e-3),
+    "predivide": ({"gradient_predivide_factor": 2.0}, {}, {}, 1e-5),
+    "adam": ({"optim": "adam"}, {}, {}, 1e-5),
+    "sparse_embedding": ({}, {}, {"sparse": True}, 1e-5),
+    "merge_groups": ({}, {"strategy": strategy(GROUPED)}, {}, 1e-5),
+    "partitions": ({}, {"strategy": strategy(PARTITIONED)}, {}, 1e-5),
+    "per_variable_fp16": ({}, {"strategy": strategy({"fc1.weight": {"route": "allreduce", "compression": "fp16"}})},
+                          {}, 2e-3),
+    "mixed_groups_partitions_fp16": ({}, {"strategy": strategy(MIXED)}, {}, 2e-3),
+    "unused_parameter": ({}, {"strategy": strategy(GROUPED)}, {"unused": True}, 1e-5),
+}
+
+
+class Net(nn.Module):
+    def __init__(self, sparse: bool = False, unused: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=sparse)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.unused = nn.Linear(4, 4) if unused else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(torch.relu(self.fc1(self.emb(ids).mean(dim=1))))
+        if self.unused is not None and hvd.rank() == 0:
+            out = out + 0.0 * self.unused(out)  # only rank 0 gets a gradient for 'unused'
+        return out
+
+
+def train(make_optimizer, model_kwargs: dict, common: dict, extra: dict) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net(**model_kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    base = (torch.optim.Adam(model.parameters(), lr=0.01) if common.get("optim") == "adam"
+            else torch.optim.SGD(model.parameters(), lr=0.1))
+    kwargs = {k: v for k, v in common.items() if k != "optim"}
+    opt = make_optimizer(base, named_parameters=model.named_parameters(), **kwargs, **extra)
+    gen = torch.Generator().manual_seed(100 + hvd.rank())
+    passes = common.get("backward_passes_per_step", 1)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for _ in range(passes):
+            ids = torch.randint(0, 50, (6, 5), generator=gen)
+            target = torch.randn(6, 4, generator=gen)
+            nn.functional.mse_loss(model(ids), target).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def resolve(common: dict, lib) -> dict:
+    out = dict(common)
+    if "op" in out:
+        out["op"] = getattr(lib, out["op"])
+    if "compression" in out:
+        out["compression"] = getattr(lib.Compression, out["compression"])
+    return out
+
+
+def run_case(name: str) -> dict:
+    common, extra, model_kwargs, tolerance = CASES[name]
+    start = time.perf_counter()
+    expected = train(hvd.DistributedOptimizer, model_kwargs, resolve(common, hvd), {})
+    actual = train(hs.DistributedOptimizer, model_kwargs, resolve(common, hs), extra)
+    diff = max(float((a - e).abs().max()) for a, e in zip(actual, expected))
+    moved = max(float((a - b).abs().max()) for a, b in zip(actual, train_nothing(model_kwargs)))
+    return {"max_abs_diff": diff, "tolerance": tolerance, "moved": moved,
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def train_nothing(model_kwargs: dict) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net(**model_kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def main() -> None:
+    hvd.init()
+    out_path, names = sys.argv[1], sys.argv[2:] or list(CASES)
+    results = {name: run_case(name) for name in names}
+    results["_world"] = {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size()}
+    if hvd.rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
