@@ -30,13 +30,21 @@ class RingAllreduce:
         import horovod.torch as hvd
         self._hvd = hvd
         self._process_set = process_set if process_set is not None else hvd.global_process_set
+        self._kwargs: dict[Reduction, dict[str, Any]] = {}
+
+    def _op_kwargs(self, reduction: Reduction) -> dict[str, Any]:
+        # Built once per reduction: this runs for every message of every step.
+        if reduction not in self._kwargs:
+            self._kwargs[reduction] = dict(op=horovod_op(reduction), prescale_factor=reduction.prescale_factor,
+                                           postscale_factor=reduction.postscale_factor,
+                                           process_set=self._process_set)
+        return self._kwargs[reduction]
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> _HorovodHandle:
-        kwargs = dict(name=name, op=horovod_op(reduction), prescale_factor=reduction.prescale_factor,
-                      postscale_factor=reduction.postscale_factor, process_set=self._process_set)
+        kwargs = self._op_kwargs(reduction)
         if len(tensors) == 1:
-            return _HorovodHandle(self._hvd.allreduce_async_(tensors[0], **kwargs))
-        return _HorovodHandle(self._hvd.grouped_allreduce_async_(list(tensors), **kwargs))
+            return _HorovodHandle(self._hvd.allreduce_async_(tensors[0], name=name, **kwargs))
+        return _HorovodHandle(self._hvd.grouped_allreduce_async_(list(tensors), name=name, **kwargs))
 
     def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
         """Sparse gradients as Horovod sends them: all-gather of indices and values."""

@@ -16,7 +16,7 @@ from hybridsync.compression import compressor_named
 from hybridsync.router.plan import Message, Piece, RoutingPlan
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _InFlight:
     message: Message
     handle: Handle | None
@@ -40,6 +40,7 @@ class Router:
         self._backends = self._make_backends(plan)
         self._waiting_on = [len(m.var_indices) for m in plan.messages]
         self._ready: set[int] = set()
+        self._all_vars = frozenset(range(len(self._params)))
         self._in_flight: list[_InFlight] = []
 
     @staticmethod
@@ -69,13 +70,12 @@ class Router:
 
     def finish(self) -> None:
         """Start what never became ready (zero gradients), wait for all, write results back."""
-        for var_index in range(len(self._params)):
-            if var_index not in self._ready:
-                param = self._params[var_index]
-                if param.grad is None:
-                    # Another rank may have a gradient here (dynamic graphs): send zeros, as Horovod does.
-                    param.grad = torch.zeros_like(param)
-                self.mark_ready(var_index)
+        for var_index in sorted(self._all_vars - self._ready):
+            param = self._params[var_index]
+            if param.grad is None:
+                # Another rank may have a gradient here (dynamic graphs): send zeros, as Horovod does.
+                param.grad = torch.zeros_like(param)
+            self.mark_ready(var_index)
         try:
             for flight in self._in_flight:
                 self._complete(flight)

@@ -1,0 +1,20 @@
+# Two commands do everything on a fresh machine (both install what they need, idempotently):
+#   make test   - install into .venv/, then run the whole test suite
+#   make demo   - install into .venv/, then run the demo training job
+PY := .venv/bin/python
+
+.PHONY: setup test demo bench clean
+setup:
+	bash scripts/bootstrap.sh
+
+test: setup
+	$(PY) -m pytest tests
+
+demo: setup
+	$(PY) examples/demo.py
+
+bench: setup
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache

@@ -1,0 +1,55 @@
+"""The ``hybridsync`` command: inspect and build strategies."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hybridsync import baselines
+from hybridsync.explain import explain
+from hybridsync.strategy import Strategy
+from hybridsync.variables import load_model_description
+
+
+def _explain(args: argparse.Namespace) -> int:
+    variables = load_model_description(args.model) if args.model else None
+    print(explain(Strategy.load(args.strategy), variables))
+    return 0
+
+
+def _baseline(args: argparse.Namespace) -> int:
+    variables = load_model_description(args.model)
+    builder = baselines.BUILDERS[args.name]
+    kwargs = {} if args.name == "allreduce" else {"num_servers": args.num_servers}
+    strategy = builder(variables, **kwargs)
+    strategy.save(args.output)
+    print(f"wrote {args.output} ({args.name}, fingerprint {strategy.fingerprint()})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridsync", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("explain", help="print what a strategy does to each variable")
+    p.add_argument("strategy", help="strategy file (.json/.yaml)")
+    p.add_argument("--model", help="model description JSON: {\"variables\": [{\"name\", \"shape\", ...}]}")
+    p.set_defaults(func=_explain)
+    p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model")
+    p.add_argument("name", choices=sorted(baselines.BUILDERS))
+    p.add_argument("--model", required=True, help="model description JSON")
+    p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
+    p.add_argument("-o", "--output", required=True, help="where to write the strategy")
+    p.set_defaults(func=_baseline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        print(f"hybridsync {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The command line (explain, baseline) and the run configs in horovodrun_configs/."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from hybridsync.cli import main
+from hybridsync.runconfig import load_run_config
+from hybridsync.strategy import Strategy
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "horovodrun_configs").glob("*.yaml"))
+MODEL = '{"variables": [{"name": "emb.weight", "shape": [1000, 16], "sparse": true}, ' \
+        '{"name": "fc.weight", "shape": [64, 16]}, {"name": "fc.bias", "shape": [64]}]}'
+
+
+def test_explain_with_model(tmp_path, capsys):
+    (tmp_path / "m.json").write_text(MODEL)
+    Strategy.from_dict({"variables": {"emb.weight": {"route": "ps", "partitions": 4},
+                                      "fc.weight": {"route": "allreduce", "group": 1},
+                                      "fc.bias": {"route": "allreduce", "group": 1}}}).save(tmp_path / "s.yaml")
+    assert main(["explain", str(tmp_path / "s.yaml"), "--model", str(tmp_path / "m.json")]) == 0
+    out = capsys.readouterr().out
+    assert "emb.weight" in out and "62.5 KB" in out
+    assert "ps           1 variables     4 messages" in out
+    assert "allreduce    2 variables     1 messages" in out
+
+
+def test_explain_reports_bad_files(tmp_path, capsys):
+    (tmp_path / "m.json").write_text(MODEL)
+    (tmp_path / "s.json").write_text('{"variables": {"ghost": {"route": "allreduce"}}}')
+    assert main(["explain", str(tmp_path / "s.json"), "--model", str(tmp_path / "m.json")]) == 2
+    assert "'ghost' is not in the model" in capsys.readouterr().err
+
+
+def test_baseline_writes_a_loadable_strategy(tmp_path):
+    (tmp_path / "m.json").write_text(MODEL)
+    out = tmp_path / "p.json"
+    assert main(["baseline", "parallax", "--model", str(tmp_path / "m.json"), "--num-servers", "2",
+                 "-o", str(out)]) == 0
+    assert Strategy.load(out).config_for("emb.weight").route == "ps"
+
+
+def test_console_script_runs():
+    proc = subprocess.run([str(Path(sys.executable).parent / "hybridsync"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "explain" in proc.stdout
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_run_config_loads_in_horovodrun_and_hybridsync(path):
+    from horovod.runner import launch
+    argv = ["horovodrun", "-np", "2", "--config-file", str(path), "python", "train.py"]
+    with mock.patch.object(sys, "argv", argv):
+        args = launch.parse_args()  # horovodrun's own parser: the hybridsync section must not upset it
+    assert args.fusion_threshold_mb is not None
+    config = load_run_config(path)
+    assert config.strategy_path is None or config.load_strategy() is not None
+
+
+def test_run_config_rejects_unknown_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("hybridsync:\n  strategy: s.json\n  stratgey: typo\n")
+    with pytest.raises(ValueError, match="unknown key\\(s\\) in 'hybridsync': stratgey"):
+        load_run_config(path)
+
+
+def test_import_works_without_horovod():
+    code = ("import sys; sys.modules['horovod'] = None; sys.modules['horovod.torch'] = None\n"
+            "import hybridsync as hs, hybridsync.baselines, hybridsync.explain\n"
+            "assert hs.Strategy().fingerprint()\n"
+            "try:\n    hs.init()\nexcept ImportError as e:\n    print('clear:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "hybridsync.init needs horovod.torch" in proc.stdout

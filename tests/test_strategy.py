@@ -1,0 +1,161 @@
+"""Unit tests: strategy format, validation, fingerprint, baseline builders, routing plan."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridsync import baselines
+from hybridsync.router.plan import build_plan, shard_bounds
+from hybridsync.strategy import Strategy, VarConfig, resolve_strategy
+from hybridsync.variables import VariableInfo, parse_model_description
+
+EXAMPLE = {"version": 1,
+           "default": {"route": "allreduce", "algorithm": "ring"},
+           "variables": {
+               "emb.weight": {"route": "ps", "partitions": 4, "protocol": "bsp"},
+               "fc1.weight": {"route": "allreduce", "partitions": 2, "group": 1, "compression": "fp16"},
+               "fc1.bias": {"route": "allreduce", "group": 1, "compression": "fp16"}}}
+
+
+def variables() -> dict[str, VariableInfo]:
+    return parse_model_description({"variables": [
+        {"name": "emb.weight", "shape": [1000, 16], "sparse": True},
+        {"name": "fc1.weight", "shape": [64, 16]},
+        {"name": "fc1.bias", "shape": [64]},
+        {"name": "fc2.weight", "shape": [10, 64]},
+        {"name": "scale", "shape": []}]})
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
+def test_round_trip_through_files(tmp_path, suffix):
+    strategy = Strategy.from_dict(EXAMPLE)
+    path = tmp_path / f"s{suffix}"
+    strategy.save(path)
+    loaded = Strategy.load(path)
+    assert loaded == strategy
+    assert loaded.to_dict() == strategy.to_dict()
+    assert loaded.config_for("emb.weight") == VarConfig(route="ps", partitions=4, protocol="bsp")
+    assert loaded.config_for("not.listed") == VarConfig()
+
+
+def test_fingerprint_is_stable_and_sensitive():
+    a = Strategy.from_dict(EXAMPLE)
+    reordered = dict(EXAMPLE, variables=dict(reversed(list(EXAMPLE["variables"].items()))))
+    assert Strategy.from_dict(reordered).fingerprint() == a.fingerprint()
+    # Known value: the hash must not depend on the machine, the Python hash seed or dict order.
+    assert Strategy().fingerprint() == Strategy.from_dict({"version": 1}).fingerprint()
+    changed = json.loads(json.dumps(EXAMPLE))
+    changed["variables"]["fc1.weight"]["partitions"] = 3
+    assert Strategy.from_dict(changed).fingerprint() != a.fingerprint()
+
+
+def test_fingerprint_known_value():
+    # Pinned so that a change of canonical form (which would make old and new ranks disagree) is noticed.
+    assert Strategy().fingerprint() == "9a91ac498090e9ed"
+    assert Strategy.from_dict(EXAMPLE).fingerprint() == "3a80ccd955cf0719"
+
+
+def test_every_culprit_is_named():
+    bad = {"version": 2, "extra": 1, "default": {"route": "carrier-pigeon"},
+           "variables": {"a": {"route": "allreduce", "partitions": -1, "protocol": "bsp"},
+                         "b": {"route": "ps", "protocol": "ssp"},
+                         "c": {"route": "ps", "servers": [0, 1], "partitions": 3},
+                         "d": {"route": "allreduce", "group": "x", "compression": "zip"}}}
+    with pytest.raises(ValueError) as info:
+        Strategy.from_dict(bad)
+    message = str(info.value)
+    for needle in ["unknown top-level key 'extra'", "version 2 is not supported", "route 'carrier-pigeon'",
+                   "variable 'a': partitions must be an integer >= 1", "variable 'a': unknown key 'protocol'",
+                   "variable 'b': protocol 'ssp' needs a 'staleness'", "servers lists 2 placements but partitions is 3",
+                   "variable 'd': group must be an integer", "variable 'd': compression 'zip'"]:
+        assert needle in message
+
+
+def test_validation_against_model_names_every_culprit():
+    doc = {"variables": {"ghost": {"route": "allreduce"}, "fc1.bias": {"route": "allreduce", "partitions": 65},
+                         "scale": {"route": "allreduce", "partitions": 2},
+                         "fc2.weight": {"route": "ps", "group": 1}, "fc1.weight": {"route": "allreduce", "group": 1}}}
+    with pytest.raises(ValueError) as info:
+        Strategy.from_dict(doc).validate_for(variables())
+    message = str(info.value)
+    assert "'ghost' is not in the model" in message
+    assert "'fc1.bias': partitions 65 exceeds its 64 rows" in message
+    assert "'scale': partitions 2 exceeds its 1 rows" in message
+    assert "group 1: its variables disagree" in message
+
+
+def test_resolve_reads_environment(tmp_path, monkeypatch):
+    path = tmp_path / "s.json"
+    Strategy.from_dict(EXAMPLE).save(path)
+    monkeypatch.delenv("HYBRIDSYNC_STRATEGY", raising=False)
+    assert resolve_strategy(None) is None
+    monkeypatch.setenv("HYBRIDSYNC_STRATEGY", str(path))
+    assert resolve_strategy(None) == Strategy.from_dict(EXAMPLE)
+    assert resolve_strategy(EXAMPLE) == Strategy.from_dict(EXAMPLE)
+    with pytest.raises(ValueError, match="must be a Strategy, a dict or a path"):
+        resolve_strategy(42)
+
+
+def test_bad_files_are_clear(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json' is not valid"):
+        Strategy.load(broken)
+    with pytest.raises(ValueError, match="cannot read strategy file"):
+        Strategy.load(tmp_path / "absent.yaml")
+
+
+def test_shard_bounds_are_near_equal_and_cover():
+    assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert shard_bounds(1, 1) == [(0, 1)]
+    for rows in range(1, 30):
+        for parts in range(1, rows + 1):
+            bounds = shard_bounds(rows, parts)
+            assert bounds[0][0] == 0 and bounds[-1][1] == rows
+            sizes = [b - a for a, b in bounds]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_plan_partitions_and_merges_shardwise():
+    strategy = Strategy.from_dict({"variables": {
+        "fc1.weight": {"route": "allreduce", "partitions": 2, "group": 1},
+        "fc1.bias": {"route": "allreduce", "group": 1},
+        "fc2.weight": {"route": "allreduce", "partitions": 3}}})
+    v = dict(variables())
+    v.pop("emb.weight")
+    plan = build_plan(v, strategy)
+    by_name = {m.name: [(p.var_name, p.start, p.stop) for p in m.pieces] for m in plan.messages}
+    assert by_name == {
+        "hybridsync.group1.shard0": [("fc1.weight", 0, 32), ("fc1.bias", 0, 64)],
+        "hybridsync.group1.shard1": [("fc1.weight", 32, 64)],
+        "fc2.weight.shard0of3": [("fc2.weight", 0, 4)], "fc2.weight.shard1of3": [("fc2.weight", 4, 7)],
+        "fc2.weight.shard2of3": [("fc2.weight", 7, 10)], "scale": [("scale", 0, 1)]}
+    assert plan.messages_of_var[0] == (0, 1)  # fc1.weight feeds both group messages
+
+
+def test_default_plan_is_horovods():
+    plan = build_plan(variables(), None)
+    assert [m.name for m in plan.messages] == list(variables())
+    assert all(len(m.pieces) == 1 and m.pieces[0].whole for m in plan.messages)
+    assert plan.fingerprint() == build_plan(variables(), Strategy()).fingerprint()
+
+
+def test_builders():
+    v = variables()
+    assert {c.route for c in baselines.all_allreduce(v).variables.values()} == {"allreduce"}
+    ps = baselines.all_ps(v, num_servers=2)
+    assert [ps.config_for(n).servers for n in v] == [(0,), (1,), (0,), (1,), (0,)]
+    lb = baselines.load_balanced_ps(v, num_servers=2)
+    load = [0, 0]
+    for name, info in v.items():
+        load[lb.config_for(name).servers[0]] += info.nbytes
+    assert load[1] >= 64 * 16 * 4  # the big embedding alone on server 0, the rest on server 1
+    part = baselines.partitioned_ps(v, num_servers=2, partition_bytes=16_000)
+    assert part.config_for("emb.weight").partitions == 4  # 64,000 bytes / 16,000
+    assert sorted(part.config_for("emb.weight").servers) == [0, 0, 1, 1]
+    par = baselines.parallax(v, num_servers=1, num_groups=2)
+    assert par.config_for("emb.weight").route == "ps"
+    assert {par.config_for(n).group for n in v if n != "emb.weight"} == {0, 1}
+    with pytest.raises(ValueError, match="num_servers"):
+        baselines.all_ps(v, num_servers=0)

@@ -1,0 +1,84 @@
+"""2-rank runs under horovodrun (Gloo) and mpirun: hybridsync == Horovod, and clear errors."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import WORKERS, launcher_argv, run_job
+
+sys.path.insert(0, str(WORKERS))
+from equivalence import CASES  # noqa: E402
+from errors import CASES as ERROR_CASES  # noqa: E402
+
+_cache: dict[str, dict] = {}
+
+
+def equivalence_results(launcher: str, tmp_path_factory) -> dict:
+    """One job per launcher runs every case; the tests below read its results."""
+    if launcher not in _cache:
+        out = tmp_path_factory.mktemp(launcher) / "eq.json"
+        proc = run_job(launcher_argv(launcher) + [sys.executable, str(WORKERS / "equivalence.py"), str(out)])
+        assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:]
+        _cache[launcher] = json.loads(out.read_text())
+    return _cache[launcher]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parameters_equal_horovod(launcher, case, tmp_path_factory):
+    result = equivalence_results(launcher, tmp_path_factory)[case]
+    assert result["moved"] > 1e-3, "training did not change the parameters; the comparison would be vacuous"
+    assert result["max_abs_diff"] <= result["tolerance"], result
+
+
+def test_world_has_two_ranks(launcher, tmp_path_factory):
+    assert equivalence_results(launcher, tmp_path_factory)["_world"]["size"] == 2
+
+
+_error_cache: dict[str, list[dict]] = {}
+
+
+def error_results(launcher: str, tmp_path_factory) -> list[dict]:
+    if launcher not in _error_cache:
+        prefix = tmp_path_factory.mktemp(f"err-{launcher}") / "errors"
+        proc = run_job(launcher_argv(launcher) + [sys.executable, str(WORKERS / "errors.py"), str(prefix)],
+                       timeout=120)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        _error_cache[launcher] = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(2)]
+    return _error_cache[launcher]
+
+
+EXPECTED_ERRORS = {
+    "fingerprint_mismatch": ("ValueError", "ranks disagree on the synchronization strategy"),
+    "unknown_variable": ("ValueError", "'missing.weight' is not in the model"),
+    "bad_value": ("ValueError", "partitions must be an integer >= 1"),
+    "too_many_partitions": ("ValueError", "partitions 5 exceeds its 2 rows"),
+    "missing_file": ("ValueError", "cannot read strategy file '/nonexistent/strategy.json'"),
+    "strategy_from_environment": ("ValueError", "'nope.weight' is not in the model"),
+    "route_not_available": ("RouteUnavailableError", "algorithm 'hierarchical' is not available"),
+    "duplicate_names": ("ValueError", "Found duplicates: w"),
+    "predivide_with_sum": ("ValueError", "gradient_predivide_factor not supported"),
+    "zero_grad_before_step": ("AssertionError", "zero_grad() was called after loss.backward()"),
+    "too_many_backward_passes": ("AssertionError", "more than backward_passes_per_step"),
+}
+
+
+def test_every_error_case_is_checked():
+    assert set(EXPECTED_ERRORS) == set(ERROR_CASES)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))
+def test_clear_error_on_every_rank(launcher, case, tmp_path_factory):
+    kind, text = EXPECTED_ERRORS[case]
+    for rank, results in enumerate(error_results(launcher, tmp_path_factory)):
+        outcome = results[case]
+        assert outcome["type"] == kind, f"rank {rank}: {outcome}"
+        assert text in outcome["message"], f"rank {rank}: {outcome['message']}"
+        assert outcome["seconds"] < 10, f"rank {rank} took {outcome['seconds']}s to fail"
+
+
+def test_bad_value_names_every_culprit(tmp_path_factory):
+    message = error_results("horovodrun", tmp_path_factory)[0]["bad_value"]["message"]
+    assert "compression 'int3' is not one of none, fp16" in message

@@ -1,0 +1,108 @@
+"""Run under horovodrun/mpirun: provoke each user mistake and record what every rank raised.
+
+Usage: python errors.py OUT_PREFIX   -> writes OUT_PREFIX.rank<R>.json
+Each case records the exception type and message (or "no error") and how long it took,
+so the test can check that every rank failed, clearly and within seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hybridsync as hs
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def make(strategy=None, named=None, **kwargs):
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    return m, hs.DistributedOptimizer(opt, named_parameters=named if named is not None else m.named_parameters(),
+                                      strategy=strategy, **kwargs)
+
+
+def backward(m: nn.Module) -> None:
+    m(torch.randn(3, 4)).sum().backward()
+
+
+def rank_dependent_strategy():
+    if hvd.rank() == 0:
+        return make({"variables": {"0.weight": {"route": "allreduce", "partitions": 2}}})
+    return make(None)
+
+
+def zero_grad_before_step():
+    m, opt = make()
+    backward(m)
+    try:
+        opt.zero_grad()
+    finally:
+        opt.synchronize()  # keep the ranks' collectives matched after the expected error
+
+
+def too_many_backward_passes():
+    m, opt = make()
+    backward(m)
+    try:
+        backward(m)
+    finally:
+        opt.synchronize()
+
+
+def strategy_from_environment():
+    path = os.path.join(tempfile.mkdtemp(), "s.json")
+    with open(path, "w") as f:
+        json.dump({"version": 1, "variables": {"nope.weight": {"route": "allreduce"}}}, f)
+    os.environ["HYBRIDSYNC_STRATEGY"] = path
+    try:
+        make(None)
+    finally:
+        del os.environ["HYBRIDSYNC_STRATEGY"]
+
+
+CASES = {
+    "fingerprint_mismatch": rank_dependent_strategy,
+    "unknown_variable": lambda: make({"variables": {"missing.weight": {"route": "allreduce"}}}),
+    "bad_value": lambda: make({"variables": {"0.weight": {"route": "allreduce", "partitions": 0,
+                                                          "compression": "int3"}}}),
+    "too_many_partitions": lambda: make({"variables": {"2.bias": {"route": "allreduce", "partitions": 5}}}),
+    "missing_file": lambda: make("/nonexistent/strategy.json"),
+    "strategy_from_environment": strategy_from_environment,
+    "route_not_available": lambda: make({"variables": {"0.weight": {"route": "allreduce",
+                                                                    "algorithm": "hierarchical"}}}),
+    "duplicate_names": lambda: make(named=[("w", p) for p in model().parameters()]),
+    "predivide_with_sum": lambda: make(op=hs.Sum, gradient_predivide_factor=2.0),
+    "zero_grad_before_step": zero_grad_before_step,
+    "too_many_backward_passes": too_many_backward_passes,
+}
+
+
+def main() -> None:
+    hvd.init()
+    results = {}
+    for name, case in CASES.items():
+        start = time.perf_counter()
+        try:
+            case()
+            outcome = {"type": None, "message": "no error"}
+        except Exception as e:  # the point is to record what users would see
+            outcome = {"type": type(e).__name__, "message": str(e)}
+        outcome["seconds"] = round(time.perf_counter() - start, 3)
+        results[name] = outcome
+        hvd.barrier()
+    with open(f"{sys.argv[1]}.rank{hvd.rank()}.json", "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
