@@ -17,13 +17,14 @@ from hybridsync.strategy import Strategy, VarConfig
 __version__ = "0.1.0"
 
 _HOROVOD_FUNCTIONS = frozenset({
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "allgather_object", "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join",
     "barrier", "mpi_enabled", "gloo_enabled", "mpi_built", "gloo_built", "ProcessSet",
     "HorovodInternalError",
 })
 _LAZY = {
+    "init": "hybridsync.topology",
     "DistributedOptimizer": "hybridsync.optimizer",
     "Average": "hybridsync.optimizer",
     "Sum": "hybridsync.optimizer",

@@ -13,6 +13,9 @@ def make_backend(route: str, algorithm: str, variables: Iterable[str] = ()) -> B
     if route == "allreduce" and algorithm == "ring":
         from hybridsync.backends.ring import RingAllreduce
         return RingAllreduce()
+    if route == "allreduce" and algorithm == "hierarchical":
+        from hybridsync.backends.hierarchical import HierarchicalAllreduce
+        return HierarchicalAllreduce()
     what = f"route {route!r}" + (f" with algorithm {algorithm!r}" if route == "allreduce" else "")
     names = sorted(variables)
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")

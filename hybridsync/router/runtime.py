@@ -18,6 +18,7 @@ from hybridsync.router.plan import Message, Piece, RoutingPlan
 
 @dataclasses.dataclass(slots=True)
 class _InFlight:
+    index: int
     message: Message
     handle: Handle | None
     sparse_result: Callable[[], torch.Tensor] | None
@@ -77,7 +78,9 @@ class Router:
                 param.grad = torch.zeros_like(param)
             self.mark_ready(var_index)
         try:
-            for flight in self._in_flight:
+            # Plan order, identical on every rank: a backend whose wait() blocks on a collective
+            # (hierarchical, parameter server) then meets the other ranks at the same message.
+            for flight in sorted(self._in_flight, key=lambda f: f.index):
                 self._complete(flight)
         finally:
             self._in_flight.clear()
@@ -97,12 +100,12 @@ class Router:
             submit_sparse = getattr(backend, "submit_sparse", None)
             assert submit_sparse is not None, f"backend of {message.name!r} lacks sparse support"
             result = submit_sparse(message.name, grads[0], self._reduction)
-            self._in_flight.append(_InFlight(message, None, result, [], [], [], compressor))
+            self._in_flight.append(_InFlight(m_index, message, None, result, [], [], [], compressor))
             return
         views = [self._view(piece, grad) for piece, grad in zip(message.pieces, grads)]
         sent, contexts = zip(*(compressor.compress(view) for view in views))
         handle = backend.submit(message.name, sent, self._reduction)
-        self._in_flight.append(_InFlight(message, handle, None, views, list(sent), list(contexts), compressor))
+        self._in_flight.append(_InFlight(m_index, message, handle, None, views, list(sent), list(contexts), compressor))
 
     def _gradient(self, piece: Piece) -> torch.Tensor:
         param = self._params[piece.var_index]

@@ -27,6 +27,14 @@ MIXED = {"fc1.weight": {"route": "allreduce", "partitions": 2, "group": 1, "comp
          "fc2.bias": {"route": "allreduce", "group": 7}, "emb.weight": {"route": "allreduce", "partitions": 2}}
 
 
+HIERARCHICAL_MIXED = {
+    "fc1.weight": {"route": "allreduce", "algorithm": "hierarchical", "partitions": 2, "group": 1,
+                   "compression": "fp16"},
+    "fc1.bias": {"route": "allreduce", "algorithm": "hierarchical", "group": 1, "compression": "fp16"},
+    "fc2.weight": {"route": "allreduce", "algorithm": "hierarchical", "partitions": 3},
+    "emb.weight": {"route": "allreduce", "algorithm": "ring", "partitions": 2}}
+
+
 def strategy(variables: dict) -> dict:
     return {"version": 1, "default": {"route": "allreduce", "algorithm": "ring"}, "variables": variables}
 
@@ -46,6 +54,11 @@ CASES = {
                           {}, 2e-3),
     "mixed_groups_partitions_fp16": ({}, {"strategy": strategy(MIXED)}, {}, 2e-3),
     "unused_parameter": ({}, {"strategy": strategy(GROUPED)}, {"unused": True}, 1e-5),
+    "hierarchical": ({}, {"strategy": {"default": {"route": "allreduce", "algorithm": "hierarchical"}}}, {}, 1e-5),
+    "hierarchical_sum_predivide": ({"gradient_predivide_factor": 2.0},
+                                   {"strategy": {"default": {"route": "allreduce", "algorithm": "hierarchical"}}},
+                                   {}, 1e-5),
+    "hierarchical_mixed_with_ring": ({}, {"strategy": strategy(HIERARCHICAL_MIXED)}, {}, 2e-3),
 }
 
 
@@ -112,7 +125,7 @@ def train_nothing(model_kwargs: dict) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    hvd.init()
+    hs.init()  # declares the process sets hierarchical all-reduce needs when the job spans nodes
     out_path, names = sys.argv[1], sys.argv[2:] or list(CASES)
     results = {name: run_case(name) for name in names}
     results["_world"] = {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size()}

@@ -1,0 +1,347 @@
+"""The worker side of the parameter-server route.
+
+``PSClient`` joins the RPC group, places keys, and runs BSP push-pulls: every chunk of a
+message goes to its server as one RPC whose answer is the sum over all workers.
+``PSBackend`` adapts it to the router's ``Backend`` protocol. A watchdog pings every
+server, so a dead server fails ``wait`` with its name instead of hanging.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.futures import Future
+
+from hybridsync.backends.base import Reduction
+from hybridsync.backends.ps import group
+from hybridsync.backends.ps.config import PSConfig
+from hybridsync.backends.ps.keys import Chunk, dtype_groups, hashed_server, message_chunks, place_keys
+from hybridsync.backends.ps.store import WireCounters, payload_bytes
+from hybridsync.backends.ps.watchdog import Watchdog
+
+
+class PSServerError(RuntimeError):
+    """A parameter server died, hung, or refused a push; the message names the server."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Layout:
+    """How a message's tensors map onto flat per-dtype buffers and keys."""
+
+    groups: list[list[int]]
+    numels: tuple[int, ...]
+    chunks: list[Chunk]
+
+
+class PSClient:
+    """One worker's connection to the servers: placement, push-pull, counters, shutdown."""
+
+    def __init__(self, config: PSConfig, *, join_timeout_s: float = 120.0, ping_interval_s: float = 1.0,
+                 ping_timeout_s: float = 5.0) -> None:
+        if config.role != "worker":
+            raise ValueError(f"DMLC_ROLE must be 'worker' for a PS client, got {config.role!r}")
+        self.config = config
+        self.counters = WireCounters()
+        self._placement: dict[str, int] = {}
+        self._loads = [0] * config.num_servers
+        self._layouts: dict[str, _Layout] = {}
+        self._steps: dict[str, int] = {}
+        self._failure: str | None = None
+        self._closed = False
+        group.join(config, timeout_s=join_timeout_s)
+        self._watchdog = Watchdog([group.server_name(s) for s in range(config.num_servers)], self._fail,
+                                  interval_s=ping_interval_s, timeout_s=ping_timeout_s).start()
+
+    @property
+    def num_workers(self) -> int:
+        return self.config.num_workers
+
+    def declare(self, name: str, tensors: Sequence[torch.Tensor], *, server: int | None = None) -> list[Chunk]:
+        """Fix the keys of message ``name`` and their servers before its first push.
+
+        Call it on every worker with the same messages in the same order (the routing plan's
+        order); undeclared messages are placed by a hash of their key names.
+        """
+        if server is not None and not 0 <= server < self.config.num_servers:
+            raise ValueError(f"message {name!r}: server {server} does not exist "
+                             f"(DMLC_NUM_SERVER={self.config.num_servers})")
+        layout = self.layout(name, tensors)
+        fresh = {c.key: c.nbytes for c in layout.chunks if c.key not in self._placement}
+        placed = ({key: server for key in fresh} if server is not None
+                  else place_keys(fresh, self.config.num_servers, self._loads))
+        for key, index in placed.items():
+            self._placement[key] = index
+            self._loads[index] += fresh[key]
+        return layout.chunks
+
+    def server_of(self, key: str) -> int:
+        """The server holding ``key``: declared placement, else the hash fallback."""
+        if key not in self._placement:
+            self._placement[key] = hashed_server(key, self.config.num_servers)
+        return self._placement[key]
+
+    def push_pull_async(self, name: str, tensors: Sequence[torch.Tensor],
+                        reduction: Reduction = Reduction()) -> PSHandle:
+        """Start a BSP push-pull of message ``name``; after ``wait()`` ``tensors`` hold the result."""
+        self.check_usable()
+        layout = self.layout(name, tensors)
+        flats = [_flat([tensors[i] for i in members]) for members in layout.groups]
+        calls = []
+        for chunk in layout.chunks:
+            payload = _payload(flats[chunk.group][chunk.start:chunk.stop], reduction.prescale_factor)
+            calls.append((chunk, self.send(chunk.key, "rpc_push_pull", payload)))
+        return PSHandle(self, tensors, layout, flats, calls, reduction)
+
+    def push_pull_sparse_async(self, name: str, grad: torch.Tensor,
+                               reduction: Reduction = Reduction()) -> SparseHandle:
+        """Push the touched rows of sparse ``grad``; ``wait()`` returns the summed sparse tensor."""
+        self.check_usable()
+        grad = grad.coalesce()
+        values = grad.values() * reduction.prescale_factor if reduction.prescale_factor != 1 else grad.values()
+        payload = (grad.indices(), values, tuple(grad.shape))
+        return SparseHandle(self, name, self.send(name, "rpc_push_pull_sparse", payload), reduction)
+
+    def server_counters(self) -> list[dict[str, int]]:
+        """Every server's byte counters (a synchronous RPC to each)."""
+        from torch.distributed import rpc
+        from hybridsync.backends.ps import server
+        return [rpc.rpc_sync(group.server_name(s), server.rpc_counters, timeout=10)
+                for s in range(self.config.num_servers)]
+
+    def shutdown(self, *, timeout_s: float = 30.0) -> None:
+        """Say goodbye to every server and leave the group (servers exit after the last worker)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watchdog.stop()
+        if self._failure is not None:
+            _close_quietly()
+            return
+        from torch.distributed import rpc
+        from hybridsync.backends.ps import server
+        goodbyes = [rpc.rpc_async(group.server_name(s), server.rpc_goodbye, args=(self.config.index,), timeout=10)
+                    for s in range(self.config.num_servers)]
+        for future in goodbyes:
+            future.wait()
+        group.leave(timeout_s=timeout_s)
+
+    def send(self, key: str, function: str, payload: Any) -> tuple[int, Future]:
+        """Send one push of ``key`` to its server; no RPC timeout (the watchdog bounds waits)."""
+        from torch.distributed import rpc
+        from hybridsync.backends.ps import server
+        index = self.server_of(key)
+        step = self._steps.get(key, 0)
+        self._steps[key] = step + 1
+        self.counters.pushed_bytes += payload_bytes(payload)
+        self.counters.push_pulls += 1
+        future = rpc.rpc_async(group.server_name(index), getattr(server, function),
+                               args=(key, self.config.index, step, payload), timeout=0)
+        return index, future
+
+    def layout(self, name: str, tensors: Sequence[torch.Tensor]) -> _Layout:
+        numels = tuple(t.numel() for t in tensors)
+        layout = self._layouts.get(name)
+        if layout is None:
+            layout = _Layout(groups=dtype_groups(tensors), numels=numels,
+                             chunks=message_chunks(name, tensors, self.config.partition_bytes))
+            self._layouts[name] = layout
+        elif layout.numels != numels:
+            raise ValueError(f"message {name!r} changed shape: tensors of {layout.numels} elements "
+                             f"before, {numels} now")
+        return layout
+
+    def _fail(self, peer: str, error: str) -> None:
+        self._failure = (f"parameter server {peer} is unreachable ({error}); it died, hung, or exited "
+                         f"because another worker died (see its log)")
+
+    def check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("the PS client was shut down")
+        if self._failure is not None:
+            raise PSServerError(self._failure)
+
+    def wait_all(self, calls: Sequence[tuple[int, Future]], what: str) -> list[Any]:
+        """Results of ``calls`` in order; raises ``PSServerError`` naming the server on any failure."""
+        pending = _Countdown(len(calls))
+        for _, future in calls:
+            future.add_done_callback(pending.done)
+        while not pending.event.wait(0.1):
+            self.check_usable()
+        results = []
+        for index, future in calls:
+            try:
+                results.append(future.value())
+            except Exception as e:  # noqa: BLE001 - RPC errors come in several types
+                text = _first_line(e)
+                raise PSServerError(f"parameter server {group.server_name(index)} failed during {what}: "
+                                    f"{text}") from e
+        self.counters.pulled_bytes += sum(payload_bytes(r) for r in results)
+        return results
+
+
+def _first_line(error: BaseException) -> str:
+    """The useful line of an RPC error (torch wraps remote callback errors in a prefix)."""
+    text = str(error).strip()
+    text = text.split("Got the following error when running the callback: ", 1)[-1]
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class _Countdown:
+    """Sets ``event`` when ``count`` futures completed, or at once when one of them failed."""
+
+    def __init__(self, count: int) -> None:
+        self.event = threading.Event()
+        self._left = count
+        self._lock = threading.Lock()
+        if count == 0:
+            self.event.set()
+
+    def done(self, future: Future) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0 or _failed(future):
+                self.event.set()
+
+
+def _failed(future: Future) -> bool:
+    try:
+        future.value()
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+
+
+class PSHandle:
+    """An in-flight dense push-pull; ``wait`` writes the reduced values into the tensors."""
+
+    def __init__(self, client: PSClient, tensors: Sequence[torch.Tensor], layout: _Layout,
+                 flats: list[torch.Tensor], calls: list[tuple[Chunk, tuple[int, Future]]],
+                 reduction: Reduction) -> None:
+        self._client, self._tensors, self._layout, self._flats = client, tensors, layout, flats
+        self._calls, self._reduction = calls, reduction
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        chunks = [chunk for chunk, _ in self._calls]
+        what = f"push_pull of {chunks[0].key if len(chunks) == 1 else f'{len(chunks)} keys'}"
+        results = self._client.wait_all([call for _, call in self._calls], what)
+        factor = _result_factor(self._reduction, self._client.num_workers)
+        for chunk, result in zip(chunks, results):
+            self._flats[chunk.group][chunk.start:chunk.stop].copy_(result.view(-1))
+        for flat, members in zip(self._flats, self._layout.groups):
+            if factor != 1.0:
+                flat.mul_(factor)
+            _scatter(flat, [self._tensors[i] for i in members])
+        self._done = True
+
+
+class SparseHandle:
+    """An in-flight sparse push-pull; ``wait`` returns the reduced sparse tensor."""
+
+    def __init__(self, client: PSClient, name: str, call: tuple[int, Future], reduction: Reduction) -> None:
+        self._client, self._name, self._call, self._reduction = client, name, call, reduction
+
+    def wait(self) -> torch.Tensor:
+        (indices, values, size), = self._client.wait_all([self._call], f"sparse push_pull of {self._name}")
+        factor = _result_factor(self._reduction, self._client.num_workers)
+        return torch.sparse_coo_tensor(indices, values * factor if factor != 1.0 else values, size,
+                                       check_invariants=False)
+
+
+class PSBackend:
+    """The router's ``Backend`` for ``route: "ps"`` (BSP): one push-pull per message."""
+
+    def __init__(self, client: PSClient | None = None) -> None:
+        self.client = client if client is not None else get_client()
+
+    def declare(self, name: str, tensors: Sequence[torch.Tensor], server: int | None = None) -> None:
+        """Place message ``name``'s keys (balanced by bytes, or on ``server``) before the first step."""
+        self.client.declare(name, tensors, server=server)
+
+    def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> PSHandle:
+        return self.client.push_pull_async(name, tensors, reduction)
+
+    def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
+        """Touched rows only, both ways; the callable waits and returns the reduced sparse gradient."""
+        return self.client.push_pull_sparse_async(name, grad, reduction).wait
+
+
+def _result_factor(reduction: Reduction, num_workers: int) -> float:
+    """What the summed tensor is multiplied by: the postscale, and 1/num_workers for an average."""
+    return reduction.postscale_factor / (num_workers if reduction.op == "average" else 1)
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D buffer: a view of a lone contiguous tensor, else a concatenated copy."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0].view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _scatter(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` back into ``tensors`` unless it already is their memory."""
+    if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].data_ptr() == flat.data_ptr():
+        return
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+def _payload(chunk: torch.Tensor, prescale: float) -> torch.Tensor:
+    """The tensor sent for one chunk; a copy when RPC would otherwise ship the whole storage."""
+    if prescale != 1.0:
+        return chunk * prescale
+    if chunk.nbytes != chunk.untyped_storage().nbytes():
+        return chunk.clone()
+    return chunk
+
+
+def _close_quietly() -> None:
+    """Non-graceful RPC shutdown after a failure, bounded in time (a dead peer cannot take part)."""
+    def close() -> None:
+        from torch.distributed import rpc
+        try:
+            rpc.shutdown(graceful=False)
+        except Exception:  # noqa: BLE001 - already failing
+            pass
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(timeout=5.0)
+
+
+_CLIENT: PSClient | None = None
+
+
+def init(env: Mapping[str, str] | None = None, *, worker_id: int | None = None, **options: float) -> PSClient:
+    """Join the PS group as a worker, from BytePS's variables in ``env`` (default ``os.environ``).
+
+    ``worker_id`` overrides ``DMLC_WORKER_ID`` (e.g. ``hvd.rank()``); ``options`` are
+    ``PSClient``'s timeouts. Idempotent: a second call returns the same client.
+    """
+    global _CLIENT
+    if _CLIENT is None:
+        config = PSConfig.from_env(os.environ if env is None else env, role="worker", index=worker_id)
+        _CLIENT = PSClient(config, **options)
+    return _CLIENT
+
+
+def get_client() -> PSClient:
+    """The client ``init`` created; a clear error if there is none."""
+    if _CLIENT is None:
+        raise ValueError("the parameter-server client is not initialized; call "
+                         "hybridsync.backends.ps.init() (or hs.init() with DMLC_NUM_SERVER set) first")
+    return _CLIENT
+
+
+def shutdown() -> None:
+    """Shut the client down (no-op if there is none)."""
+    global _CLIENT
+    if _CLIENT is not None:
+        _CLIENT.shutdown()
+        _CLIENT = None

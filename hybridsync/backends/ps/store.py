@@ -1,0 +1,261 @@
+"""What a server holds per key, and the BSP rule that answers pulls.
+
+BSP: each key runs in rounds. A round collects one push from every worker; when the last
+one arrives the server sums them (in worker order, so the result does not depend on
+arrival order) and completes every worker's pending pull with the sum. A worker cannot
+push round ``t + 1`` of a key before its pull of round ``t`` returned, so one open round
+per key is enough; the step number a worker sends is checked to catch plan mismatches.
+
+Dense payloads are tensors; sparse payloads are ``(indices, values, size)`` of a COO
+tensor, and the result covers the union of the rows the workers touched.
+
+ASP/SSP (``AsyncKey``): the server holds the parameter itself. A worker pushes the delta of
+its local optimizer step; the server adds it and answers with the current parameter. ASP
+answers at once; SSP holds the answer while the pusher is more than ``staleness`` pushes
+ahead of the slowest worker still attached, so no worker runs further ahead than that.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.futures import Future
+
+SparsePayload = tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]
+
+
+@dataclasses.dataclass(kw_only=True)
+class WireCounters:
+    """Payload bytes moved (tensor data only; RPC framing and pickled headers excluded)."""
+
+    pushed_bytes: int = 0
+    pulled_bytes: int = 0
+    push_pulls: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def payload_bytes(payload: torch.Tensor | SparsePayload) -> int:
+    """Bytes of tensor data in a dense or sparse payload."""
+    if isinstance(payload, torch.Tensor):
+        return payload.nbytes
+    indices, values, _ = payload
+    return indices.nbytes + values.nbytes
+
+
+def sum_dense(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of the workers' tensors; half types are accumulated in float32."""
+    low_precision = parts[0].dtype in (torch.float16, torch.bfloat16)
+    total = parts[0].to(torch.float32) if low_precision else parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    return total.to(parts[0].dtype) if low_precision else total
+
+
+def sum_sparse(parts: list[SparsePayload]) -> SparsePayload:
+    """Sum of sparse payloads over the union of their rows (duplicate rows added)."""
+    size = parts[0][2]
+    for _, _, other in parts[1:]:
+        if tuple(other) != tuple(size):
+            raise ValueError(f"workers pushed sparse tensors of different sizes: {tuple(size)} and {tuple(other)}")
+    indices = torch.cat([p[0] for p in parts], dim=1)
+    values = torch.cat([p[1] for p in parts], dim=0)
+    total = torch.sparse_coo_tensor(indices, values, size, check_invariants=False).coalesce()
+    return total.indices(), total.values(), tuple(size)
+
+
+class BspKey:
+    """The open round of one key."""
+
+    def __init__(self, key: str, num_workers: int, combine: Callable[[list[Any]], Any]) -> None:
+        self.key = key
+        self.num_workers = num_workers
+        self.combine = combine
+        self.step = 0
+        self.lock = threading.Lock()
+        self._parts: dict[int, Any] = {}
+        self._futures: list[Future] = []
+
+    def push(self, worker: int, step: int, payload: Any) -> tuple[Future, Callable[[], None] | None]:
+        """Record ``worker``'s push; returns its pull future and, for the last push, the closer."""
+        future: Future = Future()
+        with self.lock:
+            problem = self._problem(worker, step)
+            if problem is not None:
+                future.set_exception(ValueError(problem))
+                return future, None
+            self._parts[worker] = payload
+            self._futures.append(future)
+            if len(self._parts) < self.num_workers:
+                return future, None
+            parts = [self._parts[w] for w in sorted(self._parts)]
+            futures, self._parts, self._futures = self._futures, {}, []
+            self.step += 1
+        return future, lambda: _complete(futures, self.combine, parts)
+
+    def _problem(self, worker: int, step: int) -> str | None:
+        if step != self.step:
+            return (f"worker{worker} pushed step {step} of key {self.key!r} but the server is at step "
+                    f"{self.step}; workers must synchronize the same messages in the same steps")
+        if worker in self._parts:
+            return f"worker{worker} pushed key {self.key!r} twice in step {step}"
+        return None
+
+    def fail(self, message: str) -> None:
+        """Fail every pull waiting on this key (the server is going away)."""
+        with self.lock:
+            futures, self._futures, self._parts = self._futures, [], {}
+        for future in futures:
+            future.set_exception(RuntimeError(message))
+
+
+def _complete(futures: list[Future], combine: Callable[[list[Any]], Any], parts: list[Any]) -> None:
+    """Combine outside the key's lock and answer every worker (errors are answered too)."""
+    try:
+        result = combine(parts)
+    except Exception as e:  # noqa: BLE001 - forwarded to every worker's pull
+        for future in futures:
+            future.set_exception(e)
+        return
+    for future in futures:
+        future.set_result(result)
+
+
+@dataclasses.dataclass(kw_only=True)
+class StalenessCounters:
+    """What the SSP bound did: answers held back, and the largest lead any answer was given at."""
+
+    delayed: int = 0
+    max_lead_answered: int = 0
+    """Max over answers of (pusher's clock - slowest clock) when answered; <= staleness under SSP."""
+
+
+class AsyncKey:
+    """A parameter held by the server under ASP (``staleness=None``) or SSP."""
+
+    def __init__(self, key: str, value: torch.Tensor, num_workers: int, staleness: int | None,
+                 counters: StalenessCounters) -> None:
+        self.key, self.value, self.staleness, self.counters = key, value.clone(), staleness, counters
+        self.clocks = [0] * num_workers
+        self.attached = set(range(num_workers))
+        self.lock = threading.Lock()
+        self._held: list[tuple[int, Future]] = []
+
+    def push(self, worker: int, clock: int, delta: torch.Tensor) -> Future:
+        """Apply ``delta``; the future resolves to the parameter once the SSP bound allows."""
+        future: Future = Future()
+        with self.lock:
+            if clock != self.clocks[worker]:
+                future.set_exception(ValueError(f"worker{worker} pushed clock {clock} of key {self.key!r}, "
+                                                f"expected {self.clocks[worker]}"))
+                return future
+            self.value.add_(delta.view_as(self.value))
+            self.clocks[worker] += 1
+            self._held.append((worker, future))
+            answers = self._release()
+            if all(answered is not future for answered, _ in answers):
+                self.counters.delayed += 1
+        _answer(answers)
+        return future
+
+    def detach(self, worker: int) -> None:
+        """``worker`` left: it no longer holds the others back."""
+        with self.lock:
+            self.attached.discard(worker)
+            answers = self._release()
+        _answer(answers)
+
+    def _release(self) -> list[tuple[Future, torch.Tensor]]:
+        """Answers now allowed (called under the lock), each with a snapshot of the value."""
+        slowest = min((self.clocks[w] for w in self.attached), default=max(self.clocks))
+        ready = [(w, f) for w, f in self._held
+                 if self.staleness is None or self.clocks[w] - slowest <= self.staleness]
+        if not ready:
+            return []
+        released = {id(f) for _, f in ready}
+        self._held = [(w, f) for w, f in self._held if id(f) not in released]
+        for w, _ in ready:
+            self.counters.max_lead_answered = max(self.counters.max_lead_answered, self.clocks[w] - slowest)
+        snapshot = self.value.clone()
+        return [(f, snapshot) for _, f in ready]
+
+
+def _answer(answers: list[tuple[Future, torch.Tensor]]) -> None:
+    for future, value in answers:
+        future.set_result(value)
+
+
+class KeyStore:
+    """Every key a server holds, with byte counters."""
+
+    def __init__(self, *, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.counters = WireCounters()
+        self.staleness_counters: dict[str, StalenessCounters] = {}
+        """Per mode: ``asp`` or ``ssp<k>``; keys of one mode share counters."""
+        self._keys: dict[str, BspKey] = {}
+        self._async_keys: dict[str, AsyncKey] = {}
+        self._lock = threading.Lock()
+
+    def init_async(self, key: str, value: torch.Tensor, staleness: int | None) -> torch.Tensor:
+        """Create an ASP/SSP key (the first worker's value wins); returns the current value."""
+        with self._lock:
+            state = self._async_keys.get(key)
+            if state is None:
+                mode = "asp" if staleness is None else f"ssp{staleness}"
+                counters = self.staleness_counters.setdefault(mode, StalenessCounters())
+                state = self._async_keys[key] = AsyncKey(key, value, self.num_workers, staleness, counters)
+            elif state.staleness != staleness:
+                raise ValueError(f"workers disagree on the staleness of key {key!r}: "
+                                 f"{state.staleness} and {staleness}")
+        with state.lock:
+            return state.value.clone()
+
+    def push_delta(self, key: str, worker: int, clock: int, delta: torch.Tensor) -> Future:
+        """ASP/SSP push of a parameter delta; resolves to the server's current parameter."""
+        with self._lock:
+            state = self._async_keys.get(key)
+            self.counters.pushed_bytes += delta.nbytes
+            self.counters.push_pulls += 1
+        if state is None:
+            future: Future = Future()
+            future.set_exception(ValueError(f"key {key!r} was pushed before init_async"))
+            return future
+        return state.push(worker, clock, delta).then(self._count_pull)
+
+    def detach(self, worker: int) -> None:
+        """``worker`` said goodbye: release SSP answers it was holding back."""
+        with self._lock:
+            states = list(self._async_keys.values())
+        for state in states:
+            state.detach(worker)
+
+    def push_pull(self, key: str, worker: int, step: int, payload: torch.Tensor | SparsePayload) -> Future:
+        """BSP push of ``payload``; the future resolves to the sum over all workers."""
+        sparse = not isinstance(payload, torch.Tensor)
+        with self._lock:
+            state = self._keys.get(key)
+            if state is None:
+                state = self._keys[key] = BspKey(key, self.num_workers, sum_sparse if sparse else sum_dense)
+            self.counters.pushed_bytes += payload_bytes(payload)
+            self.counters.push_pulls += 1
+        future, close = state.push(worker, step, payload)
+        if close is not None:
+            close()
+        return future.then(self._count_pull)
+
+    def _count_pull(self, future: Future) -> Any:
+        result = future.wait()
+        with self._lock:
+            self.counters.pulled_bytes += payload_bytes(result)
+        return result
+
+    def fail_all(self, message: str) -> None:
+        """Fail every pending pull, e.g. when the server exits because a worker died."""
+        with self._lock:
+            states = list(self._keys.values())
+        for state in states:
+            state.fail(message)
