@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from hybridsync.frameworks import horovod_torch
 from hybridsync.strategy import Strategy, VarConfig
 
 __version__ = "0.1.0"
@@ -38,10 +39,5 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _HOROVOD_FUNCTIONS:
-        try:
-            hvd = importlib.import_module("horovod.torch")
-        except ImportError as e:
-            raise ImportError(f"hybridsync.{name} needs horovod.torch, which does not import here: {e}. "
-                              f"Run `make test` (or scripts/bootstrap.sh) to install it.") from e
-        return getattr(hvd, name)
+        return getattr(horovod_torch(f"hybridsync.{name}"), name)
     raise AttributeError(f"module 'hybridsync' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 horovodrun reads only the sections it knows (``params``, ``autotune``, ``timeline``...) and
 ignores the rest, so one file configures both. The ``hybridsync:`` section names the
-strategy (a path relative to the config file).
+strategy (a path relative to the config file) and, for emulated or described clusters,
+a ``cluster:`` spec (see ``hybridsync.cluster.spec``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from hybridsync.strategy import Strategy
 
-_KEYS = {"strategy"}
+_KEYS = {"strategy", "cluster"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -21,6 +22,8 @@ class RunConfig:
 
     strategy_path: str | None = None
     """Absolute path of the strategy file, or None for plain Horovod behaviour."""
+    cluster: Any = None
+    """The ``ClusterSpec`` of the ``cluster:`` entry, if any."""
 
     def load_strategy(self) -> Strategy | None:
         return Strategy.load(self.strategy_path) if self.strategy_path else None
@@ -42,4 +45,11 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
     strategy = section.get("strategy")
     if strategy is not None:
         strategy = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), strategy))
-    return RunConfig(strategy_path=strategy)
+    cluster = None
+    if section.get("cluster") is not None:
+        from hybridsync.cluster.spec import ClusterSpec
+        try:
+            cluster = ClusterSpec.from_dict(section["cluster"])
+        except ValueError as e:
+            raise ValueError(f"{path}: hybridsync.cluster: {e}") from e
+    return RunConfig(strategy_path=strategy, cluster=cluster)

@@ -13,6 +13,8 @@ import dataclasses
 import os
 from typing import Any
 
+from hybridsync.frameworks import horovod_torch
+
 _state: dict[str, Any] = {"layout": None, "sets": None, "problem": "hybridsync.init() was not called "
                           "(hvd.init() declares no process sets for hierarchical all-reduce)"}
 
@@ -59,7 +61,7 @@ class HierarchicalSets:
 
 def init(*args: Any, **kwargs: Any) -> None:
     """``hvd.init`` plus the process sets for hierarchical all-reduce when the job spans nodes."""
-    import horovod.torch as hvd
+    hvd = horovod_torch("hybridsync.init")
     layout = layout_from_environment()
     if "process_sets" in kwargs or layout is None or not 1 < layout.local_size < layout.size:
         hvd.init(*args, **kwargs)

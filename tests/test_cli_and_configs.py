@@ -59,6 +59,7 @@ def test_run_config_loads_in_horovodrun_and_hybridsync(path):
         args = launch.parse_args()  # horovodrun's own parser: the hybridsync section must not upset it
     assert args.fusion_threshold_mb is not None
     config = load_run_config(path)
+    assert config.strategy_path is not None or config.cluster is not None
     assert config.strategy_path is None or config.load_strategy() is not None
 
 
