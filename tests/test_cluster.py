@@ -1,0 +1,318 @@
+"""The emulated multi-node cluster: spec validation, guaranteed teardown, shaped links, Horovod across hosts.
+
+Tests that build namespaces need root and skip without it; every process they start is
+bounded by a timeout and killed by pid. Each test checks ``leftovers(cluster.prefix)`` so
+that clusters of tests running concurrently never interfere.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridsync.cluster.spec import ClusterSpec, parse_bandwidth
+
+REPO = Path(__file__).resolve().parent.parent
+IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")
+needs_horovod = pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed")
+
+PROBE = textwrap.dedent(
+    """
+    import json, socket, torch, horovod.torch as hvd
+    hvd.init()
+    total = hvd.allreduce(torch.full((1000,), float(hvd.rank() + 1)), op=hvd.Sum, name="probe")
+    print(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+                      "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
+                      "cross_size": hvd.cross_size(), "host": socket.gethostname(),
+                      "sum_min": total.min().item(), "sum_max": total.max().item()}), flush=True)
+    """
+)
+
+
+pytestmark = pytest.mark.timeout(180)  # a backstop; every process below has its own bound
+
+
+def small_spec(**overrides) -> ClusterSpec:
+    fields = {"nodes": 2, "workers_per_node": 2, "inter_node_bandwidth": "1gbit", **overrides}
+    return ClusterSpec(**fields)
+
+
+# -- spec -------------------------------------------------------------------------------------
+def test_spec_from_yaml_and_properties(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("cluster:\n  nodes: 3\n  workers_per_node: 2\n  inter_node_bandwidth: 10Gbit\n"
+                    "  servers_per_node: 1\n")
+    spec = ClusterSpec.from_yaml(path)
+    assert (spec.num_workers, spec.num_servers) == (6, 3)
+    assert spec.inter_node_bits_per_second == 10**10
+    assert spec.node_ips == ("10.77.0.1", "10.77.0.2", "10.77.0.3")
+    assert spec.horovod_hosts == "10.77.0.1:2,10.77.0.2:2,10.77.0.3:2"
+    assert ClusterSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "horovodrun_configs").glob("cluster_*.yaml")), ids=lambda p: p.name)
+def test_cluster_run_configs_load(path: Path) -> None:
+    import yaml
+
+    spec = ClusterSpec.from_yaml(path)
+    assert spec.num_workers >= 2 and spec.inter_node_bits_per_second > 0
+    if importlib.util.find_spec("horovod") is not None:  # horovodrun accepts the same file
+        import argparse
+
+        from horovod.runner.common.util import config_parser
+
+        args = argparse.Namespace(use_gloo=False, use_mpi=False)
+        config_parser.set_args_from_config(args, yaml.safe_load(path.read_text()), override_args=set())
+        assert args.use_gloo
+
+
+def test_spec_reports_every_bad_field_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("nodes: 0\nworkers_per_node: 1.5\ninter_node_bandwidth: 1000\n"
+                    "inter_node_latency_ms: -1\nservers_per_node: true\nbandwith: 1gbit\n")
+    with pytest.raises(ValueError) as info:
+        ClusterSpec.from_yaml(path)
+    message = str(info.value)
+    for culprit in ("bad.yaml", "nodes", "workers_per_node", "inter_node_bandwidth",
+                    "inter_node_latency_ms", "servers_per_node", "unknown key 'bandwith'"):
+        assert culprit in message
+
+
+def test_spec_missing_keys_and_direct_construction() -> None:
+    with pytest.raises(ValueError, match="missing required key 'inter_node_bandwidth'"):
+        ClusterSpec.from_dict({"nodes": 2, "workers_per_node": 1})
+    with pytest.raises(ValueError, match="nodes"):
+        ClusterSpec(nodes=-1, workers_per_node=1, inter_node_bandwidth="1gbit")
+    with pytest.raises(TypeError):
+        ClusterSpec(2, 1, "1gbit")  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.parametrize("text,bits", [("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8),
+                                       ("500kbit", 5 * 10**5)])
+def test_parse_bandwidth(text: str, bits: int) -> None:
+    assert parse_bandwidth(text) == bits
+
+
+@pytest.mark.parametrize("text", ["1gbps", "fast", "1 gb", "", "0.1kbit"])
+def test_parse_bandwidth_refuses(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_bandwidth(text)
+
+
+def test_without_root_the_error_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridsync.cluster.netns import EmulatedCluster
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(PermissionError, match="requires root"):
+        EmulatedCluster(small_spec()).up()
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+@needs_root
+def test_teardown_leaves_nothing_and_kills_processes() -> None:
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers, list_namespaces
+
+    with EmulatedCluster(small_spec()) as cluster:
+        assert len(list_namespaces(cluster.prefix)) == 3  # two hosts and the switch
+        sleepers = [cluster.run(i, ["sleep", "60"]) for i in range(2)]
+        # A grandchild that is not in our bookkeeping must die too (it lives in our namespace).
+        cluster.run(1, ["sh", "-c", "sleep 60 & wait"])
+        assert cluster.exec(1, ["hostname"], timeout=10).stdout.strip() == "n1"
+        assert leftovers(cluster.prefix)  # the namespaces are there while it is up
+    assert leftovers(cluster.prefix) == []
+    assert all(proc.poll() is not None for proc in sleepers)
+    cluster.teardown()  # idempotent
+
+
+@needs_root
+def test_teardown_after_exception_inside_with() -> None:
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    cluster = EmulatedCluster(small_spec())
+    with pytest.raises(RuntimeError, match="boom"):
+        with cluster:
+            cluster.run(0, ["sleep", "60"])
+            raise RuntimeError("boom")
+    assert leftovers(cluster.prefix) == []
+
+
+@needs_root
+def test_failing_job_is_stopped_and_torn_down() -> None:
+    from hybridsync.cluster.launch import Job
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    with EmulatedCluster(small_spec()) as cluster:
+        job = Job(processes=[cluster.run(0, ["sh", "-c", "exit 3"]), cluster.run(1, ["sleep", "60"])])
+        start = time.monotonic()
+        codes = job.wait(timeout=20)
+        assert codes[0] == 3 and codes[1] != 0  # the survivor was terminated, not waited for
+        assert time.monotonic() - start < 10
+    assert leftovers(cluster.prefix) == []
+
+
+@needs_root
+def test_cli_run_torn_down_on_sigterm(tmp_path: Path) -> None:
+    from hybridsync.cluster.netns import leftovers, list_namespaces
+
+    spec_path = tmp_path / "c.yaml"
+    spec_path.write_text("nodes: 2\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
+    job_id = f"t{os.getpid() % 100000}"
+    prefix = f"hs-{job_id}-"
+    argv = [sys.executable, "-m", "hybridsync.cluster.cli", "run", str(spec_path), "--job-id", job_id,
+            "--all-nodes", "--", "sleep", "60"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        while len(list_namespaces(prefix)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)  # let it reach the job's wait loop
+        assert list_namespaces(prefix), "cluster never came up"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+    assert leftovers(prefix) == []
+
+
+@needs_root
+def test_detached_cluster_removed_by_down() -> None:
+    from hybridsync.cluster.cli import main
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    cluster = EmulatedCluster(small_spec()).up()
+    cluster.run(0, ["sleep", "60"])
+    cluster.detach()
+    assert leftovers(cluster.prefix)
+    assert main(["down", "--prefix", cluster.prefix]) == 0
+    assert leftovers(cluster.prefix) == []
+
+
+# -- shaping ----------------------------------------------------------------------------------
+@needs_root
+def test_shaped_link_delivers_its_rate_both_ways() -> None:
+    from hybridsync.cluster.linkrate import measure_tcp_rate
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    spec = small_spec(inter_node_bandwidth="100mbit")
+    with EmulatedCluster(spec) as cluster:
+        forward = measure_tcp_rate(cluster, src=0, dst=1, nbytes=20_000_000, timeout=20)  # ~1.7 s
+        backward = measure_tcp_rate(cluster, src=1, dst=0, nbytes=10_000_000, timeout=20)
+    for result in (forward, backward):
+        assert 0.9 <= result.bits_per_second / spec.inter_node_bits_per_second <= 1.1, result
+    assert leftovers(cluster.prefix) == []
+
+
+@needs_root
+def test_latency_without_netem_is_a_clear_error() -> None:
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    cluster = EmulatedCluster(small_spec(inter_node_latency_ms=1.0))
+    try:
+        cluster.up()
+    except RuntimeError as error:  # this kernel has no sch_netem
+        assert "netem" in str(error)
+    else:
+        cluster.teardown()
+    assert leftovers(cluster.prefix) == []
+
+
+# -- Horovod across hosts ---------------------------------------------------------------------
+def _check_probe_output(outputs: list[str], spec: ClusterSpec) -> None:
+    records = sorted((json.loads(line) for out in outputs for line in out.splitlines()
+                      if line.startswith("{")), key=lambda r: r["rank"])
+    n = spec.num_workers
+    assert [r["rank"] for r in records] == list(range(n))
+    expected_sum = n * (n + 1) / 2
+    for record in records:
+        assert record["sum_min"] == record["sum_max"] == expected_sum
+        assert (record["local_size"], record["cross_size"]) == (spec.workers_per_node, spec.nodes)
+        assert record["host"] == f"n{record['cross_rank']}"
+        assert record["cross_rank"] == record["rank"] // spec.workers_per_node
+
+
+def _uplink_bytes(cluster, node: int) -> int:
+    from hybridsync.cluster.netns import sh
+
+    out = sh(["tc", "-s", "-n", cluster.namespaces[node], "qdisc", "show", "dev", "eth0"])
+    return int(out.split("Sent ")[1].split()[0])
+
+
+@needs_root
+@needs_horovod
+def test_gloo_allreduce_across_two_hosts() -> None:
+    from hybridsync.cluster.launch import launch_gloo
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    spec = small_spec()
+    with EmulatedCluster(spec) as cluster:
+        before = _uplink_bytes(cluster, 1)
+        job = launch_gloo(cluster, [sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
+        codes = job.wait(timeout=90)
+        outputs = [proc.stdout.read() for proc in job.processes]
+        assert codes == [0] * spec.num_workers, outputs
+        _check_probe_output(outputs, spec)
+        assert _uplink_bytes(cluster, 1) - before > 4000  # the sum really crossed the shaped link
+    assert leftovers(cluster.prefix) == []
+
+
+@needs_root
+@needs_horovod
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_mpirun_allreduce_across_two_hosts() -> None:
+    from hybridsync.cluster.launch import launch_mpirun
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    spec = small_spec()
+    with EmulatedCluster(spec) as cluster:
+        job = launch_mpirun(cluster, [sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
+        codes = job.wait(timeout=90)
+        output = job.processes[0].stdout.read()
+        assert codes == [0], output
+        _check_probe_output([output], spec)
+    assert leftovers(cluster.prefix) == []
+
+
+@needs_root
+@needs_horovod
+def test_horovodrun_across_two_hosts() -> None:
+    from hybridsync.cluster.launch import launch_horovodrun
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    spec = small_spec()
+    with EmulatedCluster(spec) as cluster:
+        job = launch_horovodrun(cluster, [sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
+        codes = job.wait(timeout=120)
+        output = job.processes[0].stdout.read()
+        assert codes == [0], output
+        # horovodrun prefixes each rank's lines with "[rank]<stdout>:"
+        _check_probe_output([line.split(":", 1)[-1] for line in output.splitlines()], spec)
+    assert leftovers(cluster.prefix) == []
+
+
+@needs_root
+def test_cli_run_starts_servers_on_every_host(tmp_path: Path) -> None:
+    from hybridsync.cluster.cli import main
+
+    spec_path = tmp_path / "c.yaml"
+    spec_path.write_text("nodes: 2\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\nservers_per_node: 2\n")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    server = f"sh -c 'touch {marks}/$(hostname)-$DMLC_ROLE-$DMLC_SERVER_ID-$DMLC_NUM_SERVER; sleep 60'"
+    # The job waits until all four servers have checked in, then leaves its own mark.
+    job = (f"while [ $(ls {marks} | wc -l) -lt 4 ]; do sleep 0.1; done; "
+           f"touch {marks}/$(hostname)-$DMLC_ROLE-$DMLC_PS_ROOT_URI-$DMLC_NUM_WORKER")
+    assert main(["run", str(spec_path), "--servers", server, "--timeout", "20", "--", "sh", "-c", job]) == 0
+    assert sorted(p.name for p in marks.iterdir()) == [
+        "n0-server-0-4", "n0-server-1-4", "n0-worker-10.77.0.1-2", "n1-server-2-4", "n1-server-3-4"]
