@@ -13,6 +13,8 @@ setup(
     entry_points={
         "console_scripts": [
             "hybridsync = hybridsync.cli:main",
+            "hybridsync-run = hybridsync.launcher:main",
+            "hybridsync-server = hybridsync.backends.ps.server:main",
         ]
     },
 )

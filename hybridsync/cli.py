@@ -1,4 +1,4 @@
-"""The ``hybridsync`` command: inspect and build strategies."""
+"""The ``hybridsync`` command: inspect and build strategies, run emulated clusters."""
 from __future__ import annotations
 
 import argparse
@@ -39,10 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
     p.add_argument("-o", "--output", required=True, help="where to write the strategy")
     p.set_defaults(func=_baseline)
+    commands.add_parser("cluster", help="emulated multi-node cluster: up | run | down | ls (see: cluster --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["cluster"]:  # its own parser: everything after "--" is the job's command
+        from hybridsync.cluster.cli import main as cluster_main
+        return cluster_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -55,8 +55,11 @@ if ! horovod_ok; then
   horovod_ok || { log "horovod installed but Gloo or MPI is missing"; exit 1; }
 fi
 
-if ! "$py" -c 'import hybridsync' 2>/dev/null || [ ! -x "$venv/bin/hybridsync" ]; then
+# Reinstall (editable, so only metadata and console scripts) whenever setup.py changed.
+stamp="$venv/.hybridsync-setup.sha256"
+if ! "$py" -c 'import hybridsync' 2>/dev/null || ! sha256sum --quiet -c "$stamp" 2>/dev/null; then
   log "installing hybridsync (editable)"
   pip install --no-deps --no-build-isolation -e "$repo"
+  sha256sum "$repo/setup.py" > "$stamp"
 fi
 log "ready: $venv"

@@ -78,3 +78,22 @@ def test_import_works_without_horovod():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "hybridsync.init needs horovod.torch" in proc.stdout
+
+
+def test_cluster_subcommand_is_wired():
+    proc = subprocess.run([str(Path(sys.executable).parent / "hybridsync"), "cluster", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "up" in proc.stdout and "down" in proc.stdout
+
+
+def test_hybridsync_run_splits_its_own_flags(tmp_path):
+    from hybridsync.launcher import split_argv
+    Strategy().save(tmp_path / "s.json")
+    options, rest = split_argv(["--strategy", str(tmp_path / "s.json"), "--num-servers=2", "-np", "2",
+                                "python", "train.py", "--strategy", "not-ours"])
+    assert options.strategy == str(tmp_path / "s.json") and options.num_servers == 2
+    assert rest == ["-np", "2", "python", "train.py", "--strategy", "not-ours"]
+    with pytest.raises(ValueError, match="--num-servers must be >= 0"):
+        split_argv(["--num-servers", "-1", "-np", "2", "python"])
+    with pytest.raises(ValueError, match="cannot read strategy file"):
+        split_argv(["--strategy", str(tmp_path / "absent.json"), "-np", "2", "python"])

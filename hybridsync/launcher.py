@@ -1,0 +1,183 @@
+"""``hybridsync-run``: horovodrun plus what hybridsync needs around it.
+
+    hybridsync-run [--strategy S] [--num-servers K] [horovodrun flags...] command...
+
+hybridsync's own flags come first; everything from the first other token on is handed to
+horovodrun unchanged. The launcher sets ``HYBRIDSYNC_STRATEGY`` for every rank, starts K
+parameter servers (BytePS's ``DMLC_*`` settings) beside the workers when the strategy
+routes anything through the PS, and stops them when the job ends, however it ends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+from hybridsync import procs
+from hybridsync.strategy import Strategy
+
+_OWN_FLAGS = {"--strategy": True, "--num-servers": True, "--partition-bytes": True, "--ps-root-port": True}
+"""Flag -> whether it takes a value."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """hybridsync-run's own settings."""
+
+    strategy: str | None = None
+    """Strategy file given to every rank (as ``HYBRIDSYNC_STRATEGY``)."""
+    num_servers: int | None = None
+    """Parameter servers to start; ``None``: one if the strategy uses the PS route, else none."""
+    partition_bytes: int | None = None
+    """``BYTEPS_PARTITION_BYTES`` for the servers and workers."""
+    ps_root_port: int | None = None
+    """Rendezvous port of server 0; ``None`` picks a free one."""
+
+
+def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
+    """hybridsync's leading flags, and the rest for horovodrun. ``ValueError`` on a bad value."""
+    own: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        flag, _, inline = argv[i].partition("=")
+        if flag not in _OWN_FLAGS:
+            break
+        if inline:
+            own[flag], i = inline, i + 1
+        elif i + 1 < len(argv):
+            own[flag], i = argv[i + 1], i + 2
+        else:
+            raise ValueError(f"{flag} needs a value")
+    return _options(own), list(argv[i:])
+
+
+def _options(own: dict[str, str]) -> LaunchOptions:
+    def integer(flag: str, minimum: int) -> int | None:
+        if flag not in own:
+            return None
+        try:
+            value = int(own[flag])
+        except ValueError:
+            raise ValueError(f"{flag} must be an integer, got {own[flag]!r}") from None
+        if value < minimum:
+            raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+        return value
+    strategy = own.get("--strategy")
+    if strategy is not None:
+        strategy = os.path.abspath(strategy)
+        Strategy.load(strategy)  # fail here, before any process starts, if the file is bad
+    return LaunchOptions(strategy=strategy, num_servers=integer("--num-servers", 0),
+                         partition_bytes=integer("--partition-bytes", 1), ps_root_port=integer("--ps-root-port", 1))
+
+
+def horovodrun_num_proc(horovodrun_argv: Sequence[str]) -> int:
+    """The ``-np`` horovodrun will use, read with horovodrun's own parser."""
+    from unittest import mock
+
+    from horovod.runner import launch
+    with mock.patch.object(sys, "argv", ["horovodrun", *horovodrun_argv]):
+        args = launch.parse_args()
+    if not args.command:
+        raise ValueError("no training command given (e.g. hybridsync-run -np 2 python train.py)")
+    return int(args.num_proc)
+
+
+def _uses_ps(strategy_path: str | None) -> bool:
+    if strategy_path is None:
+        return False
+    strategy = Strategy.load(strategy_path)
+    return strategy.default.route == "ps" or any(c.route == "ps" for c in strategy.variables.values())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_environment(options: LaunchOptions, num_workers: int, num_servers: int) -> dict[str, str]:
+    """What every rank (and server) gets on top of the launcher's own environment."""
+    env = {}
+    if options.strategy:
+        env["HYBRIDSYNC_STRATEGY"] = options.strategy
+    if num_servers:
+        env.update(DMLC_NUM_WORKER=str(num_workers), DMLC_NUM_SERVER=str(num_servers),
+                   DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(options.ps_root_port or _free_port()))
+        if options.partition_bytes:
+            env["BYTEPS_PARTITION_BYTES"] = str(options.partition_bytes)
+    return env
+
+
+def start_servers(num_servers: int, env: dict[str, str]) -> list[subprocess.Popen]:
+    """Start the parameter servers (``DMLC_ROLE=server``) on this host."""
+    return [procs.start([sys.executable, "-m", "hybridsync.backends.ps.server"],
+                        env={**env, "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(i)}, capture=False)
+            for i in range(num_servers)]
+
+
+def _raise_on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_s: float = 60.0) -> int:
+    """Start servers (if any), run horovodrun to the end, then stop everything it started."""
+    num_workers = horovodrun_num_proc(horovodrun_argv)
+    num_servers = options.num_servers if options.num_servers is not None else int(_uses_ps(options.strategy))
+    if num_servers == 0 and _uses_ps(options.strategy):
+        raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
+                         f"but --num-servers is 0")
+    env = {**os.environ, **job_environment(options, num_workers, num_servers)}
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    servers: list[subprocess.Popen] = []
+    job = None
+    try:
+        servers = start_servers(num_servers, env)
+        job = procs.start([horovodrun, *horovodrun_argv], env=env, capture=False)
+        return job.wait()
+    except KeyboardInterrupt:
+        print("hybridsync-run: interrupted; stopping the job and its servers", file=sys.stderr)
+        return 130
+    finally:
+        if job is not None and job.poll() is None:
+            procs.stop(job)
+        _stop_servers(servers, server_grace_s)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
+    """Servers leave on their own once every worker said goodbye; stop the ones that do not."""
+    deadline = time.monotonic() + grace_s
+    for server in servers:
+        try:
+            server.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        procs.stop(server)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\nhybridsync flags:\n  --strategy PATH        strategy file for every rank\n"
+              "  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)\n"
+              "  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)\n"
+              "  --ps-root-port P       rendezvous port of server 0 (default: a free port)\n"
+              "\nhorovodrun flags: see horovodrun --help")
+        return 0
+    try:
+        options, rest = split_argv(argv)
+        return run(options, rest)
+    except ValueError as e:
+        print(f"hybridsync-run: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
