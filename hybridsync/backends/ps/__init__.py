@@ -1,8 +1,21 @@
 """The parameter-server route: BytePS-style servers on ``torch.distributed.rpc`` (TensorPipe).
 
-Workers: ``init()`` (settings from ``DMLC_*``/``BYTEPS_*`` variables), then ``PSBackend``
-for the router, ``shutdown()`` at the end. Servers: ``python -m hybridsync.backends.ps.server``.
-Importing this package does not import torch's RPC; the submodules do.
+Launch (BytePS's vocabulary; see ``config.py`` for the rank layout)::
+
+    DMLC_ROLE=server DMLC_SERVER_ID=i DMLC_NUM_SERVER=K DMLC_NUM_WORKER=N \\
+    DMLC_PS_ROOT_URI=<host of server 0> DMLC_PS_ROOT_PORT=<free port> \\
+        python -m hybridsync.backends.ps.server          # K of these, then N workers
+
+Worker side::
+
+    from hybridsync.backends import ps
+    client = ps.init()                 # same DMLC_* env; worker id: DMLC_WORKER_ID or HOROVOD_RANK
+    backend = ps.PSBackend(client)     # the router's Backend: submit(...) / submit_sparse(...)
+    backend.declare_all([(message_name, tensors, server_or_None), ...])   # once, plan order
+    ...
+    ps.shutdown()                      # also registered atexit; servers exit after the last worker
+
+ASP/SSP: ``hybridsync.backends.ps.asp.AsyncParameterSync``.
 """
 from __future__ import annotations
 
@@ -13,7 +26,7 @@ __all__ = ["DEFAULT_PARTITION_BYTES", "PSBackend", "PSClient", "PSConfig", "PSSe
 
 
 def __getattr__(name: str):
-    """Client names load lazily, so reading a config needs no torch import."""
+    """Client names load on first use; ``PSConfig`` alone needs only the environment."""
     if name in ("PSBackend", "PSClient", "PSServerError", "get_client", "init", "shutdown"):
         from hybridsync.backends.ps import client
         return getattr(client, name)

@@ -7,8 +7,10 @@ server, so a dead server fails ``wait`` with its name instead of hanging.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -40,7 +42,7 @@ class PSClient:
     """One worker's connection to the servers: placement, push-pull, counters, shutdown."""
 
     def __init__(self, config: PSConfig, *, join_timeout_s: float = 120.0, ping_interval_s: float = 1.0,
-                 ping_timeout_s: float = 5.0) -> None:
+                 ping_timeout_s: float = 10.0) -> None:
         if config.role != "worker":
             raise ValueError(f"DMLC_ROLE must be 'worker' for a PS client, got {config.role!r}")
         self.config = config
@@ -60,22 +62,38 @@ class PSClient:
         return self.config.num_workers
 
     def declare(self, name: str, tensors: Sequence[torch.Tensor], *, server: int | None = None) -> list[Chunk]:
-        """Fix the keys of message ``name`` and their servers before its first push.
+        """Fix the keys of one message and their server(s) before its first push (see ``declare_all``)."""
+        self.declare_all([(name, tensors, server)])
+        return self.layout(name, tensors).chunks
 
-        Call it on every worker with the same messages in the same order (the routing plan's
-        order); undeclared messages are placed by a hash of their key names.
+    def declare_all(self, messages: Sequence[tuple[str, Sequence[torch.Tensor], int | None]]) -> None:
+        """Place the keys of ``(name, tensors, server)`` messages: on ``server`` where given, the
+        rest balanced by bytes over all of them at once (largest first, least-loaded server).
+
+        Call it on every worker with the same messages in the same order (the routing plan's);
+        messages never declared are placed by a hash of their key names.
         """
-        if server is not None and not 0 <= server < self.config.num_servers:
-            raise ValueError(f"message {name!r}: server {server} does not exist "
-                             f"(DMLC_NUM_SERVER={self.config.num_servers})")
-        layout = self.layout(name, tensors)
-        fresh = {c.key: c.nbytes for c in layout.chunks if c.key not in self._placement}
-        placed = ({key: server for key in fresh} if server is not None
-                  else place_keys(fresh, self.config.num_servers, self._loads))
-        for key, index in placed.items():
+        fresh: dict[str, int] = {}
+        for name, tensors, server in messages:
+            if server is not None and not 0 <= server < self.config.num_servers:
+                raise ValueError(f"message {name!r}: server {server} does not exist "
+                                 f"(DMLC_NUM_SERVER={self.config.num_servers})")
+            for chunk in self.layout(name, tensors).chunks:
+                if chunk.key in self._placement:
+                    continue
+                if server is None:
+                    fresh[chunk.key] = chunk.nbytes
+                else:
+                    self._placement[chunk.key] = server
+                    self._loads[server] += chunk.nbytes
+        for key, index in place_keys(fresh, self.config.num_servers, self._loads).items():
             self._placement[key] = index
             self._loads[index] += fresh[key]
-        return layout.chunks
+
+    @property
+    def placement(self) -> dict[str, int]:
+        """Server of every key placed so far (a copy)."""
+        return dict(self._placement)
 
     def server_of(self, key: str) -> int:
         """The server holding ``key``: declared placement, else the hash fallback."""
@@ -111,8 +129,12 @@ class PSClient:
         return [rpc.rpc_sync(group.server_name(s), server.rpc_counters, timeout=10)
                 for s in range(self.config.num_servers)]
 
-    def shutdown(self, *, timeout_s: float = 30.0) -> None:
-        """Say goodbye to every server and leave the group (servers exit after the last worker)."""
+    def shutdown(self, *, timeout_s: float = 300.0) -> None:
+        """Say goodbye to every server and leave the group (servers exit after the last worker).
+
+        Like ``hvd.shutdown``, leaving waits for every other process to leave too (up to
+        ``timeout_s``); after a failure it closes at once instead.
+        """
         if self._closed:
             return
         self._closed = True
@@ -122,11 +144,16 @@ class PSClient:
             return
         from torch.distributed import rpc
         from hybridsync.backends.ps import server
-        goodbyes = [rpc.rpc_async(group.server_name(s), server.rpc_goodbye, args=(self.config.index,), timeout=10)
-                    for s in range(self.config.num_servers)]
-        for future in goodbyes:
-            future.wait()
-        group.leave(timeout_s=timeout_s)
+        try:
+            goodbyes = [rpc.rpc_async(group.server_name(s), server.rpc_goodbye, args=(self.config.index,),
+                                      timeout=10) for s in range(self.config.num_servers)]
+            for future in goodbyes:
+                future.wait()
+            group.leave(timeout_s=timeout_s)
+        except Exception as e:  # noqa: BLE001 - cleanup (often at exit): report, close, go on
+            print(f"hybridsync PS {self.config.name}: could not leave the group cleanly ({_first_line(e)}); "
+                  f"closing", file=sys.stderr, flush=True)
+            _close_quietly()
 
     def send(self, key: str, function: str, payload: Any) -> tuple[int, Future]:
         """Send one push of ``key`` to its server; no RPC timeout (the watchdog bounds waits)."""
@@ -176,8 +203,11 @@ class PSClient:
                 results.append(future.value())
             except Exception as e:  # noqa: BLE001 - RPC errors come in several types
                 text = _first_line(e)
-                raise PSServerError(f"parameter server {group.server_name(index)} failed during {what}: "
-                                    f"{text}") from e
+                gone = any(sign in text for sign in ("eof", "ECONNREFUSED", "pipe closed", "ECONNRESET"))
+                message = (f"parameter server {group.server_name(index)} failed during {what}: "
+                           f"{'connection lost, the server process is gone (' + text + ')' if gone else text}")
+                self._failure = self._failure or message
+                raise PSServerError(message) from e
         self.counters.pulled_bytes += sum(payload_bytes(r) for r in results)
         return results
 
@@ -263,6 +293,10 @@ class PSBackend:
         """Place message ``name``'s keys (balanced by bytes, or on ``server``) before the first step."""
         self.client.declare(name, tensors, server=server)
 
+    def declare_all(self, messages: Sequence[tuple[str, Sequence[torch.Tensor], int | None]]) -> None:
+        """Place every PS message of a routing plan at once: ``(name, tensors, server or None)``."""
+        self.client.declare_all(messages)
+
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> PSHandle:
         return self.client.push_pull_async(name, tensors, reduction)
 
@@ -328,7 +362,13 @@ def init(env: Mapping[str, str] | None = None, *, worker_id: int | None = None, 
     if _CLIENT is None:
         config = PSConfig.from_env(os.environ if env is None else env, role="worker", index=worker_id)
         _CLIENT = PSClient(config, **options)
+        atexit.register(shutdown)  # a script that forgets shutdown() still lets the servers exit cleanly
     return _CLIENT
+
+
+def initialized() -> bool:
+    """True once ``init`` joined the servers (and until ``shutdown``)."""
+    return _CLIENT is not None
 
 
 def get_client() -> PSClient:

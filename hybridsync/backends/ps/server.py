@@ -37,7 +37,10 @@ class Server:
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self.failure: str | None = None
-        self.watchdog = Watchdog([group.worker_name(i) for i in range(config.num_workers)], self.fail)
+        # Sibling servers are watched too: once one is gone the job cannot finish, so do not linger.
+        peers = [group.worker_name(i) for i in range(config.num_workers)]
+        peers += [group.server_name(i) for i in range(config.num_servers) if i != config.index]
+        self.watchdog = Watchdog(peers, self.fail)
 
     def goodbye(self, worker: int) -> dict[str, int]:
         """``worker`` is done: stop watching it; the last goodbye ends the server."""
@@ -51,8 +54,9 @@ class Server:
 
     def fail(self, peer: str, error: str) -> None:
         """A worker stopped answering: fail pending pulls and end the server."""
-        self.failure = (f"hybridsync PS {self.config.name}: {peer} stopped answering ({error}); "
-                        f"exiting, since its pushes will never arrive")
+        why = ("pushes will never arrive" if peer.startswith("worker")
+               else "the job cannot finish without that server")
+        self.failure = f"hybridsync PS {self.config.name}: {peer} stopped answering ({error}); exiting, since {why}"
         self.store.fail_all(self.failure)
         self._finished.set()
 
@@ -120,7 +124,11 @@ def serve(config: PSConfig, *, join_timeout_s: float = 120.0, shutdown_timeout_s
     group.join(config, timeout_s=join_timeout_s)
     log.info("%s serving (rank %d of %d) at %s", config.name, config.rank, config.world_size, config.init_method)
     code = _SERVER.run()
-    group.leave(timeout_s=shutdown_timeout_s)
+    try:
+        group.leave(timeout_s=shutdown_timeout_s)
+    except Exception as e:  # noqa: BLE001 - every worker is done; only the farewell failed
+        group.abandon(code, f"hybridsync PS {config.name}: served every worker, but could not leave the "
+                            f"group cleanly ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
     return code
 
 

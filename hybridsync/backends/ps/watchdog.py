@@ -21,7 +21,7 @@ class Watchdog:
     """A daemon thread that pings ``peers`` every ``interval_s`` and reports the first failure."""
 
     def __init__(self, peers: Sequence[str], on_failure: Callable[[str, str], None], *,
-                 interval_s: float = 1.0, timeout_s: float = 5.0) -> None:
+                 interval_s: float = 1.0, timeout_s: float = 10.0) -> None:
         self._peers = list(peers)
         self._on_failure = on_failure
         self._interval_s = interval_s
@@ -52,12 +52,13 @@ class Watchdog:
             with self._lock:
                 peers = list(self._peers)
             futures = [(peer, rpc.rpc_async(peer, ping, timeout=self._timeout_s)) for peer in peers]
-            for peer, future in futures:
-                error = _error_of(future, self._timeout_s)
-                if error is not None and not self._stopped.is_set():
-                    self._stopped.set()
-                    self._on_failure(peer, error)
-                    return
+            failed = [(peer, error) for peer, future in futures
+                      if (error := _error_of(future, self._timeout_s)) is not None]
+            if failed and not self._stopped.is_set():
+                self._stopped.set()
+                # Every peer lost in this round, in watch order (workers before servers on a server).
+                self._on_failure(", ".join(p for p, _ in failed), "; ".join(e for _, e in failed))
+                return
 
 
 def _error_of(future, timeout_s: float) -> str | None:

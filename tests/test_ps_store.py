@@ -1,0 +1,71 @@
+"""The server's key logic in-process (no RPC): BSP rounds, sparse union, the SSP bound."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridsync.backends.ps.store import KeyStore
+
+
+def test_bsp_answers_only_when_every_worker_pushed():
+    store = KeyStore(num_workers=3)
+    futures = [store.push_pull("k", w, 0, torch.full((4,), float(w + 1))) for w in (2, 0)]
+    assert not any(f.done() for f in futures)
+    futures.append(store.push_pull("k", 1, 0, torch.full((4,), 2.0)))
+    assert all(torch.equal(f.wait(), torch.full((4,), 6.0)) for f in futures)
+    assert store.counters.pushed_bytes == 3 * 16 and store.counters.pulled_bytes == 3 * 16
+
+
+def test_bsp_rejects_a_step_from_the_wrong_round():
+    store = KeyStore(num_workers=2)
+    store.push_pull("k", 0, 0, torch.ones(2))
+    with pytest.raises(RuntimeError, match="worker1 pushed step 1 of key 'k' but the server is at step 0"):
+        store.push_pull("k", 1, 1, torch.ones(2)).wait()
+
+
+def test_half_precision_is_summed_in_float32():
+    store = KeyStore(num_workers=2)
+    big, small = torch.tensor([2048.0], dtype=torch.float16), torch.tensor([1.0], dtype=torch.float16)
+    futures = [store.push_pull("h", 0, 0, big), store.push_pull("h", 1, 0, small)]
+    assert futures[0].wait().dtype == torch.float16
+
+
+def test_sparse_sum_covers_the_union_of_rows():
+    store = KeyStore(num_workers=2)
+    a = (torch.tensor([[1, 5]]), torch.tensor([[1.0, 1.0], [2.0, 2.0]]), (10, 2))
+    b = (torch.tensor([[5, 7]]), torch.tensor([[3.0, 3.0], [4.0, 4.0]]), (10, 2))
+    futures = [store.push_pull("e", 0, 0, a), store.push_pull("e", 1, 0, b)]
+    indices, values, size = futures[1].wait()
+    assert indices.tolist() == [[1, 5, 7]] and values[:, 0].tolist() == [1.0, 5.0, 4.0] and size == (10, 2)
+
+
+def test_ssp_holds_a_worker_more_than_staleness_ahead():
+    store = KeyStore(num_workers=2)
+    store.init_async("p", torch.zeros(2), staleness=1)
+    first = store.push_delta("p", 0, 0, torch.ones(2))  # lead 1: allowed
+    assert first.done() and first.wait().tolist() == [1.0, 1.0]
+    second = store.push_delta("p", 0, 1, torch.ones(2))  # lead 2: held
+    assert not second.done()
+    store.push_delta("p", 1, 0, torch.ones(2))  # slowest advances to 1: lead 1 again
+    assert second.done() and second.wait().tolist() == [3.0, 3.0]
+    counters = store.staleness_counters["ssp1"]
+    assert counters.delayed == 1 and counters.max_lead_answered == 1
+
+
+def test_asp_never_holds_and_goodbye_releases_ssp():
+    store = KeyStore(num_workers=2)
+    store.init_async("a", torch.zeros(1), staleness=None)
+    assert all(store.push_delta("a", 0, c, torch.ones(1)).done() for c in range(5))
+    store.init_async("s", torch.zeros(1), staleness=0)
+    held = store.push_delta("s", 0, 0, torch.ones(1))
+    assert not held.done()
+    store.detach(1)  # worker 1 left: it no longer holds worker 0 back
+    assert held.done()
+
+
+def test_first_workers_value_wins_and_staleness_must_agree():
+    store = KeyStore(num_workers=2)
+    assert store.init_async("p", torch.ones(2), staleness=2).tolist() == [1.0, 1.0]
+    assert store.init_async("p", torch.zeros(2), staleness=2).tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="workers disagree on the staleness of key 'p'"):
+        store.init_async("p", torch.zeros(2), staleness=3)
