@@ -1,4 +1,4 @@
-"""``make demo``: explain the demo strategy, then train with it on 2 local ranks (horovodrun, Gloo)."""
+"""``make demo``: explain the demo strategy, then train with it on 2 local ranks (horovodrun, Gloo) and 2 PS servers."""
 from __future__ import annotations
 
 import os
@@ -22,10 +22,11 @@ STRATEGY = os.path.join(REPO, "examples", "strategies", "demo.json")
 def main() -> int:
     print("== strategy ==")
     print(explain(Strategy.load(STRATEGY), variables_from_parameters(Classifier().named_parameters())))
-    print("\n== training on 2 ranks: horovodrun -np 2 -H localhost:2 --gloo python examples/train.py ==")
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    proc = run_bounded([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
-                        os.path.join(REPO, "examples", "train.py"), "--strategy", STRATEGY],
+    print("\n== training on 2 ranks + 2 parameter servers: hybridsync-run --strategy "
+          "examples/strategies/demo.json --num-servers 2 -np 2 -H localhost:2 --gloo python examples/train.py ==")
+    launcher = os.path.join(os.path.dirname(sys.executable), "hybridsync-run")
+    proc = run_bounded([launcher, "--strategy", STRATEGY, "--num-servers", "2", "-np", "2", "-H", "localhost:2",
+                        "--gloo", sys.executable, os.path.join(REPO, "examples", "train.py")],
                        timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     rank0 = [re.sub(r"^\[0\]<stdout>:", "", line) for line in proc.stdout.splitlines()
              if line.startswith("[0]<stdout>:")]

@@ -1,7 +1,7 @@
 """A Horovod-style training script with one changed import: ``import hybridsync as hs``.
 
-    horovodrun -np 2 -H localhost:2 --gloo python examples/train.py --strategy examples/strategies/demo.json
-    mpirun -np 2 -x HYBRIDSYNC_STRATEGY=examples/strategies/demo.json python examples/train.py
+    hybridsync-run --strategy examples/strategies/demo.json -np 2 -H localhost:2 --gloo python examples/train.py
+    horovodrun -np 2 -H localhost:2 --gloo python examples/train.py --strategy S.json   # S without route "ps"
 
 Trains a small classifier (embedding bag of tokens -> MLP) on synthetic data whose labels
 come from a hidden linear rule, so accuracy shows whether synchronized training works.
@@ -60,7 +60,9 @@ def main() -> None:
         for message in opt.plan.messages:
             pieces = ", ".join(f"{p.var_name}[{p.start}:{p.stop}]" if not p.whole else p.var_name
                                for p in message.pieces)
-            print(f"  {message.name:<28} {message.config.route}/{message.config.algorithm:<5} "
+            config = message.config
+            variant = config.algorithm if config.route == "allreduce" else config.protocol
+            print(f"  {message.name:<28} {config.route + '/' + variant:<23} "
                   f"{message.config.compression or '-':<5} <- {pieces}")
 
     start, correct, seen = time.perf_counter(), 0, 0

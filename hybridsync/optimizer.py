@@ -116,7 +116,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        self._router.before_step()
+        result = super(self.__class__, self).step(closure)
+        self._router.after_step()  # ASP/SSP variables: push the local update, adopt the servers' values
+        return result
 
     def zero_grad(self, set_to_none: bool = False):
         if self._router.pending or self._fired:

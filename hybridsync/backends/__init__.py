@@ -8,17 +8,22 @@ from hybridsync.backends.base import Backend, Handle, Reduction, RouteUnavailabl
 __all__ = ["Backend", "Handle", "Reduction", "RouteUnavailableError", "make_backend"]
 
 
-def make_backend(route: str, algorithm: str, variables: Iterable[str] = ()) -> Backend:
-    """The backend for a route; unavailable routes fail here, at construction, never silently."""
-    if route == "allreduce" and algorithm == "ring":
+def make_backend(route: str, variant: str, variables: Iterable[str] = ()) -> Backend:
+    """The backend for a route (``variant``: the all-reduce algorithm, or the PS protocol).
+
+    Unavailable routes fail here, at construction, never silently. ASP/SSP are not
+    backends (nothing is exchanged per gradient); the router builds them with
+    ``hybridsync.backends.ps.route.parameter_sync``.
+    """
+    if route == "allreduce" and variant == "ring":
         from hybridsync.backends.ring import RingAllreduce
         return RingAllreduce()
-    if route == "allreduce" and algorithm == "hierarchical":
+    if route == "allreduce" and variant == "hierarchical":
         from hybridsync.backends.hierarchical import HierarchicalAllreduce
         return HierarchicalAllreduce()
-    what = f"route {route!r}" + (f" with algorithm {algorithm!r}" if route == "allreduce" else "")
+    if route == "ps" and variant == "bsp":
+        from hybridsync.backends.ps.route import bsp_backend
+        return bsp_backend()
     names = sorted(variables)
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    raise RouteUnavailableError(
-        f"{what} is not available yet in this version of hybridsync (used by: {shown}); "
-        f"route those variables with {{\"route\": \"allreduce\", \"algorithm\": \"ring\"}} instead")
+    raise RouteUnavailableError(f"route {route!r} with {variant!r} has no per-gradient backend (used by: {shown})")

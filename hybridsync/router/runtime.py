@@ -2,7 +2,9 @@
 wait for every message in ``synchronize()``, and write results back into ``p.grad``.
 
 Messages start as soon as their last gradient is ready, so communication overlaps the
-rest of the backward pass, exactly as Horovod's per-parameter hooks do.
+rest of the backward pass, exactly as Horovod's per-parameter hooks do. Messages on the
+parameter server under ASP/SSP exchange no gradients: their variables are stepped
+locally and their parameters pushed and pulled after ``step()`` (``after_step``).
 """
 from __future__ import annotations
 
@@ -38,21 +40,63 @@ class Router:
         self._params = list(params)
         self._reduction = reduction
         self._compressors = [compressor_named(m.config.compression, compression) for m in plan.messages]
-        self._backends = self._make_backends(plan)
+        self._async = [_is_async(m) for m in plan.messages]
+        self._backends = self._make_backends(plan, self._async)
+        self._declare_ps_keys()
+        self._parameter_syncs: list[Any] | None = None
         self._waiting_on = [len(m.var_indices) for m in plan.messages]
         self._ready: set[int] = set()
         self._all_vars = frozenset(range(len(self._params)))
         self._in_flight: list[_InFlight] = []
 
     @staticmethod
-    def _make_backends(plan: RoutingPlan) -> list[Backend]:
-        """One backend per distinct route; an unavailable route raises here, at construction."""
+    def _make_backends(plan: RoutingPlan, is_async: Sequence[bool]) -> list[Backend | None]:
+        """One backend per distinct route (none for ASP/SSP); an unavailable route raises here."""
         users: dict[tuple[str, str], list[str]] = {}
-        for message in plan.messages:
-            key = (message.config.route, message.config.algorithm)
-            users.setdefault(key, []).extend(p.var_name for p in message.pieces)
+        for message, skip in zip(plan.messages, is_async):
+            if not skip:
+                users.setdefault(_backend_key(message), []).extend(p.var_name for p in message.pieces)
         backends = {key: make_backend(*key, variables=names) for key, names in users.items()}
-        return [backends[(m.config.route, m.config.algorithm)] for m in plan.messages]
+        return [None if skip else backends[_backend_key(m)] for m, skip in zip(plan.messages, is_async)]
+
+    def _declare_ps_keys(self) -> None:
+        """Place every parameter-server message's keys at once, in plan order (identical on all ranks).
+
+        Shapes and wire dtypes come from meta tensors, so nothing is allocated.
+        """
+        by_backend: dict[int, tuple[Any, list]] = {}
+        for message, backend, compressor in zip(self.plan.messages, self._backends, self._compressors):
+            declare_all = getattr(backend, "declare_all", None)
+            if declare_all is None:
+                continue
+            sent = [compressor.compress(self._piece_of(piece, self._params[piece.var_index].detach().to("meta")))[0]
+                    for piece in message.pieces]
+            by_backend.setdefault(id(backend), (declare_all, []))[1].append(
+                (message.name, sent, _server_of(message)))
+        for declare_all, messages in by_backend.values():
+            declare_all(messages)
+
+    def before_step(self) -> None:
+        """First call: the ASP/SSP variables join the servers, taking the servers' values.
+
+        Deferred to the first step so that a ``broadcast_parameters`` or checkpoint load
+        after the optimizer was built is what the servers start from (the first worker's wins).
+        """
+        if self._parameter_syncs is not None or not any(self._async):
+            return
+        from hybridsync.backends.ps.route import parameter_sync
+        by_staleness: dict[int | None, list] = {}
+        for message in (m for m, skip in zip(self.plan.messages, self._async) if skip):
+            for piece in message.pieces:
+                key = message.name if len(message.pieces) == 1 else f"{message.name}.{piece.var_name}"
+                view = self._piece_of(piece, self._params[piece.var_index].data)
+                by_staleness.setdefault(message.config.staleness, []).append((key, view, _server_of(message)))
+        self._parameter_syncs = [parameter_sync(pieces, staleness) for staleness, pieces in by_staleness.items()]
+
+    def after_step(self) -> None:
+        """Push the ASP/SSP variables' updates and adopt the servers' current values."""
+        for sync in self._parameter_syncs or ():
+            sync.push_pull()
 
     @property
     def pending(self) -> bool:
@@ -66,7 +110,7 @@ class Router:
         self._ready.add(var_index)
         for m_index in self.plan.messages_of_var[var_index]:
             self._waiting_on[m_index] -= 1
-            if self._waiting_on[m_index] == 0:
+            if self._waiting_on[m_index] == 0 and not self._async[m_index]:
                 self._submit(m_index)
 
     def finish(self) -> None:
@@ -102,7 +146,7 @@ class Router:
             result = submit_sparse(message.name, grads[0], self._reduction)
             self._in_flight.append(_InFlight(m_index, message, None, result, [], [], [], compressor))
             return
-        views = [self._view(piece, grad) for piece, grad in zip(message.pieces, grads)]
+        views = [self._piece_of(piece, grad) for piece, grad in zip(message.pieces, grads)]
         sent, contexts = zip(*(compressor.compress(view) for view in views))
         handle = backend.submit(message.name, sent, self._reduction)
         self._in_flight.append(_InFlight(m_index, message, handle, None, views, list(sent), list(contexts), compressor))
@@ -115,10 +159,11 @@ class Router:
         return grad
 
     @staticmethod
-    def _view(piece: Piece, grad: torch.Tensor) -> torch.Tensor:
+    def _piece_of(piece: Piece, tensor: torch.Tensor) -> torch.Tensor:
+        """The piece's rows of a gradient or parameter (a view)."""
         if piece.whole:
-            return grad
-        return grad.narrow(0, piece.start, piece.stop - piece.start)
+            return tensor
+        return tensor.narrow(0, piece.start, piece.stop - piece.start)
 
     def _complete(self, flight: _InFlight) -> None:
         if flight.sparse_result is not None:
@@ -129,3 +174,19 @@ class Router:
         for view, sent, ctx in zip(flight.views, flight.sent, flight.contexts):
             if sent is not view:
                 view.copy_(flight.compressor.decompress(sent, ctx))
+
+
+def _is_async(message: Message) -> bool:
+    return message.config.route == "ps" and message.config.protocol in ("asp", "ssp")
+
+
+def _backend_key(message: Message) -> tuple[str, str]:
+    """(route, variant): the all-reduce algorithm, or the parameter-server protocol."""
+    config = message.config
+    return (config.route, config.algorithm if config.route == "allreduce" else config.protocol)
+
+
+def _server_of(message: Message) -> int | None:
+    """The strategy's server for this message's shard, if it names one."""
+    servers = message.config.servers
+    return servers[message.pieces[0].shard] if servers else None

@@ -1,7 +1,7 @@
 """Run under horovodrun/mpirun: train the same model with Horovod's optimizer and with
 hybridsync's, case by case, and write each case's largest parameter difference to JSON.
 
-Usage: python equivalence.py OUT.json [CASE ...]   (no case: all of them)
+Usage: python equivalence.py OUT.json [CASE ...]   (no case: all of CASES; PS_CASES need servers)
 Every rank trains on its own data, so the result depends on a correct reduction.
 """
 from __future__ import annotations
@@ -62,6 +62,35 @@ CASES = {
 }
 
 
+PS_MIXED = {"emb.weight": {"route": "ps", "partitions": 2, "servers": [1, 0]},
+            "fc1.weight": {"route": "ps", "group": 3}, "fc1.bias": {"route": "ps", "group": 3}}
+PS_FP16_PARTITIONS = {"fc1.weight": {"route": "ps", "partitions": 2, "compression": "fp16"},
+                      "fc2.weight": {"route": "ps", "partitions": 3}}
+PS_HIERARCHICAL_RING = {
+    "emb.weight": {"route": "ps", "partitions": 2},
+    "fc1.weight": {"route": "allreduce", "algorithm": "hierarchical", "partitions": 2, "group": 1},
+    "fc1.bias": {"route": "allreduce", "algorithm": "hierarchical", "group": 1},
+    "fc2.weight": {"route": "ps", "group": 2}, "fc2.bias": {"route": "ps", "group": 2}}
+
+# Cases that need parameter servers (run under hybridsync-run --num-servers K, never by default).
+# Each one's variables get their own names on the servers (keys persist for the whole job).
+PS_CASES = {
+    "ps_all": ({}, {"strategy": {"default": {"route": "ps"}}}, {}, 1e-5),
+    "ps_mixed_with_ring": ({}, {"strategy": strategy(PS_MIXED)}, {}, 1e-5),
+    "ps_sparse_embedding": ({}, {"strategy": strategy({"emb.weight": {"route": "ps"}})}, {"sparse": True}, 1e-5),
+    "ps_sum_fp16_partitions": ({"op": "Sum"}, {"strategy": strategy(PS_FP16_PARTITIONS)}, {}, 2e-3),
+    "ps_predivide_backward_passes_2": ({"gradient_predivide_factor": 2.0, "backward_passes_per_step": 2},
+                                       {"strategy": {"default": {"route": "ps"}}}, {}, 1e-5),
+    "ps_hierarchical_ring_mixed": ({}, {"strategy": strategy(PS_HIERARCHICAL_RING)}, {}, 1e-5),
+}
+
+
+def prefixed(prefix: str, doc: dict) -> dict:
+    """``doc`` with every variable name prefixed (the names the model's parameters get)."""
+    variables = {f"{prefix}.{name}": config for name, config in doc.get("variables", {}).items()}
+    return {**doc, "variables": variables}
+
+
 class Net(nn.Module):
     def __init__(self, sparse: bool = False, unused: bool = False) -> None:
         super().__init__()
@@ -84,7 +113,12 @@ def train(make_optimizer, model_kwargs: dict, common: dict, extra: dict) -> list
     base = (torch.optim.Adam(model.parameters(), lr=0.01) if common.get("optim") == "adam"
             else torch.optim.SGD(model.parameters(), lr=0.1))
     kwargs = {k: v for k, v in common.items() if k != "optim"}
-    opt = make_optimizer(base, named_parameters=model.named_parameters(), **kwargs, **extra)
+    named, extra = list(model.named_parameters()), dict(extra)
+    prefix = extra.pop("prefix", None)
+    if prefix:
+        named = [(f"{prefix}.{name}", p) for name, p in named]
+        extra["strategy"] = prefixed(prefix, extra["strategy"])
+    opt = make_optimizer(base, named_parameters=named, **kwargs, **extra)
     gen = torch.Generator().manual_seed(100 + hvd.rank())
     passes = common.get("backward_passes_per_step", 1)
     for _ in range(STEPS):
@@ -107,14 +141,23 @@ def resolve(common: dict, lib) -> dict:
 
 
 def run_case(name: str) -> dict:
-    common, extra, model_kwargs, tolerance = CASES[name]
+    common, extra, model_kwargs, tolerance = {**CASES, **PS_CASES}[name]
+    if name in PS_CASES:
+        extra = {**extra, "prefix": name}
     start = time.perf_counter()
     expected = train(hvd.DistributedOptimizer, model_kwargs, resolve(common, hvd), {})
+    pushed_before = ps_pushed_bytes()
     actual = train(hs.DistributedOptimizer, model_kwargs, resolve(common, hs), extra)
     diff = max(float((a - e).abs().max()) for a, e in zip(actual, expected))
     moved = max(float((a - b).abs().max()) for a, b in zip(actual, train_nothing(model_kwargs)))
     return {"max_abs_diff": diff, "tolerance": tolerance, "moved": moved,
-            "seconds": round(time.perf_counter() - start, 2)}
+            "ps_pushed_bytes": ps_pushed_bytes() - pushed_before, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def ps_pushed_bytes() -> int:
+    """Bytes this rank pushed to parameter servers so far (0 when it never joined them)."""
+    from hybridsync.backends.ps import client
+    return client.get_client().counters.pushed_bytes if client.initialized() else 0
 
 
 def train_nothing(model_kwargs: dict) -> list[torch.Tensor]:

@@ -70,6 +70,18 @@ def strategy_from_environment():
         del os.environ["HYBRIDSYNC_STRATEGY"]
 
 
+def ps_worker_count_mismatch():
+    """PS settings that name 3 workers in a 2-rank job: refused before anyone tries to join."""
+    settings = {"DMLC_NUM_WORKER": "3", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                "DMLC_PS_ROOT_PORT": "9"}
+    os.environ.update(settings)
+    try:
+        make({"default": {"route": "ps"}})
+    finally:
+        for var in settings:
+            del os.environ[var]
+
+
 CASES = {
     "fingerprint_mismatch": rank_dependent_strategy,
     "unknown_variable": lambda: make({"variables": {"missing.weight": {"route": "allreduce"}}}),
@@ -78,7 +90,8 @@ CASES = {
     "too_many_partitions": lambda: make({"variables": {"2.bias": {"route": "allreduce", "partitions": 5}}}),
     "missing_file": lambda: make("/nonexistent/strategy.json"),
     "strategy_from_environment": strategy_from_environment,
-    "route_not_available": lambda: make({"variables": {"0.weight": {"route": "ps"}}}),
+    "ps_without_servers": lambda: make({"variables": {"0.weight": {"route": "ps"}}}),
+    "ps_worker_count_mismatch": ps_worker_count_mismatch,
     "hierarchical_without_hs_init": lambda: make({"variables": {"0.weight": {"route": "allreduce",
                                                                              "algorithm": "hierarchical"}}}),
     "duplicate_names": lambda: make(named=[("w", p) for p in model().parameters()]),

@@ -14,7 +14,7 @@ the servers and visible in their counters (``delayed``, ``max_lead_answered``).
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -26,7 +26,9 @@ class AsyncParameterSync:
     """The parameters of one model kept on the servers under ASP (``staleness=None``) or SSP."""
 
     def __init__(self, client: PSClient, named_parameters: Iterable[tuple[str, torch.Tensor]], *,
-                 staleness: int | None = None) -> None:
+                 staleness: int | None = None, servers: Mapping[str, int] | None = None) -> None:
+        """``named_parameters`` may be parameters or contiguous views of them (shards along dim 0);
+        ``servers`` pins some of them to a server, the rest are balanced by bytes."""
         if staleness is not None and staleness < 0:
             raise ValueError(f"staleness must be >= 0 (steps a worker may run ahead), got {staleness}")
         self.client = client
@@ -37,7 +39,8 @@ class AsyncParameterSync:
         for name, param in self._params:
             if not param.data.is_contiguous():
                 raise ValueError(f"parameter {name!r} must be contiguous for asynchronous PS training")
-            client.declare(name, [param.data])
+        servers = servers or {}
+        client.declare_all([(name, [param.data], servers.get(name)) for name, param in self._params])
         self._pulled = [self._init(name, param) for name, param in self._params]
 
     def _init(self, name: str, param: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""The parameter-server route inside a Horovod job: join the servers once, on every rank.
+
+The router reaches the PS through two entry points: ``bsp_backend()`` (gradients pushed
+and pulled per message, the ``Backend`` protocol) and ``parameter_sync()`` (ASP/SSP: the
+worker steps locally, then pushes its parameter deltas). Both share one client, joined
+with the Horovod rank as the worker id. Before anyone joins, every rank checks its
+``DMLC_*`` settings and the ranks agree on the outcome, so a missing or inconsistent
+setting fails on every rank within seconds instead of leaving the others waiting to join.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from hybridsync.backends.base import RouteUnavailableError
+from hybridsync.backends.ps import client as ps_client
+from hybridsync.backends.ps.asp import AsyncParameterSync
+from hybridsync.backends.ps.config import PSConfig
+
+_LAUNCH_HINT = ("start the job with `hybridsync-run --num-servers K ...` (it starts the servers and sets "
+                "DMLC_*), or start `hybridsync-server` processes and set DMLC_NUM_WORKER, DMLC_NUM_SERVER, "
+                "DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT on every rank, as for BytePS")
+
+
+def settings_problem(env: dict[str, str] | os._Environ, rank: int, size: int) -> str | None:
+    """Why this rank cannot join the servers with ``env`` (``None`` when it can)."""
+    try:
+        # The worker id is the Horovod rank (checked against the size below), so read the rest with id 0.
+        config = PSConfig.from_env(env, role="worker", index=0)
+    except ValueError as e:
+        return f"the parameter-server route cannot start on rank {rank}: {e}"
+    if config.num_workers != size:
+        return (f"the parameter-server route cannot start: DMLC_NUM_WORKER={config.num_workers} but the "
+                f"Horovod job has {size} ranks (every rank is one PS worker)")
+    return None
+
+
+def joined_client() -> ps_client.PSClient:
+    """This rank's PS client (joining the servers on first use), after every rank's settings checked out."""
+    if ps_client.initialized():
+        return ps_client.get_client()
+    import horovod.torch as hvd
+    problem = settings_problem(os.environ, hvd.rank(), hvd.size())
+    problems = [p for p in hvd.allgather_object(problem, name="hybridsync.ps_check") if p]
+    if problems:
+        others = f" ({len(problems)} of {hvd.size()} ranks reported a problem)" if len(problems) > 1 else ""
+        raise RouteUnavailableError(f"{problems[0]}{others}; {_LAUNCH_HINT}")
+    return ps_client.init(worker_id=hvd.rank())
+
+
+def bsp_backend() -> ps_client.PSBackend:
+    """The router's backend for ``route: "ps"``, ``protocol: "bsp"``."""
+    return ps_client.PSBackend(joined_client())
+
+
+def parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]],
+                   staleness: int | None) -> AsyncParameterSync:
+    """ASP (``staleness=None``) or SSP sync of parameter ``pieces``: ``(key name, tensor, server or None)``."""
+    return AsyncParameterSync(joined_client(), [(name, tensor) for name, tensor, _ in pieces],
+                              staleness=staleness,
+                              servers={name: server for name, _, server in pieces if server is not None})
