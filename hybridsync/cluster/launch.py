@@ -146,8 +146,10 @@ def ps_env(cluster: EmulatedCluster, *, root_port: int = DEFAULT_PS_ROOT_PORT) -
     """BytePS's launch vocabulary shared by servers and workers: counts and server 0's address.
 
     Server 0 runs on host 0; any fixed port is safe, since each cluster has its own namespaces.
+    PS traffic is kept on TCP, so that it crosses the shaped links like the collectives' does.
     """
     return {
+        "HYBRIDSYNC_PS_TRANSPORT": "tcp",
         "DMLC_NUM_SERVER": str(cluster.spec.num_servers),
         "DMLC_NUM_WORKER": str(cluster.spec.num_workers),
         "DMLC_PS_ROOT_URI": cluster.ips[0],

@@ -24,7 +24,7 @@ def join(config: PSConfig, *, timeout_s: float) -> None:
     """
     from torch.distributed import rpc
     options = rpc.TensorPipeRpcBackendOptions(init_method=config.init_method, rpc_timeout=timeout_s,
-                                              num_worker_threads=16)
+                                              num_worker_threads=16, **_transport_options(os.environ))
     errors: list[BaseException] = []
 
     def init() -> None:
@@ -43,6 +43,25 @@ def join(config: PSConfig, *, timeout_s: float) -> None:
             f"({config.num_servers} servers + {config.num_workers} workers) within {timeout_s:.0f} s: "
             f"{why}; check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER, "
             f"DMLC_NUM_WORKER and that every server and worker was started")
+
+
+TRANSPORT_VAR = "HYBRIDSYNC_PS_TRANSPORT"
+
+
+def _transport_options(env) -> dict[str, list[str]]:
+    """TensorPipe transports from ``HYBRIDSYNC_PS_TRANSPORT``: ``auto`` (default) or ``tcp``.
+
+    ``tcp`` keeps every byte on TCP (TensorPipe's ``uv`` transport, ``basic`` channel).
+    The emulated cluster needs it: its hosts share one kernel, so by default TensorPipe
+    moves tensors between "hosts" with CMA (``process_vm_readv``) and not a byte crosses
+    the shaped links (measured: ~0 bytes on the uplink per push-pull).
+    """
+    choice = env.get(TRANSPORT_VAR, "auto").strip().lower() or "auto"
+    if choice == "auto":
+        return {}
+    if choice == "tcp":
+        return {"_transports": ["uv"], "_channels": ["basic"]}
+    raise ValueError(f"{TRANSPORT_VAR} must be 'auto' or 'tcp', got {choice!r}")
 
 
 def leave(*, timeout_s: float) -> None:
