@@ -75,16 +75,52 @@ def _options(own: dict[str, str]) -> LaunchOptions:
                          partition_bytes=integer("--partition-bytes", 1), ps_root_port=integer("--ps-root-port", 1))
 
 
-def horovodrun_num_proc(horovodrun_argv: Sequence[str]) -> int:
-    """The ``-np`` horovodrun will use, read with horovodrun's own parser."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobShape:
+    """What hybridsync-run needs from horovodrun's arguments."""
+
+    num_proc: int
+    hosts: tuple[str, ...]
+    """Host names of ``-H``/``--hostfile`` (empty: horovodrun's default, this host)."""
+
+
+def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
+    """The ``-np`` and hosts horovodrun will use, read with horovodrun's own parser."""
     from unittest import mock
 
     from horovod.runner import launch
+    from horovod.runner.common.util import hosts as horovod_hosts
     with mock.patch.object(sys, "argv", ["horovodrun", *horovodrun_argv]):
         args = launch.parse_args()
     if not args.command:
         raise ValueError("no training command given (e.g. hybridsync-run -np 2 python train.py)")
-    return int(args.num_proc)
+    spec = args.hosts or (horovod_hosts.parse_host_files(args.hostfile) if args.hostfile else "")
+    names = tuple(h.hostname for h in horovod_hosts.parse_hosts(spec)) if spec else ()
+    return JobShape(num_proc=int(args.num_proc), hosts=names)
+
+
+def rendezvous_address(hosts: Sequence[str]) -> str:
+    """Server 0's address as the workers must dial it: loopback when every host is this one,
+    else this host's address on the route towards the first remote host (no packet is sent)."""
+    remote = [h for h in hosts if not _is_this_host(h)]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((remote[0], 9))
+        except OSError as e:
+            raise ValueError(f"cannot find this host's address towards {remote[0]} ({e}); the parameter "
+                             f"servers run here and every worker must reach them") from None
+        return probe.getsockname()[0]
+
+
+def _is_this_host(host: str) -> bool:
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
 
 
 def _uses_ps(strategy_path: str | None) -> bool:
@@ -100,21 +136,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_environment(options: LaunchOptions, num_workers: int, num_servers: int) -> dict[str, str]:
+def job_environment(options: LaunchOptions, job: JobShape, num_servers: int) -> dict[str, str]:
     """What every rank (and server) gets on top of the launcher's own environment."""
     env = {}
     if options.strategy:
         env["HYBRIDSYNC_STRATEGY"] = options.strategy
     if num_servers:
-        env.update(DMLC_NUM_WORKER=str(num_workers), DMLC_NUM_SERVER=str(num_servers),
-                   DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(options.ps_root_port or _free_port()))
+        env.update(DMLC_NUM_WORKER=str(job.num_proc), DMLC_NUM_SERVER=str(num_servers),
+                   DMLC_PS_ROOT_URI=rendezvous_address(job.hosts),
+                   DMLC_PS_ROOT_PORT=str(options.ps_root_port or _free_port()))
         if options.partition_bytes:
             env["BYTEPS_PARTITION_BYTES"] = str(options.partition_bytes)
     return env
 
 
 def start_servers(num_servers: int, env: dict[str, str]) -> list[subprocess.Popen]:
-    """Start the parameter servers (``DMLC_ROLE=server``) on this host."""
+    """Start the parameter servers (``DMLC_ROLE=server``) on this host (the one running hybridsync-run)."""
     return [procs.start([sys.executable, "-m", "hybridsync.backends.ps.server"],
                         env={**env, "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(i)}, capture=False)
             for i in range(num_servers)]
@@ -126,12 +163,12 @@ def _raise_on_sigterm(signum, frame) -> None:
 
 def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_s: float = 60.0) -> int:
     """Start servers (if any), run horovodrun to the end, then stop everything it started."""
-    num_workers = horovodrun_num_proc(horovodrun_argv)
+    job_shape = horovodrun_job(horovodrun_argv)
     num_servers = options.num_servers if options.num_servers is not None else int(_uses_ps(options.strategy))
     if num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
                          f"but --num-servers is 0")
-    env = {**os.environ, **job_environment(options, num_workers, num_servers)}
+    env = {**os.environ, **job_environment(options, job_shape, num_servers)}
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     servers: list[subprocess.Popen] = []

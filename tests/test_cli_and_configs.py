@@ -97,3 +97,16 @@ def test_hybridsync_run_splits_its_own_flags(tmp_path):
         split_argv(["--num-servers", "-1", "-np", "2", "python"])
     with pytest.raises(ValueError, match="cannot read strategy file"):
         split_argv(["--strategy", str(tmp_path / "absent.json"), "-np", "2", "python"])
+
+
+def test_hybridsync_run_reads_the_job_shape_and_picks_a_reachable_rendezvous():
+    pytest.importorskip("horovod.runner")
+    from hybridsync.launcher import horovodrun_job, rendezvous_address
+    job = horovodrun_job(["-np", "4", "-H", "localhost:2,127.0.0.1:2", "python", "train.py"])
+    assert (job.num_proc, job.hosts) == (4, ("localhost", "127.0.0.1"))
+    assert horovodrun_job(["-np", "2", "python", "train.py"]).hosts == ()
+    assert rendezvous_address(job.hosts) == "127.0.0.1"  # every rank on this host
+    # a worker on another host cannot dial this host's loopback: use the address facing it
+    assert not rendezvous_address(["localhost", "192.0.2.7"]).startswith("127.")
+    with pytest.raises(ValueError, match="no training command"):
+        horovodrun_job(["-np", "2"])
