@@ -1,11 +1,17 @@
 """``hybridsync-run``: horovodrun plus what hybridsync needs around it.
 
-    hybridsync-run [--strategy S] [--num-servers K] [horovodrun flags...] command...
+    hybridsync-run [--strategy S] [--num-servers K] [--server-hosts H,...] [horovodrun flags...] command...
 
 hybridsync's own flags come first; everything from the first other token on is handed to
 horovodrun unchanged. The launcher sets ``HYBRIDSYNC_STRATEGY`` for every rank, starts K
 parameter servers (BytePS's ``DMLC_*`` settings) beside the workers when the strategy
 routes anything through the PS, and stops them when the job ends, however it ends.
+
+Where the servers run: on the hosts of ``--server-hosts`` (one server per entry), else
+colocated with the workers, round-robin over the job's hosts (``-H``/``--hostfile``), else
+on this host. Servers on this host alone are plain child processes; otherwise a second
+horovodrun (Gloo mode, the job's ssh settings) starts them, so they reach other hosts
+exactly as the workers do.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from typing import Sequence
 from hybridsync import procs
 from hybridsync.strategy import Strategy
 
-_OWN_FLAGS = {"--strategy": True, "--num-servers": True, "--partition-bytes": True, "--ps-root-port": True}
+_OWN_FLAGS = {"--strategy": True, "--num-servers": True, "--server-hosts": True, "--partition-bytes": True,
+              "--ps-root-port": True}
 """Flag -> whether it takes a value."""
 
 
@@ -37,6 +44,8 @@ class LaunchOptions:
     """``BYTEPS_PARTITION_BYTES`` for the servers and workers."""
     ps_root_port: int | None = None
     """Rendezvous port of server 0; ``None`` picks a free one."""
+    server_hosts: tuple[str, ...] | None = None
+    """Host of each server (``--server-hosts``); ``None``: colocated with the workers."""
 
 
 def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
@@ -71,8 +80,17 @@ def _options(own: dict[str, str]) -> LaunchOptions:
     if strategy is not None:
         strategy = os.path.abspath(strategy)
         Strategy.load(strategy)  # fail here, before any process starts, if the file is bad
-    return LaunchOptions(strategy=strategy, num_servers=integer("--num-servers", 0),
-                         partition_bytes=integer("--partition-bytes", 1), ps_root_port=integer("--ps-root-port", 1))
+    server_hosts = None
+    if "--server-hosts" in own:
+        server_hosts = tuple(h.strip() for h in own["--server-hosts"].split(","))
+        if not all(server_hosts):
+            raise ValueError(f"--server-hosts must be a comma-separated list of hosts, got {own['--server-hosts']!r}")
+    num_servers = integer("--num-servers", 0)
+    if server_hosts is not None and num_servers is not None and num_servers != len(server_hosts):
+        raise ValueError(f"--num-servers {num_servers} but --server-hosts names {len(server_hosts)} servers")
+    return LaunchOptions(strategy=strategy, num_servers=len(server_hosts) if server_hosts else num_servers,
+                         partition_bytes=integer("--partition-bytes", 1), ps_root_port=integer("--ps-root-port", 1),
+                         server_hosts=server_hosts)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +100,8 @@ class JobShape:
     num_proc: int
     hosts: tuple[str, ...]
     """Host names of ``-H``/``--hostfile`` (empty: horovodrun's default, this host)."""
+    ssh_args: tuple[str, ...] = ()
+    """The job's ``-p``/``-i`` ssh settings, reused to start servers on other hosts."""
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -96,7 +116,24 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
         raise ValueError("no training command given (e.g. hybridsync-run -np 2 python train.py)")
     spec = args.hosts or (horovod_hosts.parse_host_files(args.hostfile) if args.hostfile else "")
     names = tuple(h.hostname for h in horovod_hosts.parse_hosts(spec)) if spec else ()
-    return JobShape(num_proc=int(args.num_proc), hosts=names)
+    ssh_args = (("-p", str(args.ssh_port)) if args.ssh_port else ()) + (
+        ("-i", args.ssh_identity_file) if args.ssh_identity_file else ())
+    return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args)
+
+
+def server_placement(options: LaunchOptions, job: JobShape, num_servers: int) -> tuple[str, ...] | None:
+    """Host of every server in id order, or ``None`` when they all run here as child processes.
+
+    Ids follow horovodrun's rank order (host by host, in order of first appearance), so
+    server 0, which hosts the rendezvous, is on the first host named.
+    """
+    hosts = options.server_hosts
+    if hosts is None:
+        if all(_is_this_host(h) for h in job.hosts):
+            return None
+        hosts = tuple(job.hosts[i % len(job.hosts)] for i in range(num_servers))
+    order = list(dict.fromkeys(hosts))
+    return tuple(sorted(hosts, key=order.index))
 
 
 def rendezvous_address(hosts: Sequence[str]) -> str:
@@ -136,25 +173,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_environment(options: LaunchOptions, job: JobShape, num_servers: int) -> dict[str, str]:
+def job_environment(options: LaunchOptions, job: JobShape, num_servers: int,
+                    placement: tuple[str, ...] | None = None) -> dict[str, str]:
     """What every rank (and server) gets on top of the launcher's own environment."""
     env = {}
     if options.strategy:
         env["HYBRIDSYNC_STRATEGY"] = options.strategy
     if num_servers:
-        env.update(DMLC_NUM_WORKER=str(job.num_proc), DMLC_NUM_SERVER=str(num_servers),
-                   DMLC_PS_ROOT_URI=rendezvous_address(job.hosts),
+        root = (rendezvous_address((*job.hosts, *(placement or ()))) if placement is None
+                or _is_this_host(placement[0]) else placement[0])
+        env.update(DMLC_NUM_WORKER=str(job.num_proc), DMLC_NUM_SERVER=str(num_servers), DMLC_PS_ROOT_URI=root,
                    DMLC_PS_ROOT_PORT=str(options.ps_root_port or _free_port()))
         if options.partition_bytes:
             env["BYTEPS_PARTITION_BYTES"] = str(options.partition_bytes)
     return env
 
 
-def start_servers(num_servers: int, env: dict[str, str]) -> list[subprocess.Popen]:
-    """Start the parameter servers (``DMLC_ROLE=server``) on this host (the one running hybridsync-run)."""
-    return [procs.start([sys.executable, "-m", "hybridsync.backends.ps.server"],
-                        env={**env, "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(i)}, capture=False)
-            for i in range(num_servers)]
+def start_servers(num_servers: int, env: dict[str, str], placement: tuple[str, ...] | None = None,
+                  ssh_args: Sequence[str] = ()) -> list[subprocess.Popen]:
+    """Start the parameter servers (``DMLC_ROLE=server``): here, or where ``placement`` says."""
+    server = [sys.executable, "-m", "hybridsync.backends.ps.server"]
+    if placement is None:
+        return [procs.start(server, env={**env, "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(i)}, capture=False)
+                for i in range(num_servers)]
+    slots = ",".join(f"{host}:{placement.count(host)}" for host in dict.fromkeys(placement))
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    argv = [horovodrun, "-np", str(num_servers), "-H", slots, "--gloo", *ssh_args, *server, "--id-from-launcher-rank"]
+    return [procs.start(argv, env={**env, "DMLC_ROLE": "server"}, capture=False)]
 
 
 def _raise_on_sigterm(signum, frame) -> None:
@@ -168,13 +213,14 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     if num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
                          f"but --num-servers is 0")
-    env = {**os.environ, **job_environment(options, job_shape, num_servers)}
+    placement = server_placement(options, job_shape, num_servers) if num_servers else None
+    env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     servers: list[subprocess.Popen] = []
     job = None
     try:
-        servers = start_servers(num_servers, env)
+        servers = start_servers(num_servers, env, placement, job_shape.ssh_args)
         job = procs.start([horovodrun, *horovodrun_argv], env=env, capture=False)
         return job.wait()
     except KeyboardInterrupt:
@@ -204,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__.strip())
         print("\nhybridsync flags:\n  --strategy PATH        strategy file for every rank\n"
               "  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)\n"
+              "  --server-hosts H,...   host of each server (default: colocated with the workers)\n"
               "  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)\n"
               "  --ps-root-port P       rendezvous port of server 0 (default: a free port)\n"
               "\nhorovodrun flags: see horovodrun --help")

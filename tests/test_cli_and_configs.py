@@ -110,3 +110,21 @@ def test_hybridsync_run_reads_the_job_shape_and_picks_a_reachable_rendezvous():
     assert not rendezvous_address(["localhost", "192.0.2.7"]).startswith("127.")
     with pytest.raises(ValueError, match="no training command"):
         horovodrun_job(["-np", "2"])
+
+
+def test_hybridsync_run_places_servers_with_the_workers_or_where_told():
+    pytest.importorskip("horovod.runner")
+    from hybridsync.launcher import JobShape, LaunchOptions, job_environment, server_placement, split_argv
+    local = JobShape(num_proc=2, hosts=("localhost",))
+    assert server_placement(LaunchOptions(), local, 2) is None  # all here: plain child processes
+    spread = JobShape(num_proc=4, hosts=("localhost", "192.0.2.7"))
+    # colocated, round-robin, grouped host by host as horovodrun numbers its ranks
+    assert server_placement(LaunchOptions(), spread, 3) == ("localhost", "localhost", "192.0.2.7")
+    told = LaunchOptions(server_hosts=("192.0.2.8", "localhost", "192.0.2.8"))
+    placement = server_placement(told, spread, 3)
+    assert placement == ("192.0.2.8", "192.0.2.8", "localhost")
+    assert job_environment(told, spread, 3, placement)["DMLC_PS_ROOT_URI"] == "192.0.2.8"  # server 0's host
+    options, _ = split_argv(["--server-hosts", "a,b", "-np", "2", "python"])
+    assert (options.server_hosts, options.num_servers) == (("a", "b"), 2)
+    with pytest.raises(ValueError, match="--num-servers 3 but --server-hosts names 2"):
+        split_argv(["--num-servers", "3", "--server-hosts", "a,b", "-np", "2", "python"])

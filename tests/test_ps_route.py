@@ -1,7 +1,8 @@
 """``route: "ps"`` through ``hs.DistributedOptimizer``, with real server processes.
 
 - under ``hybridsync-run --num-servers 2`` (horovodrun, Gloo): BSP strategies, all-PS and
-  mixed with ring all-reduce, give Horovod's parameters;
+  mixed with ring all-reduce, give Horovod's parameters; also with ``--server-hosts``,
+  where a second horovodrun starts the servers;
 - under plain ``mpirun`` with ``hybridsync-server`` processes started beside it (as in a
   cluster job script): ASP, SSP and ring+ASP train a classifier, and SSP's bound holds.
 """
@@ -53,6 +54,19 @@ def test_servers_leave_cleanly_after_the_job(tmp_path_factory):
     equivalence(tmp_path_factory)
     log = _cache["eq_log"]
     assert "stopped answering" not in log and "could not leave" not in log, log[-3000:]
+
+
+def test_servers_started_through_horovodrun_on_named_hosts(tmp_path):
+    """``--server-hosts``: the servers are started by a second horovodrun, as on other hosts."""
+    out = tmp_path / "eq.json"
+    argv = [str(BIN / "hybridsync-run"), "--server-hosts", "localhost,127.0.0.1", "--partition-bytes", "400",
+            "-np", "2", "-H", "localhost:2", "--gloo",
+            sys.executable, str(WORKERS / "equivalence.py"), str(out), "ps_mixed_with_ring"]
+    proc = run_job(argv, timeout=180, env=_clean_env())
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:]
+    result = json.loads(out.read_text())["ps_mixed_with_ring"]
+    assert result["max_abs_diff"] <= result["tolerance"] and result["ps_pushed_bytes"] > 0, result
+    assert proc.stdout.count("said goodbye") == 2, proc.stdout[-3000:]  # both servers served and left
 
 
 def _free_port() -> int:

@@ -137,10 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--join-timeout", type=float, default=120.0,
                         help="seconds to wait for every server and worker to join (default 120)")
+    parser.add_argument("--id-from-launcher-rank", action="store_true",
+                        help="take DMLC_SERVER_ID from HOROVOD_RANK (servers started by horovodrun, as "
+                             "hybridsync-run does for servers on other hosts)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    env = dict(os.environ)
+    if args.id_from_launcher_rank:
+        if "HOROVOD_RANK" not in env:
+            parser.exit(2, "hybridsync PS server: --id-from-launcher-rank needs HOROVOD_RANK (start it with horovodrun)\n")
+        env["DMLC_SERVER_ID"] = env["HOROVOD_RANK"]
     try:
-        config = PSConfig.from_env(os.environ, role="server")
+        config = PSConfig.from_env(env, role="server")
     except ValueError as e:
         parser.exit(2, f"hybridsync PS server: {e}\n")
     if os.environ.get("DMLC_ROLE", "server") != "server":
