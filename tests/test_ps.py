@@ -297,8 +297,9 @@ def test_ssp_bound_holds_and_is_enforced(trained):
     servers = [s["ssp1"] for s in trained[1]["ssp1"]["servers"]]
     assert max(s["max_lead_answered"] for s in servers) <= 1, servers
     assert sum(s["delayed"] for s in servers) > 0, "the fast worker was never held: the bound was not exercised"
-    # the fast worker waited for the slow one (0.1 s a step) under SSP, far longer than under ASP
-    assert trained[0]["ssp1"]["waited_s"] > trained[0]["asp"]["waited_s"] + 1.0, trained[0]
+    # the fast worker waited for the slow one (0.1 s a step) under SSP, longer than under ASP
+    # (a loose check: the counters above are the property; times depend on the machine's load)
+    assert trained[0]["ssp1"]["waited_s"] > trained[0]["asp"]["waited_s"], trained[0]
 
 
 def test_server_kill_fails_every_worker_naming_it(job_factory):

@@ -112,5 +112,3 @@ def test_ssp_bound_holds_and_is_enforced(trained):
     asp = [server["asp"] for server in trained[1]["asp"]["servers"]]
     assert sum(c["delayed"] for c in asp) == 0, asp
     assert max(c["max_lead_answered"] for c in asp) > 1, "ASP let no rank run ahead; the SSP check is vacuous"
-    # under SSP the fast rank waits for the slow one (0.1 s a step); under ASP it does not
-    assert trained[0]["ssp1"]["seconds"] > trained[0]["asp"]["seconds"] + 0.5, trained[0]
