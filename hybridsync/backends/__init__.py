@@ -1,19 +1,20 @@
 """Transports. Each module is one route; the router picks them through ``make_backend``."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Sequence
+
+import torch
 
 from hybridsync.backends.base import Backend, Handle, Reduction, RouteUnavailableError
 
-__all__ = ["Backend", "Handle", "Reduction", "RouteUnavailableError", "make_backend"]
+__all__ = ["Backend", "Handle", "Reduction", "RouteUnavailableError", "make_backend", "make_parameter_sync"]
 
 
 def make_backend(route: str, variant: str, variables: Iterable[str] = ()) -> Backend:
     """The backend for a route (``variant``: the all-reduce algorithm, or the PS protocol).
 
     Unavailable routes fail here, at construction, never silently. ASP/SSP are not
-    backends (nothing is exchanged per gradient); the router builds them with
-    ``hybridsync.backends.ps.route.parameter_sync``.
+    backends (nothing is exchanged per gradient): see ``make_parameter_sync``.
     """
     if route == "allreduce" and variant == "ring":
         from hybridsync.backends.ring import RingAllreduce
@@ -27,3 +28,10 @@ def make_backend(route: str, variant: str, variables: Iterable[str] = ()) -> Bac
     names = sorted(variables)
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     raise RouteUnavailableError(f"route {route!r} with {variant!r} has no per-gradient backend (used by: {shown})")
+
+
+def make_parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]], staleness: int | None) -> Any:
+    """ASP (``staleness=None``) or SSP on the parameter servers for ``(key name, tensor, server)``
+    pieces of parameters; its ``push_pull()`` runs after each local optimizer step."""
+    from hybridsync.backends.ps.route import parameter_sync
+    return parameter_sync(pieces, staleness)

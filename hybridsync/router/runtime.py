@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hybridsync.backends import Backend, Handle, Reduction, make_backend
+from hybridsync.backends import Backend, Handle, Reduction, make_backend, make_parameter_sync
 from hybridsync.compression import compressor_named
 from hybridsync.router.plan import Message, Piece, RoutingPlan
 
@@ -84,14 +84,13 @@ class Router:
         """
         if self._parameter_syncs is not None or not any(self._async):
             return
-        from hybridsync.backends.ps.route import parameter_sync
         by_staleness: dict[int | None, list] = {}
         for message in (m for m, skip in zip(self.plan.messages, self._async) if skip):
             for piece in message.pieces:
                 key = message.name if len(message.pieces) == 1 else f"{message.name}.{piece.var_name}"
                 view = self._piece_of(piece, self._params[piece.var_index].data)
                 by_staleness.setdefault(message.config.staleness, []).append((key, view, _server_of(message)))
-        self._parameter_syncs = [parameter_sync(pieces, staleness) for staleness, pieces in by_staleness.items()]
+        self._parameter_syncs = [make_parameter_sync(pieces, staleness) for staleness, pieces in by_staleness.items()]
 
     def after_step(self) -> None:
         """Push the ASP/SSP variables' updates and adopt the servers' current values."""
