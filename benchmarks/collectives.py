@@ -45,6 +45,8 @@ import sys
 import tempfile
 import time
 
+from hybridsync.backends import waiting
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ("ring", "hier", "ps")
 WARMUP = 2
@@ -101,7 +103,7 @@ def _measure(hvd, numel: int, rounds: int, backends: dict, count_bytes: bool) ->
         order = PATHS[r % 3:] + PATHS[:r % 3]
         for path in order:
             tensor.fill_(fill)
-            hvd.barrier()
+            waiting.barrier(hvd)
             before = _tx_rx() if count_bytes and hvd.rank() == 0 else (0, 0)
             ticks = _cpu_ticks()
             start = time.perf_counter()
@@ -110,7 +112,7 @@ def _measure(hvd, numel: int, rounds: int, backends: dict, count_bytes: bool) ->
             after_ticks = _cpu_ticks()
             busy[path].append(1 - (after_ticks[1] - ticks[1]) / max(1, after_ticks[0] - ticks[0]))
             if count_bytes:
-                hvd.barrier()
+                waiting.barrier(hvd)
                 if hvd.rank() == 0 and path not in wire:
                     after = _tx_rx()
                     wire[path] = [after[0] - before[0], after[1] - before[1]]
@@ -136,16 +138,17 @@ def _hier_stages(hvd, numel: int, reps: int = 3) -> dict[str, float]:
     flat = torch.ones(numel)  # values grow with each in-place rep; only the time matters here
     shard = hierarchical.node_slice(flat, sets.local_size, hvd.local_rank())
     stages = {
-        "intra all-reduce": lambda: hvd.synchronize(hierarchical.start_first_step(hvd, flat, sets, "st.iar")),
-        "cross all-reduce of slice": lambda: hvd.allreduce_(shard, name="st.ar", op=hvd.Sum,
-                                                            process_set=sets.cross_node),
-        "intra all-gather": lambda: hvd.allgather(shard, name="st.ag", process_set=sets.intra_node),
+        "intra all-reduce": lambda: waiting.wait(hvd, hierarchical.start_first_step(hvd, flat, sets, "st.iar")),
+        "cross all-reduce of slice": lambda: waiting.wait(hvd, hvd.allreduce_async_(
+            shard, name="st.ar", op=hvd.Sum, process_set=sets.cross_node)),
+        "intra all-gather": lambda: waiting.wait(hvd, hvd.allgather_async(shard, name="st.ag",
+                                                                          process_set=sets.intra_node)),
     }
     out = {}
     for label, op in stages.items():
         times = []
         for _ in range(reps + 1):
-            hvd.barrier()
+            waiting.barrier(hvd)
             start = time.perf_counter()
             op()
             times.append(time.perf_counter() - start)
@@ -183,7 +186,7 @@ def worker(out_path: str, sizes_mb: list[float], rounds: int) -> None:
     stages = {label: max(s[label] for s in stages) for label in stages[0]}
     world = {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size(),
              "partition_bytes": client.config.partition_bytes, "num_servers": client.config.num_servers}
-    hvd.barrier()
+    waiting.barrier(hvd)
     ps.shutdown()
     if hvd.rank() == 0:
         with open(out_path, "w") as handle:

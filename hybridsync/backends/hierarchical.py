@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from hybridsync.backends.base import Reduction, RouteUnavailableError
+from hybridsync.backends.waiting import wait
 from hybridsync.topology import HierarchicalSets, hierarchical_sets
 
 
@@ -65,8 +66,8 @@ def finish_across_nodes(hvd: Any, node_sum: torch.Tensor, sets: HierarchicalSets
     # hs.init() checked that local rank == position in the node's set (ranks laid out node by node),
     # which is the order in which all-gather concatenates the slices.
     shard = node_slice(node_sum, sets.local_size, hvd.local_rank())
-    hvd.allreduce_(shard, name=f"{name}.ar", op=hvd.Sum, process_set=sets.cross_node)
-    return hvd.allgather(shard, name=f"{name}.ag", process_set=sets.intra_node)
+    wait(hvd, hvd.allreduce_async_(shard, name=f"{name}.ar", op=hvd.Sum, process_set=sets.cross_node))
+    return wait(hvd, hvd.allgather_async(shard, name=f"{name}.ag", process_set=sets.intra_node))
 
 
 class _HierarchicalHandle:
@@ -86,7 +87,7 @@ class _HierarchicalHandle:
 
     def wait(self) -> None:
         hvd, sets = self._backend.hvd, self._backend.sets
-        hvd.synchronize(self._first)  # in place: self._flat now holds the node's sum (or the total)
+        wait(hvd, self._first)  # in place: self._flat now holds the node's sum (or the total)
         both_levels = sets.intra_node is not None and sets.cross_node is not None
         total = finish_across_nodes(hvd, self._flat, sets, self._name) if both_levels else self._flat
         self._write_back(total)

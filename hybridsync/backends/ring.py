@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hybridsync.backends.base import Reduction
+from hybridsync.backends.waiting import wait
 
 
 def horovod_op(reduction: Reduction) -> Any:
@@ -15,12 +16,11 @@ def horovod_op(reduction: Reduction) -> Any:
 
 
 class _HorovodHandle:
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
+    def __init__(self, hvd: Any, handle: Any) -> None:
+        self._hvd, self._handle = hvd, handle
 
     def wait(self) -> None:
-        import horovod.torch as hvd
-        hvd.synchronize(self._handle)
+        wait(self._hvd, self._handle)
 
 
 class RingAllreduce:
@@ -43,8 +43,8 @@ class RingAllreduce:
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> _HorovodHandle:
         kwargs = self._op_kwargs(reduction)
         if len(tensors) == 1:
-            return _HorovodHandle(self._hvd.allreduce_async_(tensors[0], name=name, **kwargs))
-        return _HorovodHandle(self._hvd.grouped_allreduce_async_(list(tensors), name=name, **kwargs))
+            return _HorovodHandle(self._hvd, self._hvd.allreduce_async_(tensors[0], name=name, **kwargs))
+        return _HorovodHandle(self._hvd, self._hvd.grouped_allreduce_async_(list(tensors), name=name, **kwargs))
 
     def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
         """Sparse gradients as Horovod sends them: all-gather of indices and values."""

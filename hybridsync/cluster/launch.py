@@ -74,6 +74,11 @@ class Job:
                 kill_pids([helper.pid], grace_s=1.0)
 
 
+EMULATION_ENV = {"HYBRIDSYNC_WAIT": "sleep"}
+"""Every rank on the emulated cluster: its hosts share a few cores, so waiting ranks must
+sleep, not spin (``hybridsync.backends.waiting``). ``env`` arguments may override it."""
+
+
 def gloo_rank_env(slot: Any, *, server_ip: str, port: int) -> dict[str, str]:
     """The variables horovodrun's Gloo mode gives one rank (``create_slot_env_vars`` and
     ``create_run_env_vars`` in ``horovod/runner/gloo_run.py``)."""
@@ -132,7 +137,8 @@ def launch_gloo(
     job = Job(processes=[], helpers=[rendezvous])
     try:
         for slot in plan:
-            rank_env = {**os.environ, **(env or {}), **gloo_rank_env(slot, server_ip=cluster.ips[0], port=port)}
+            rank_env = {**os.environ, **EMULATION_ENV, **(env or {}),
+                        **gloo_rank_env(slot, server_ip=cluster.ips[0], port=port)}
             node = cluster.ips.index(slot.hostname)
             job.processes.append(cluster.run(node, list(command), env=rank_env, **popen_kwargs))
     except BaseException:
@@ -247,8 +253,8 @@ def launch_mpirun(
 ) -> Job:
     """Runs ``command`` on every slot through ``mpirun`` started on host 0."""
     agent = write_remote_shell(cluster, cluster.workdir)
-    run_env = {**os.environ, **(env or {}), "HOROVOD_GLOO_IFACE": NODE_IFACE}
-    argv = mpirun_argv(cluster, command, agent=agent, env_names=sorted(env or {}))
+    run_env = {**os.environ, **EMULATION_ENV, **(env or {}), "HOROVOD_GLOO_IFACE": NODE_IFACE}
+    argv = mpirun_argv(cluster, command, agent=agent, env_names=sorted({**EMULATION_ENV, **(env or {})}))
     return Job(processes=[cluster.run(0, argv, env=run_env, **popen_kwargs)])
 
 
@@ -265,7 +271,7 @@ def launch_horovodrun(
     write_remote_shell(cluster, directory)
     bin_dir = os.path.dirname(sys.executable)
     path = os.pathsep.join([directory, bin_dir, os.environ.get("PATH", "")])
-    run_env = {**os.environ, **(env or {}), "PATH": path}
+    run_env = {**os.environ, **EMULATION_ENV, **(env or {}), "PATH": path}
     argv = [
         os.path.join(bin_dir, "horovodrun"), "-np", str(cluster.spec.num_workers),
         "-H", cluster.spec.horovod_hosts,

@@ -1,0 +1,62 @@
+"""Waiting for a Horovod handle, optionally without keeping a core busy.
+
+Horovod 0.28.1's ``synchronize`` waits in a ``sched_yield`` loop, so every waiting rank
+holds a core. Where ranks share cores (CPU jobs with more ranks than cores, the emulated
+cluster) that starves the ranks and the kernel doing the actual transfer. Measured on 2
+emulated hosts x 2 ranks, 2 vCPUs, 200 Mbit/s uplinks, a 64 MiB ring all-reduce: 4.6-5.1 s
+and 7-10 CPU-s of system time per rank over 4 ops with Horovod's wait; 4.2 s (95% of the
+bandwidth bound) and 0.5-2.4 CPU-s with the sleeping wait.
+
+``HYBRIDSYNC_WAIT`` picks: ``spin`` (default: Horovod's own wait, so swapping the import
+changes nothing) or ``sleep`` (the emulated cluster's launchers set it).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+SPIN_S = 2e-3
+"""Poll (yielding the core) this long before sleeping: a step's many small messages finish
+within microseconds of each other, and a sleep's wake-up latency (~60 us) on each of them
+added ~3 ms to a 25 ms step of 50 messages (benchmarks/overhead.py: 1.10-1.15 instead of ~1.0)."""
+FIRST_SLEEP_S = 20e-6
+MAX_SLEEP_S = 200e-6
+"""Then sleep, backing off to this interval: at most ~0.2 ms late, ~5000 cheap wake-ups a second."""
+
+
+WAIT_VAR = "HYBRIDSYNC_WAIT"
+
+
+def _sleeping() -> bool:
+    choice = os.environ.get(WAIT_VAR, "spin").strip().lower() or "spin"
+    if choice not in ("spin", "sleep"):
+        raise ValueError(f"{WAIT_VAR} must be 'spin' or 'sleep', got {choice!r}")
+    return choice == "sleep"
+
+
+def wait(hvd: Any, handle: Any) -> Any:
+    """``hvd.synchronize(handle)``; with ``HYBRIDSYNC_WAIT=sleep``, sleeping between polls once
+    the wait is not short."""
+    if not _SLEEPING:
+        return hvd.synchronize(handle)
+    spin_until = time.perf_counter() + SPIN_S
+    while not hvd.poll(handle):
+        if time.perf_counter() < spin_until:
+            os.sched_yield()  # as Horovod does: a thread on this core that has work runs first
+            continue
+        delay = FIRST_SLEEP_S
+        while not hvd.poll(handle):
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_SLEEP_S)
+        break
+    return hvd.synchronize(handle)
+
+
+_SLEEPING = _sleeping()  # read once: the hot path pays one global lookup
+
+
+def barrier(hvd: Any, name: str = "hybridsync.barrier") -> None:
+    """``hvd.barrier()`` that sleeps while it waits (a one-element all-reduce, waited with ``wait``)."""
+    import torch
+    wait(hvd, hvd.allreduce_async_(torch.zeros(1), name=name, op=hvd.Sum))
