@@ -121,7 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._router.after_step()  # ASP/SSP variables: push the local update, adopt the servers' values
         return result
 
-    def zero_grad(self, set_to_none: bool = False):
+    def zero_grad(self, set_to_none: bool = True):  # torch's default, which Horovod's zero_grad() gets
         if self._router.pending or self._fired:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it "

@@ -31,14 +31,19 @@ class RingAllreduce:
         self._hvd = hvd
         self._process_set = process_set if process_set is not None else hvd.global_process_set
         self._kwargs: dict[Reduction, dict[str, Any]] = {}
+        self._last: tuple[Reduction | None, dict[str, Any]] = (None, {})
 
     def _op_kwargs(self, reduction: Reduction) -> dict[str, Any]:
-        # Built once per reduction: this runs for every message of every step.
+        # Built once per reduction: this runs for every message of every step (the router
+        # passes the same Reduction object each time, so the identity check usually answers).
+        if reduction is self._last[0]:
+            return self._last[1]
         if reduction not in self._kwargs:
             self._kwargs[reduction] = dict(op=horovod_op(reduction), prescale_factor=reduction.prescale_factor,
                                            postscale_factor=reduction.postscale_factor,
                                            process_set=self._process_set)
-        return self._kwargs[reduction]
+        self._last = (reduction, self._kwargs[reduction])
+        return self._last[1]
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> _HorovodHandle:
         kwargs = self._op_kwargs(reduction)

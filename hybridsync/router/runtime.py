@@ -133,7 +133,17 @@ class Router:
     def _submit(self, m_index: int) -> None:
         message = self.plan.messages[m_index]
         backend, compressor = self._backends[m_index], self._compressors[m_index]
-        grads = [self._gradient(piece) for piece in message.pieces]
+        pieces = message.pieces
+        if len(pieces) == 1 and pieces[0].whole:
+            # The common case (no strategy: one variable per message), kept lean: it runs for
+            # every parameter of every step, inside the backward pass.
+            grad = self._gradient(pieces[0])
+            if not grad.is_sparse:
+                sent, ctx = compressor.compress(grad)
+                handle = backend.submit(message.name, (sent,), self._reduction)
+                self._in_flight.append(_InFlight(m_index, message, handle, None, [grad], [sent], [ctx], compressor))
+                return
+        grads = [self._gradient(piece) for piece in pieces]
         if any(grad.is_sparse for grad in grads):
             if len(grads) != 1 or not message.pieces[0].whole:
                 raise RuntimeError(
