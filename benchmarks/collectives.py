@@ -7,11 +7,14 @@ Brings up 2 hosts (network namespaces) with 2 Horovod Gloo ranks and 1 PS server
 uplinks shaped to ``--bandwidth`` (default 1 Gbit/s each way), and times, per message size:
 
 - ring:  Horovod ring all-reduce of the whole message (``RingAllreduce``);
-- hier:  hybridsync's ``HierarchicalAllreduce`` (all-reduce in node, all-reduce of each
-         rank's slice across nodes, all-gather in node);
+- hier:  hybridsync's ``HierarchicalAllreduce`` as a job gets it: within a host through
+         shared memory (each rank sums its slice of everyone's message), all-reduce of each
+         rank's slice across nodes, copy of the result out of shared memory;
+- hier-gloo: the same with ``HYBRIDSYNC_INTRA_NODE=horovod``: Gloo all-reduce in node,
+         all-reduce of each rank's slice across nodes, Gloo all-gather in node;
 - ps:    BSP push-pull through the 2 servers (keys of ``--partition-mb``, placed balanced).
 
-Each round runs the three paths in a rotated order (so background noise hits all three
+Each round runs the paths in a rotated order (so background noise hits all three
 alike), each op between barriers; a rep's time is the slowest rank's. Median over rounds.
 
 Bounds (beta terms only; S = message bytes, B = one host uplink in bytes/s, one direction):
@@ -48,7 +51,7 @@ import time
 from hybridsync.backends import waiting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATHS = ("ring", "hier", "ps")
+PATHS = ("ring", "hier", "hier-gloo", "ps")
 WARMUP = 2
 TINY_NUMEL = 1  # one float32: the alpha probe
 
@@ -74,6 +77,7 @@ def _ops(hvd, tensor, name: str, backends: dict) -> dict:
     return {
         "ring": lambda: backends["ring"].submit(f"{name}.ring", [tensor], total).wait(),
         "hier": lambda: backends["hier"].submit(f"{name}.hier", [tensor], total).wait(),
+        "hier-gloo": lambda: backends["hier-gloo"].submit(f"{name}.hierg", [tensor], total).wait(),
         "ps": lambda: backends["ps"].submit(f"{name}.ps", [tensor], total).wait(),
     }
 
@@ -100,7 +104,7 @@ def _measure(hvd, numel: int, rounds: int, backends: dict, count_bytes: bool) ->
     wire: dict[str, list[int]] = {}
     wrong = {p: 0 for p in PATHS}
     for r in range(rounds):
-        order = PATHS[r % 3:] + PATHS[:r % 3]
+        order = PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]
         for path in order:
             tensor.fill_(fill)
             waiting.barrier(hvd)
@@ -126,23 +130,24 @@ def _measure(hvd, numel: int, rounds: int, backends: dict, count_bytes: bool) ->
 
 
 def _hier_stages(hvd, numel: int, reps: int = 3) -> dict[str, float]:
-    """Median seconds of each step of hierarchical all-reduce run on its own (this rank).
+    """Median seconds of each step of hier-gloo run on its own (this rank).
 
-    The steps as the backend runs them. Horovod's reduce-scatter is no longer timed
-    here: it gave wrong sums or hung at this size (tests/workers/reducescatter_stress.py).
+    The steps as the backend runs them; hier's cross-node step is the same as hier-gloo's, so
+    hier's time less that step is what its shared-memory steps cost.
     """
     import torch
-    from hybridsync.backends import hierarchical
+    from hybridsync.backends import flat_buffers, hierarchical
     from hybridsync.topology import hierarchical_sets
     sets = hierarchical_sets()
     flat = torch.ones(numel)  # values grow with each in-place rep; only the time matters here
-    shard = hierarchical.node_slice(flat, sets.local_size, hvd.local_rank())
+    shard = flat_buffers.node_slice(flat, sets.local_size, hvd.local_rank())
     stages = {
-        "intra all-reduce": lambda: waiting.wait(hvd, hierarchical.start_first_step(hvd, flat, sets, "st.iar")),
+        "intra all-reduce (hier-gloo)": lambda: waiting.wait(
+            hvd, hierarchical.start_first_step(hvd, flat, sets, "st.iar")),
         "cross all-reduce of slice": lambda: waiting.wait(hvd, hvd.allreduce_async_(
             shard, name="st.ar", op=hvd.Sum, process_set=sets.cross_node)),
-        "intra all-gather": lambda: waiting.wait(hvd, hvd.allgather_async(shard, name="st.ag",
-                                                                          process_set=sets.intra_node)),
+        "intra all-gather (hier-gloo)": lambda: waiting.wait(hvd, hvd.allgather_async(
+            shard, name="st.ag", process_set=sets.intra_node)),
     }
     out = {}
     for label, op in stages.items():
@@ -168,7 +173,9 @@ def worker(out_path: str, sizes_mb: list[float], rounds: int) -> None:
     torch.set_num_threads(1)
     hs.init()
     client = ps.init(worker_id=hvd.rank())  # on TCP: ps_env sets HYBRIDSYNC_PS_TRANSPORT=tcp
-    backends = {"ring": RingAllreduce(), "hier": HierarchicalAllreduce(), "ps": ps.PSBackend(client)}
+    backends = {"ring": RingAllreduce(), "hier": HierarchicalAllreduce(), "ps": ps.PSBackend(client),
+                "hier-gloo": HierarchicalAllreduce(intra_node="horovod")}
+    assert backends["hier"].intra_node == "shm", "the emulated hosts share /dev/shm"
     results = []
     for mb in [None, *sizes_mb]:  # None: the alpha probe
         numel = TINY_NUMEL if mb is None else int(mb * 2**20) // 4
@@ -201,7 +208,7 @@ def cross_bytes(path: str, nbytes: int, *, nodes: int, per_node: int, server_byt
     n = nodes * per_node
     if path == "ring":
         return 2 * (n - 1) / n * nbytes
-    if path == "hier":
+    if path.startswith("hier"):
         return 2 * (nodes - 1) / nodes * nbytes
     # ps: servers host-major, len(server_bytes) // nodes per host; every worker pushes and
     # pulls each key once. Out of host h: pushes of its workers to remote keys + pulls of
@@ -227,7 +234,7 @@ def report(data: dict, *, bytes_per_second: float, measured_bps: float, rate: st
         "ps 2w(N-1)/N*S/B (w=2 workers/host, colocated servers, balanced keys) = 2 S/B; alpha left out",
         f"alpha (4-byte message, median): " + ", ".join(f"{p} {alpha[p] * 1e3:.2f} ms" for p in PATHS),
         "",
-        f"{'path':<5} {'size':>6} {'measured s':>11} {'bound s':>9} {'bound/meas':>11} {'(bound+a)/meas':>15} "
+        f"{'path':<9} {'size':>6} {'measured s':>11} {'bound s':>9} {'bound/meas':>11} {'(bound+a)/meas':>15} "
         f"{'uplink MB model':>16} {'host0 tx/rx MB':>15} {'CPU busy':>9} {'wrong sums':>11}",
     ]
     for row in rows[1:]:
@@ -238,7 +245,7 @@ def report(data: dict, *, bytes_per_second: float, measured_bps: float, rate: st
             bound = model_bytes / bytes_per_second
             tx, rx = row["wire"].get(path, [0, 0])
             lines.append(
-                f"{path:<5} {row['mb']:>4g}MB {measured:>11.3f} {bound:>9.3f} {bound / measured:>10.0%} "
+                f"{path:<9} {row['mb']:>4g}MB {measured:>11.3f} {bound:>9.3f} {bound / measured:>10.0%} "
                 f"{(bound + alpha[path]) / measured:>14.0%} {model_bytes / 1e6:>16.1f} "
                 f"{tx / 1e6:>7.1f}/{rx / 1e6:<7.1f} {row['busy'][path]:>8.0%} "
                 f"{row['wrong'][path]:>5}/{len(row['seconds'][path])}")

@@ -6,7 +6,9 @@ hierarchical and parameter-server messages in the same step."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 
 import pytest
 
@@ -16,22 +18,28 @@ from hybridsync.topology import NodeLayout, layout_from_environment
 CASES = ["default", "merge_groups", "partitions", "sparse_embedding", "hierarchical",
          "hierarchical_sum_predivide", "hierarchical_mixed_with_ring", "mixed_groups_partitions_fp16",
          "ps_hierarchical_ring_mixed"]
-_cache: dict = {}
+GLOO_INTRA_NODE_CASES = [c for c in CASES if "hierarchical" in c]
+"""Run again with ``HYBRIDSYNC_INTRA_NODE=horovod``: the intra-node steps through Gloo, not shared memory."""
+_cache: dict[str, dict] = {}
 
 
-def results(tmp_path_factory) -> dict:
-    if not _cache:
+def results(tmp_path_factory, intra_node: str = "shm") -> dict:
+    if intra_node not in _cache:
         out = tmp_path_factory.mktemp("four") / "eq.json"
         argv = [str(BIN / "hybridsync-run"), "--num-servers", "2",
                 *launcher_argv("horovodrun", np=4, hosts="localhost:2,127.0.0.1:2")[1:]]
-        proc = run_job(argv + [sys.executable, str(WORKERS / "equivalence.py"), str(out), *CASES], timeout=400)
+        cases = CASES if intra_node == "shm" else GLOO_INTRA_NODE_CASES
+        proc = run_job(argv + [sys.executable, str(WORKERS / "equivalence.py"), str(out), *cases], timeout=400,
+                       env={"HYBRIDSYNC_INTRA_NODE": intra_node})
         assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:]
-        _cache.update(json.loads(out.read_text()))
-    return _cache
+        _cache[intra_node] = json.loads(out.read_text())
+    return _cache[intra_node]
 
 
-def test_two_hosts_of_two(tmp_path_factory):
-    assert results(tmp_path_factory)["_world"] == {"size": 4, "local_size": 2, "cross_size": 2}
+@pytest.mark.parametrize("intra_node", ["shm", "horovod"])
+def test_two_hosts_of_two(tmp_path_factory, intra_node):
+    assert results(tmp_path_factory, intra_node)["_world"] == {"size": 4, "local_size": 2, "cross_size": 2,
+                                                               "intra_node": intra_node}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -40,6 +48,29 @@ def test_hierarchical_and_ring_equal_horovod(case, tmp_path_factory):
     assert result["moved"] > 1e-3
     assert result["max_abs_diff"] <= result["tolerance"], result
     assert (result["ps_pushed_bytes"] > 0) == case.startswith("ps_"), result
+
+
+@pytest.mark.parametrize("case", GLOO_INTRA_NODE_CASES)
+def test_hierarchical_with_gloo_intra_node_equals_horovod(case, tmp_path_factory):
+    result = results(tmp_path_factory, "horovod")[case]
+    assert result["moved"] > 1e-3 and result["max_abs_diff"] <= result["tolerance"], result
+
+
+def test_rank_leaving_during_shared_memory_step_ends_the_job_within_seconds():
+    """A rank of a node exits (status 0, so horovodrun does not end the job for it) while its
+    node peer waits for its input in shared memory: the job fails in seconds, never hangs.
+
+    Under Gloo, Horovod's background loop aborts the peer as soon as the leaver's connections
+    close; the segment's own pid check (tests/test_hierarchical_layout.py) is there for
+    where nothing else would notice, and names the rank."""
+    argv = launcher_argv("horovodrun", np=4, hosts="localhost:2,127.0.0.1:2")
+    start = time.monotonic()
+    proc = run_job(argv + [sys.executable, str(WORKERS / "collectives_worker.py"), "peer_dies"], timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and proc.stdout.count("first all-reduce done") == 4, proc.stdout[-4000:]
+    assert re.search(r"PeerExitedError: local rank 1 of this node|Connection (closed|reset) by peer",
+                     proc.stdout), proc.stdout[-4000:]
+    assert elapsed < 60, elapsed
 
 
 def test_layout_from_launcher_environment():

@@ -1,20 +1,31 @@
-"""Pure unit tests of hierarchical all-reduce's buffer layout (no Horovod): padding and slices.
+"""Unit tests of hierarchical all-reduce's buffers (no Horovod): padding, slices, copies and the
+node's shared-memory segment.
 
 The multi-rank runs (tests/test_four_ranks.py, tests/test_emulated.py) check the sums; these
 check that the slices the ranks of a node carry across nodes tile the buffer exactly.
 """
 from __future__ import annotations
 
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
-from hybridsync.backends.hierarchical import flatten_padded, node_slice
+from hybridsync.backends.flat_buffers import copy_into, copy_out, flatten_padded, node_slice, padded_length, slice_range
+from hybridsync.backends.node_memory import NodeSegment, PeerExitedError
 
 
 @pytest.mark.parametrize("local_size", [1, 2, 3, 4])
 def test_slices_of_a_node_tile_the_padded_buffer(local_size: int) -> None:
     tensors = [torch.arange(6.0).reshape(2, 3), torch.arange(5.0) + 100]
     flat, numel = flatten_padded(tensors, local_size)
+    assert flat.numel() == padded_length(tensors, local_size)
+    assert [slice_range(flat.numel(), local_size, r) for r in range(local_size)] == [
+        (r * flat.numel() // local_size, (r + 1) * flat.numel() // local_size) for r in range(local_size)]
     assert numel == 11 and flat.numel() % local_size == 0 and flat.numel() - numel < local_size
     assert torch.equal(flat[:numel], torch.cat([t.reshape(-1) for t in tensors]))
     assert not flat[numel:].any()  # zero padding adds nothing to a sum
@@ -30,3 +41,65 @@ def test_flat_buffer_is_a_copy_and_slices_are_views() -> None:
     assert torch.equal(tensor, torch.ones(4, dtype=torch.float16)) and flat.dtype == torch.float16
     node_slice(flat, 2, 1).zero_()  # the cross-node all-reduce writes through the view
     assert flat.tolist() == [3.0, 3.0, 0.0, 0.0]
+
+
+def test_copy_into_and_out_round_trip_with_scaling() -> None:
+    tensors = [torch.arange(6.0).reshape(2, 3), torch.arange(3.0) + 10]
+    flat = torch.zeros(10)
+    copy_into(tensors, flat, 2.0)
+    assert flat.tolist() == [0, 2, 4, 6, 8, 10, 20, 22, 24, 0]  # the padding is left alone
+    out = [torch.empty(2, 3), torch.empty(3)]
+    copy_out(flat, out, 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(out, tensors))
+
+
+def test_node_segment_is_shared_between_processes_and_leaves_no_file(tmp_path) -> None:
+    """Two processes map one segment: each sees the other's writes; after unlink the file is
+    gone and the mapping still works; a segment never unlinked is removed when collected."""
+    path = str(tmp_path / "segment")
+    mine = NodeSegment(path, local_size=2, padded=4, dtype=torch.float32, local_rank=0)
+    assert mine.inputs[0].numel() == mine.inputs[1].numel() == mine.output.numel() == 4
+    mine.inputs[0].fill_(1.0)
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import torch
+        from hybridsync.backends.node_memory import NodeSegment
+        theirs = NodeSegment({path!r}, local_size=2, padded=4, dtype=torch.float32, local_rank=1)
+        assert theirs.inputs[0].tolist() == [1.0] * 4
+        theirs.inputs[1].fill_(2.0)
+        theirs.unlink()
+        import os
+        print(os.getpid())
+        """)], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert not os.path.exists(path)
+    # The child has exited: waiting for it is an error naming it, not a hang.
+    assert int(mine.pids[1]) == child_pid(child) and int(mine.pids[0]) == os.getpid()
+    with pytest.raises(PeerExitedError, match=r"local rank 1 of this node \(pid \d+\) exited while testing"):
+        mine.wait_until(lambda: False, lambda: [1], "testing")
+    mine.wait_until(lambda: True, lambda: [1], "testing")  # ready at once: no check needed
+    torch.add(mine.inputs[0], mine.inputs[1], out=mine.output)
+    assert mine.output.tolist() == [3.0] * 4
+    mine.unlink()  # already removed by the other process: fine
+
+    forgotten = NodeSegment(path, local_size=1, padded=2, dtype=torch.float16, local_rank=0)
+    assert os.path.exists(path) and forgotten.inputs[0].dtype == torch.float16
+    del forgotten
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def child_pid(child: subprocess.CompletedProcess) -> int:
+    return int(child.stdout.split()[-1])
+
+
+def test_copy_out_by_ranges_covers_each_element_once() -> None:
+    """The shared-memory handle copies its own slice early and the rest later: together, all."""
+    tensors = [torch.zeros(2, 3), torch.zeros(4)]
+    flat = torch.arange(10.0)
+    copy_out(flat, tensors, 1.0, [(4, 7)])  # straddles both tensors
+    assert tensors[0].reshape(-1).tolist() == [0, 0, 0, 0, 4, 5] and tensors[1].tolist() == [6, 0, 0, 0]
+    copy_out(flat, tensors, 1.0, [(0, 4), (7, 10)])
+    assert torch.cat([t.reshape(-1) for t in tensors]).tolist() == list(range(10))
+    strided = torch.zeros(3, 2).t()  # not contiguous: only whole copies
+    copy_out(flat, [strided], 3.0)
+    assert strided.tolist() == [[0, 3, 6], [9, 12, 15]]

@@ -1,56 +1,55 @@
 """Hierarchical all-reduce from Horovod process sets, selectable per message.
 
-Three steps, each on one of the process sets ``hs.init()`` declares:
+Three steps: reduce within the node, all-reduce across nodes, share within the node.
+Each rank of a node carries its own ``1/local_size`` slice of the node's sum across nodes
+(all-reducing it with the ranks that share its local rank on the other nodes, the
+``cross_node`` set ``hs.init()`` declares), so every rank's uplink is busy at once and each
+carries ``1/local_size`` of the message: the cross-node traffic of the bandwidth-optimal
+form Horovod uses with NCCL.
 
-1. all-reduce of the whole message within the node (``intra_node``);
-2. each rank takes its own ``1/local_size`` slice of the node's sum and all-reduces it
-   with the ranks that share its local rank on the other nodes (``cross_node``), so every
-   rank's uplink is busy at once and each carries ``1/local_size`` of the message;
-3. all-gather of the slices within the node.
+The intra-node steps go through one of two transports (``HYBRIDSYNC_INTRA_NODE``):
 
-The cross-node traffic is that of the bandwidth-optimal form Horovod uses with NCCL, whose
-first step is a reduce-scatter; the intra-node all-reduce moves about twice a
-reduce-scatter's bytes within the node instead. That trade is deliberate: Horovod
-0.28.1's Gloo ``reducescatter`` on a process set intermittently returned wrong sums (one
-contribution counted twice) and sometimes hung for 64 MiB buffers on the emulated cluster,
-and was 3-6x slower than a Gloo all-reduce of the same buffer
-(``tests/workers/reducescatter_stress.py`` reproduces it; benchmarks/RESULTS.md). An
-intra-node alltoall plus a local sum was also correct, but slower here than the all-reduce
-(64 MiB on 2 x 2 emulated hosts: median 1.7-2.3 s vs 1.2-1.7 s per op).
+- ``shm`` (default): the node's ranks map one ``/dev/shm`` segment per message
+  (``node_memory``, ``hierarchical_shm``); each writes the parts of its message the others
+  sum, sums its own slice of everyone's, and copies each rank's final slice out the moment
+  that rank publishes it. No intra-node bytes on any socket and no intra-node collective.
+  Chosen on x86-64 when every node's ranks are seen to share the segment (and each other's
+  pids); otherwise (ranks of a node in separate containers, say) the job warns once and
+  uses ``horovod``.
+- ``horovod``: an all-reduce of the whole message on the node's process set, then the
+  cross-node step on the slice, then an all-gather of the slices on the node's set. Moves
+  about twice a reduce-scatter's bytes within the node: Horovod 0.28.1's Gloo
+  ``reducescatter`` on a process set intermittently returned wrong sums (one contribution
+  counted twice) and sometimes hung for 64 MiB buffers on the emulated cluster
+  (``tests/workers/reducescatter_stress.py`` reproduces it; benchmarks/RESULTS.md).
+
+Measured on the emulated 2 x 2 cluster at 1 Gbit/s, 64 MiB (benchmarks/RESULTS.md): the
+two Gloo intra-node steps took ~0.4 s next to the cross-node step's ~0.6 s; the shared
+segment's copies take a few tens of ms.
 
 A message's tensors travel as one flat buffer padded to a multiple of the node size, so
 every rank's slice has the same length. Where one level has a single member (one node,
-or one rank per node) the message is one plain all-reduce on the other level.
+or one rank per node) the cross-node step is left out, or is the whole of it.
 """
 from __future__ import annotations
 
+import os
+import uuid
+import warnings
 from typing import Any, Sequence
 
 import torch
 
+from hybridsync.backends import node_memory
 from hybridsync.backends.base import Reduction, RouteUnavailableError
-from hybridsync.backends.waiting import wait
+from hybridsync.backends.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
+from hybridsync.backends.hierarchical_shm import SharedMemoryHandle
+from hybridsync.backends.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
+from hybridsync.backends.waiting import barrier, wait
 from hybridsync.topology import HierarchicalSets, hierarchical_sets
 
-
-def flatten_padded(tensors: Sequence[torch.Tensor], multiple: int) -> tuple[torch.Tensor, int]:
-    """A fresh flat copy of ``tensors`` zero-padded to a multiple of ``multiple``, and the unpadded length.
-
-    Fresh, so the collectives may work on it in place without touching the caller's tensors.
-    """
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    numel = flat.numel()
-    pad = (-numel) % multiple
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat, numel
-
-
-def node_slice(node_sum: torch.Tensor, local_size: int, local_rank: int) -> torch.Tensor:
-    """The contiguous ``1/local_size`` of the node's sum that this rank carries across nodes (a view)."""
-    assert node_sum.numel() % local_size == 0, (node_sum.numel(), local_size)
-    length = node_sum.numel() // local_size
-    return node_sum[local_rank * length:(local_rank + 1) * length]
+INTRA_NODE_VAR = "HYBRIDSYNC_INTRA_NODE"
+INTRA_NODE_CHOICES = ("shm", "horovod")
 
 
 def start_first_step(hvd: Any, flat: torch.Tensor, sets: HierarchicalSets, name: str) -> int:
@@ -70,8 +69,13 @@ def finish_across_nodes(hvd: Any, node_sum: torch.Tensor, sets: HierarchicalSets
     return wait(hvd, hvd.allgather_async(shard, name=f"{name}.ag", process_set=sets.intra_node))
 
 
-class _HierarchicalHandle:
-    """The first all-reduce is started at submit; the cross-node and all-gather steps run in ``wait()``.
+def _postscale(reduction: Reduction, size: int) -> float:
+    return reduction.postscale_factor / (size if reduction.op == "average" else 1)
+
+
+class _GlooIntraNodeHandle:
+    """``horovod`` intra-node transport: the first all-reduce starts at submit; the cross-node and
+    all-gather steps run in ``wait()``.
 
     The router waits messages in plan order on every rank, so the blocking steps meet up.
     """
@@ -90,25 +94,15 @@ class _HierarchicalHandle:
         wait(hvd, self._first)  # in place: self._flat now holds the node's sum (or the total)
         both_levels = sets.intra_node is not None and sets.cross_node is not None
         total = finish_across_nodes(hvd, self._flat, sets, self._name) if both_levels else self._flat
-        self._write_back(total)
-
-    def _write_back(self, total: torch.Tensor) -> None:
-        """Copies the reduced buffer into the message's tensors, with average and postscale applied."""
-        scale = self._reduction.postscale_factor / (self._backend.hvd.size() if self._reduction.op == "average"
-                                                    else 1)
-        offset = 0
-        for tensor in self._tensors:
-            n = tensor.numel()
-            tensor.copy_(total[offset:offset + n].view_as(tensor))
-            if scale != 1.0:
-                tensor.mul_(scale)
-            offset += n
+        copy_out(total, self._tensors, _postscale(self._reduction, hvd.size()))
 
 
 class HierarchicalAllreduce:
     """Per-message hierarchical all-reduce over the node/local-rank process sets of ``hs.init()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, intra_node: str | None = None) -> None:
+        """``intra_node``: ``shm`` or ``horovod``; by default ``HYBRIDSYNC_INTRA_NODE`` (or ``shm``).
+        Collective: every rank constructs it at the same point."""
         import horovod.torch as hvd
         self.hvd = hvd
         try:
@@ -122,10 +116,82 @@ class HierarchicalAllreduce:
             raise RouteUnavailableError(f"{problems[0]} (reported by {len(problems)} of {hvd.size()} ranks)")
         assert sets is not None
         self.sets = sets
+        self._node_pids: list[int] = []
+        self.intra_node = self._choose_intra_node(intra_node) if sets.intra_node is not None else "horovod"
+        self._segments: dict[str, NodeSegment] = {}
+        self._uses: dict[str, int] = {}
+
+    def _choose_intra_node(self, asked: str | None) -> str:
+        """``shm`` where asked for and every node's ranks share a probe segment; agreed by all ranks."""
+        hvd, sets = self.hvd, self.sets
+        choice = asked or os.environ.get(INTRA_NODE_VAR, "shm").strip().lower() or "shm"
+        if choice not in INTRA_NODE_CHOICES:
+            raise ValueError(f"{INTRA_NODE_VAR} must be one of {', '.join(INTRA_NODE_CHOICES)}, got {choice!r}")
+        self.job_token = hvd.broadcast_object(uuid.uuid4().hex if hvd.rank() == 0 else None, root_rank=0,
+                                              name="hybridsync.node_memory_token")
+        probe, problem = None, None
+        if choice == "shm" and not node_memory.supported():
+            problem = f"this machine ({os.uname().machine}) does not order stores as the shared counters need"
+        elif choice == "shm":
+            try:
+                probe = NodeSegment(segment_path(self.job_token, hvd.cross_rank(), "probe"), sets.local_size,
+                                    1, torch.float64, hvd.local_rank())
+                probe.inputs[hvd.local_rank()][0] = hvd.rank() + 1
+            except OSError as e:
+                problem = f"rank {hvd.rank()} cannot map a segment in {SHM_DIR}: {e}"
+        barrier(hvd, "hybridsync.node_memory_probe")  # every rank has written its probe
+        if probe is not None:
+            problem = _probe_problem(probe, [hvd.cross_rank() * sets.local_size + i for i in range(sets.local_size)],
+                                     hvd.rank())
+        answers = hvd.allgather_object((choice, problem), name="hybridsync.node_memory_check")
+        if probe is not None:
+            self._node_pids = [int(pid) for pid in probe.pids]
+            probe.unlink()
+        choices = {c for c, _ in answers}
+        if len(choices) > 1:
+            raise RouteUnavailableError(f"ranks disagree on {INTRA_NODE_VAR}: "
+                                        f"{', '.join(repr(c) for c, _ in answers)} (by rank)")
+        problems = [p for _, p in answers if p]
+        if choice == "shm" and problems:
+            if hvd.rank() == 0:
+                warnings.warn(f"hierarchical all-reduce uses Horovod within nodes instead of shared "
+                              f"memory: {problems[0]}", RuntimeWarning, stacklevel=2)
+            return "horovod"
+        return choice
+
+    def segment(self, name: str, tensors: Sequence[torch.Tensor]) -> tuple[NodeSegment, int]:
+        """The node's shared segment for message ``name`` (mapped at its first use) and this use's number."""
+        padded = padded_length(tensors, self.sets.local_size)
+        segment = self._segments.get(name)
+        if segment is None:
+            segment = NodeSegment(segment_path(self.job_token, self.hvd.cross_rank(), name),
+                                  self.sets.local_size, padded, tensors[0].dtype, self.hvd.local_rank(),
+                                  self._node_pids)
+            self._segments[name] = segment
+        if segment.output.numel() != padded or segment.output.dtype != tensors[0].dtype:
+            raise RuntimeError(f"message {name!r} changed size or dtype between steps")
+        self._uses[name] = self._uses.get(name, 0) + 1
+        return segment, self._uses[name]
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> Any:
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise RuntimeError(f"message {name!r} mixes dtypes {sorted(map(str, dtypes))}; hierarchical "
                                f"all-reduce sends a message as one buffer")
-        return _HierarchicalHandle(self, name, tensors, reduction)
+        if self.intra_node == "shm":
+            segment, use = self.segment(name, tensors)
+            return SharedMemoryHandle(self.hvd, self.sets.cross_node, segment, use, name, tensors,
+                                      reduction.prescale_factor, _postscale(reduction, self.hvd.size()))
+        return _GlooIntraNodeHandle(self, name, tensors, reduction)
+
+
+def _probe_problem(probe: NodeSegment, node_ranks: list[int], rank: int) -> str | None:
+    """Why this node's ranks cannot use shared memory, judged from the probe they all wrote; or None."""
+    seen = [int(region[0]) - 1 for region in probe.inputs]
+    if seen != node_ranks:
+        return f"ranks {node_ranks} do not share {SHM_DIR} (rank {rank} saw ranks {[r for r in seen if r >= 0]} there)"
+    try:
+        probe.check_alive(list(range(len(node_ranks))), "probing")
+    except PeerExitedError:
+        return f"ranks {node_ranks} share {SHM_DIR} but not their process ids (rank {rank} cannot see theirs)"
+    return None

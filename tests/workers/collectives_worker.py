@@ -3,6 +3,7 @@
     python collectives_worker.py mixed OUT.json     # ring + hierarchical + PS in flight at once
     python collectives_worker.py fail               # rank 3 exits mid-job, the others block
     python collectives_worker.py large OUT.json     # hierarchical all-reduce of 64 MiB, exact sums
+    python collectives_worker.py peer_dies          # rank 1 dies between two hierarchical all-reduces
 
 ``mixed``: each step submits one message to each of the three transports before waiting on
 any, so they share the step the way a mixed strategy's messages do, and checks each result
@@ -19,6 +20,7 @@ with, got exactly this wrong here.) Rank 0 writes every rank's count of wrong el
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import horovod.torch as hvd
@@ -114,11 +116,31 @@ def fail() -> None:
     hs.init()
     hvd.allreduce(torch.ones(10), name="before")
     if hvd.rank() == 3:
-        sys.exit(3)
+        # Dies as a crash does: sys.exit would run Horovod's shutdown first, which may still be
+        # running when the others' failure makes the launcher kill it (exit -15, not 3).
+        os._exit(3)
     hvd.allreduce(torch.ones(10), name="never")  # blocks: rank 3 is gone
     sys.exit(0)
 
 
+def peer_dies() -> None:
+    """Rank 1 exits, with status 0 (so the launcher does not end the job for it), after one
+    hierarchical all-reduce through shared memory; rank 0, waiting for rank 1's input in the
+    segment they share, must fail naming it (the test reads the log)."""
+    hs.init()
+    backend = HierarchicalAllreduce()
+    assert backend.intra_node == "shm", backend.intra_node
+    tensor = torch.ones(1000)
+    backend.submit("m.hier", [tensor], Reduction(op="sum")).wait()
+    assert bool((tensor == hvd.size()).all())
+    print(f"rank {hvd.rank()}: first all-reduce done", flush=True)
+    if hvd.rank() == 1:
+        os._exit(0)
+    backend.submit("m.hier", [tensor], Reduction(op="sum")).wait()
+    sys.exit(0)
+
+
 if __name__ == "__main__":
-    modes = {"mixed": lambda: mixed(sys.argv[2]), "large": lambda: large(sys.argv[2]), "fail": fail}
+    modes = {"mixed": lambda: mixed(sys.argv[2]), "large": lambda: large(sys.argv[2]), "fail": fail,
+             "peer_dies": peer_dies}
     modes[sys.argv[1]]()

@@ -172,6 +172,9 @@ def main() -> None:
     out_path, names = sys.argv[1], sys.argv[2:] or list(CASES)
     results = {name: run_case(name) for name in names}
     results["_world"] = {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size()}
+    if hvd.local_size() > 1 and hvd.cross_size() > 1:  # which intra-node transport hierarchical cases used
+        from hybridsync.backends.hierarchical import HierarchicalAllreduce
+        results["_world"]["intra_node"] = HierarchicalAllreduce().intra_node
     if hvd.rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,0 +1,135 @@
+"""Shared memory among the ranks of one node, for the intra-node steps of hierarchical all-reduce.
+
+Ranks on one host need not send their gradients to each other through loopback TCP (which
+is what Horovod's Gloo collectives on the node's process set do): they can all map the
+same ``/dev/shm`` file, write their message into it, and read each other's. On the
+emulated 2 x 2 cluster (2 vCPUs) a 64 MiB intra-node all-reduce plus all-gather through
+Gloo took ~0.4 s; through shared memory the same steps are a few copies of ~10-30 ms.
+
+One message's segment holds a header of int64 counters, then (in the message's dtype)
+``local_size`` input regions (rank ``i`` of the node writes its padded message into region
+``i``) and one output region (rank ``i`` writes the final sum of slice ``i`` there). The
+header has, per local rank, its pid and two sequence numbers, "my input is written for
+use n" and "my output slice is final for use n": ranks wait on each other's counters, not
+on a collective, so each reads a slice the moment it is ready. x86's ordered stores make a
+counter visible only after the data written before it; ``supported()`` says where that
+holds. A waiting rank checks the pids of the ranks it waits for: one that died is an
+error within seconds, not a hang.
+
+The file is unlinked as soon as every rank of the node has mapped it, so nothing stays in
+``/dev/shm`` however the job ends; the memory goes back when the last rank unmaps it.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import platform
+import time
+import warnings
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+SHM_DIR = "/dev/shm"
+HEADER_BYTES = 4096
+"""Counters first, data page-aligned after them: room for 170 ranks per node."""
+LIVENESS_CHECK_S = 1.0
+STALL_WARNING_S = 60.0
+SPIN_S = 1e-3
+MAX_SLEEP_S = 200e-6
+
+
+def supported() -> bool:
+    """Whether this machine orders stores as the counters need (x86-64's total store order)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def segment_path(job_token: str, node: int, name: str) -> str:
+    """The file of message ``name``'s segment on ``node``; identical on the node's ranks, unique per job."""
+    digest = hashlib.sha1(name.encode()).hexdigest()[:16]
+    return os.path.join(SHM_DIR, f"hybridsync-{job_token}-n{node}-{digest}")
+
+
+class PeerExitedError(RuntimeError):
+    """A rank of this node exited while the others waited for it in shared memory."""
+
+
+class NodeSegment:
+    """Counters, ``local_size`` input regions and one output region of ``padded`` elements, mapped from one file.
+
+    Every rank of the node constructs it with the same arguments but its own ``local_rank``,
+    in any order: the first creates the file and sizes it, the others map the same file.
+    """
+
+    def __init__(self, path: str, local_size: int, padded: int, dtype: torch.dtype, local_rank: int,
+                 pids: Sequence[int] = ()) -> None:
+        """``pids``: the node's ranks' process ids where known, so that a rank that dies before
+        it maps the segment is noticed too."""
+        assert 3 * local_size * 8 <= HEADER_BYTES, local_size
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = HEADER_BYTES + (local_size + 1) * padded * itemsize
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < nbytes:  # two ranks may both size it: to the same length
+                os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.path, self.local_rank = path, local_rank
+        with warnings.catch_warnings():  # the mapping is writable; torch warns about buffers in general
+            warnings.simplefilter("ignore")
+            header = torch.frombuffer(self._map, dtype=torch.int64, count=3 * local_size)
+            flat = torch.frombuffer(self._map, dtype=dtype, offset=HEADER_BYTES)
+        self.pids, self.inputs_done, self.outputs_done = header.view(3, local_size)
+        self.inputs = [flat[i * padded:(i + 1) * padded] for i in range(local_size)]
+        self.output = flat[local_size * padded:]
+        for i, pid in enumerate(pids):
+            self.pids[i] = pid
+        self.pids[local_rank] = os.getpid()
+        # Also at exit, for a message submitted but never waited for (an exception in between).
+        self.unlink = weakref.finalize(self, _remove, path)
+        """Removes the file once every rank has mapped it (the mapping stays valid); runs once."""
+
+    def wait_until(self, ready: Callable[[], bool], waiting_for: Callable[[], list[int]], what: str) -> None:
+        """Polls ``ready()`` (which may do work as parts arrive) until it is true, spinning
+        briefly, then sleeping. Raises ``PeerExitedError`` if a local rank in
+        ``waiting_for()`` has exited; warns once if the wait stalls for a minute."""
+        start = time.monotonic()
+        next_check, delay, warned = start + LIVENESS_CHECK_S, 0.0, False
+        while not ready():
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + LIVENESS_CHECK_S
+                self.check_alive(waiting_for(), what)
+                late = waiting_for()
+                if late and not warned and now - start > STALL_WARNING_S:
+                    warned = True
+                    warnings.warn(f"local ranks {late} have not answered for {now - start:.0f} s while {what}",
+                                  RuntimeWarning, stacklevel=2)
+            if now - start < SPIN_S:
+                os.sched_yield()
+            else:
+                delay = min(max(2 * delay, 20e-6), MAX_SLEEP_S)
+                time.sleep(delay)
+
+    def check_alive(self, local_ranks: list[int], what: str) -> None:
+        """Raises ``PeerExitedError`` if one of ``local_ranks`` mapped the segment and has exited since."""
+        for i in local_ranks:
+            pid = int(self.pids[i])
+            if pid == 0:
+                continue  # not mapped yet: still on its way here
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise PeerExitedError(f"local rank {i} of this node (pid {pid}) exited while {what}") from None
+            except PermissionError:
+                pass  # alive, under another user
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # another rank of the node removed it first
