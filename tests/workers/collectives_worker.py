@@ -11,7 +11,8 @@ against the true reduction (sum or average of every rank's distinct values). Ran
 the largest error per transport, the world shape and rank 0's uplink bytes to OUT.json.
 
 ``large``: hierarchical all-reduce (sum) of a 64 MiB float32 message, ``LARGE_REPS`` times,
-plus an odd-sized float16 message (the fp16 compression's wire dtype), compared exactly
+plus an odd-sized float16 message (the fp16 compression's wire dtype) and a transposed
+(non-contiguous) one, compared exactly
 with the true sum: the values are small integers, exact in any summation order, distinct
 per rank, repetition and element, so a contribution counted twice or a slice put in the
 wrong place shows. (Horovod 0.28.1's Gloo reduce-scatter, which the backend used to start
@@ -37,6 +38,7 @@ NUMEL = {"ring": 1000, "hier": 3001, "ps": 250_000}  # odd sizes: padding; ps: s
 LARGE_NUMEL = 64 * 2**20 // 4  # 64 MiB of float32: the size at which reduce-scatter went wrong
 LARGE_REPS = 3
 FP16_NUMEL = 100_003  # odd: padding
+STRIDED_ROWS, STRIDED_NUMEL = 7, 7 * 14_287  # odd: padding
 
 
 def rank_values(rank: int, step: int, numel: int) -> torch.Tensor:
@@ -89,21 +91,27 @@ def integer_values(rank: int, rep: int, numel: int, dtype: torch.dtype) -> torch
     return (torch.arange(numel, dtype=torch.float64) % period + (rank + 1) * (rep + 1) * 7).to(dtype)
 
 
-def count_wrong(backend: HierarchicalAllreduce, name: str, numel: int, dtype: torch.dtype, rep: int) -> int:
-    """Sums one message through ``backend``; how many elements differ from the true sum on this rank."""
-    tensor = integer_values(hvd.rank(), rep, numel, dtype)
+def count_wrong(backend: HierarchicalAllreduce, name: str, numel: int, dtype: torch.dtype, rep: int,
+                strided: bool = False) -> int:
+    """Sums one message through ``backend``; how many elements differ from the true sum on this rank.
+
+    ``strided``: the message is a transposed (non-contiguous) view, which the shared-memory
+    transport copies whole rather than by slice."""
+    values = integer_values(hvd.rank(), rep, numel, dtype)
+    tensor = values.view(STRIDED_ROWS, -1).t() if strided else values
     backend.submit(name, [tensor], Reduction(op="sum")).wait()
     expected = sum(integer_values(r, rep, numel, dtype).double() for r in range(hvd.size()))
-    return int((tensor.double() != expected).sum())
+    return int((values.double() != expected).sum())
 
 
 def large(out_path: str) -> None:
     hs.init()
     backend = HierarchicalAllreduce()
-    wrong = {"float32": [], "float16": []}
-    for rep in range(LARGE_REPS):
-        wrong["float32"].append(count_wrong(backend, f"large.{rep}", LARGE_NUMEL, torch.float32, rep))
-        wrong["float16"].append(count_wrong(backend, f"fp16.{rep}", FP16_NUMEL, torch.float16, rep))
+    wrong = {"float32": [], "float16": [], "strided": []}
+    for rep in range(LARGE_REPS):  # the same messages each rep, as a training step's are
+        wrong["float32"].append(count_wrong(backend, "large", LARGE_NUMEL, torch.float32, rep))
+        wrong["float16"].append(count_wrong(backend, "fp16", FP16_NUMEL, torch.float16, rep))
+        wrong["strided"].append(count_wrong(backend, "strided", STRIDED_NUMEL, torch.float32, rep, strided=True))
     gathered = hvd.allgather_object(wrong, name="large.gather")
     if hvd.rank() == 0:
         world = {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size()}
