@@ -103,3 +103,20 @@ def test_copy_out_by_ranges_covers_each_element_once() -> None:
     strided = torch.zeros(3, 2).t()  # not contiguous: only whole copies
     copy_out(flat, [strided], 3.0)
     assert strided.tolist() == [[0, 3, 6], [9, 12, 15]]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_segment_larger_than_its_tmpfs_is_a_clear_error_at_once(tmp_path) -> None:
+    """Allocated at creation: a small /dev/shm fails here with advice, not with SIGBUS later."""
+    mount = tmp_path / "small_shm"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True, timeout=30)
+    try:
+        with pytest.raises(OSError, match=r"cannot allocate 8\.0 MiB .*HYBRIDSYNC_INTRA_NODE=horovod"):
+            NodeSegment(str(mount / "segment"), local_size=1, padded=2**20, dtype=torch.float32, local_rank=0)
+        assert list(mount.iterdir()) == []  # nothing half-made left behind
+        small = NodeSegment(str(mount / "segment"), local_size=1, padded=1000, dtype=torch.float32, local_rank=0)
+        small.output.fill_(1.0)
+        del small
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True, timeout=30)

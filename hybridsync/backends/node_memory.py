@@ -72,11 +72,17 @@ class NodeSegment:
         nbytes = HEADER_BYTES + (local_size + 1) * padded * itemsize
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size < nbytes:  # two ranks may both size it: to the same length
-                os.ftruncate(fd, nbytes)
+            # Allocated now, not at first touch: a full /dev/shm (containers often give 64 MB) is
+            # an error here, not a SIGBUS in the middle of a step. Two ranks may both do it.
+            os.posix_fallocate(fd, 0, nbytes)
             self._map = mmap.mmap(fd, nbytes)
-        finally:
+        except OSError as e:
             os.close(fd)
+            _remove(path)
+            raise OSError(e.errno, f"cannot allocate {nbytes / 2**20:.1f} MiB for a hierarchical all-reduce "
+                          f"segment in {os.path.dirname(path)} ({e.strerror}); enlarge it (docker: --shm-size) "
+                          f"or set HYBRIDSYNC_INTRA_NODE=horovod") from None
+        os.close(fd)
         self.path, self.local_rank = path, local_rank
         with warnings.catch_warnings():  # the mapping is writable; torch warns about buffers in general
             warnings.simplefilter("ignore")
