@@ -269,35 +269,23 @@ def test_gloo_allreduce_across_two_hosts() -> None:
 
 @needs_root
 @needs_horovod
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
-def test_mpirun_allreduce_across_two_hosts() -> None:
-    from hybridsync.cluster.launch import launch_mpirun
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_one_launcher_places_ranks_on_both_hosts(launcher: str) -> None:
+    """mpirun and horovodrun, started once (on host 0), run every rank on its own host."""
+    from hybridsync.cluster import launch
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
+    if launcher == "mpirun" and shutil.which("mpirun") is None:
+        pytest.skip("mpirun not installed")
     spec = small_spec()
     with EmulatedCluster(spec) as cluster:
-        job = launch_mpirun(cluster, [sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
-        codes = job.wait(timeout=90)
-        output = job.processes[0].stdout.read()
-        assert codes == [0], output
-        _check_probe_output([output], spec)
-    assert leftovers(cluster.prefix) == []
-
-
-@needs_root
-@needs_horovod
-def test_horovodrun_across_two_hosts() -> None:
-    from hybridsync.cluster.launch import launch_horovodrun
-    from hybridsync.cluster.netns import EmulatedCluster, leftovers
-
-    spec = small_spec()
-    with EmulatedCluster(spec) as cluster:
-        job = launch_horovodrun(cluster, [sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
+        job = getattr(launch, f"launch_{launcher}")(cluster, [sys.executable, "-c", PROBE],
+                                                    stdout=subprocess.PIPE, text=True)
         codes = job.wait(timeout=120)
         output = job.processes[0].stdout.read()
         assert codes == [0], output
         # horovodrun prefixes each rank's lines with "[rank]<stdout>:"
-        _check_probe_output([line.split(":", 1)[-1] for line in output.splitlines()], spec)
+        _check_probe_output([line.split(">:", 1)[-1] for line in output.splitlines()], spec)
     assert leftovers(cluster.prefix) == []
 
 
