@@ -2,7 +2,7 @@
 
 - hierarchical all-reduce (alone, mixed with ring, and mixed with ring and PS through the
   optimizer) trains exactly like Horovod's ring all-reduce, with local_size 2 and
-  cross_size 2 as the launcher announced;
+  cross_size 2 as the launcher announced, under Gloo and under mpirun;
 - ring, hierarchical and parameter-server transports in flight in one step give true sums;
 - hierarchical all-reduce of a 64 MiB message gives the exact sum on every rank, repeatedly
   (the size at which Horovod's Gloo reduce-scatter went wrong here), and of a float16 one;
@@ -90,6 +90,26 @@ def test_hierarchical_equals_ring_across_emulated_hosts(equivalence, case: str) 
     assert result["moved"] > 1e-3  # training really changed the parameters
     assert result["max_abs_diff"] <= result["tolerance"], result
     assert (result["ps_pushed_bytes"] > 0) == case.startswith("ps_"), result
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_hierarchical_equals_ring_under_mpirun(tmp_path: Path) -> None:
+    """The same under Open MPI (Horovod's MPI controller, layout from OMPI_COMM_WORLD_LOCAL_SIZE)."""
+    from hybridsync.cluster.launch import launch_mpirun
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+
+    cases = ["hierarchical", "hierarchical_mixed_with_ring"]
+    out, log = tmp_path / "eq.json", tmp_path / "job.log"
+    with open(log, "a") as stream, EmulatedCluster(SPEC) as cluster:
+        job = launch_mpirun(cluster, [sys.executable, str(WORKERS / "equivalence.py"), str(out), *cases],
+                            env=_env(cluster), stdout=stream, stderr=subprocess.STDOUT)
+        codes = job.wait(timeout=JOB_TIMEOUT_S)
+    assert leftovers(cluster.prefix) == []
+    assert codes == [0] and out.exists(), log.read_text()[-4000:]
+    result = json.loads(out.read_text())
+    assert result["_world"] == {"size": 4, "local_size": 2, "cross_size": 2, "intra_node": "shm"}
+    for case in cases:
+        assert result[case]["moved"] > 1e-3 and result[case]["max_abs_diff"] <= result[case]["tolerance"], result
 
 
 def test_ring_hierarchical_and_ps_transports_in_one_step(tmp_path: Path) -> None:
