@@ -26,6 +26,10 @@ class Reduction:
     postscale_factor: float = 1.0
     """The reduced tensor is multiplied by this afterwards."""
 
+    def result_factor(self, num_workers: int) -> float:
+        """What a backend multiplies the plain sum by: the postscale, and 1/num_workers for an average."""
+        return self.postscale_factor / (num_workers if self.op == "average" else 1)
+
 
 class Handle(Protocol):
     """An in-flight synchronization of one message."""

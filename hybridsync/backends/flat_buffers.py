@@ -38,8 +38,8 @@ def padded_length(tensors: Sequence[torch.Tensor], multiple: int) -> int:
 def node_slice(node_sum: torch.Tensor, local_size: int, local_rank: int) -> torch.Tensor:
     """The contiguous ``1/local_size`` of the node's sum that this rank carries across nodes (a view)."""
     assert node_sum.numel() % local_size == 0, (node_sum.numel(), local_size)
-    length = node_sum.numel() // local_size
-    return node_sum[local_rank * length:(local_rank + 1) * length]
+    start, stop = slice_range(node_sum.numel(), local_size, local_rank)
+    return node_sum[start:stop]
 
 
 def slice_range(padded: int, local_size: int, local_rank: int) -> tuple[int, int]:

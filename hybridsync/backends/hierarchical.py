@@ -69,10 +69,6 @@ def finish_across_nodes(hvd: Any, node_sum: torch.Tensor, sets: HierarchicalSets
     return wait(hvd, hvd.allgather_async(shard, name=f"{name}.ag", process_set=sets.intra_node))
 
 
-def _postscale(reduction: Reduction, size: int) -> float:
-    return reduction.postscale_factor / (size if reduction.op == "average" else 1)
-
-
 class _GlooIntraNodeHandle:
     """``horovod`` intra-node transport: the first all-reduce starts at submit; the cross-node and
     all-gather steps run in ``wait()``.
@@ -94,7 +90,7 @@ class _GlooIntraNodeHandle:
         wait(hvd, self._first)  # in place: self._flat now holds the node's sum (or the total)
         both_levels = sets.intra_node is not None and sets.cross_node is not None
         total = finish_across_nodes(hvd, self._flat, sets, self._name) if both_levels else self._flat
-        copy_out(total, self._tensors, _postscale(self._reduction, hvd.size()))
+        copy_out(total, self._tensors, self._reduction.result_factor(hvd.size()))
 
 
 class HierarchicalAllreduce:
@@ -181,7 +177,7 @@ class HierarchicalAllreduce:
         if self.intra_node == "shm":
             segment, use = self.segment(name, tensors)
             return SharedMemoryHandle(self.hvd, self.sets.cross_node, segment, use, name, tensors,
-                                      reduction.prescale_factor, _postscale(reduction, self.hvd.size()))
+                                      reduction.prescale_factor, reduction.result_factor(self.hvd.size()))
         return _GlooIntraNodeHandle(self, name, tensors, reduction)
 
 

@@ -108,8 +108,8 @@ class NodeSegment:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + LIVENESS_CHECK_S
-                self.check_alive(waiting_for(), what)
                 late = waiting_for()
+                self.check_alive(late, what)
                 if late and not warned and now - start > STALL_WARNING_S:
                     warned = True
                     warnings.warn(f"local ranks {late} have not answered for {now - start:.0f} s while {what}",

@@ -56,14 +56,7 @@ def wait(hvd: Any, handle: Any) -> Any:
 _SLEEPING = _sleeping()  # read once: the hot path pays one global lookup
 
 
-def start_barrier(hvd: Any, name: str, process_set: Any = None) -> Any:
-    """Starts a barrier among all ranks or those of ``process_set`` (a one-element all-reduce);
-    ``wait`` on the handle it returns ends it."""
+def barrier(hvd: Any, name: str = "hybridsync.barrier") -> None:
+    """``hvd.barrier()`` that sleeps while it waits (a one-element all-reduce, waited with ``wait``)."""
     import torch
-    process_set = hvd.global_process_set if process_set is None else process_set
-    return hvd.allreduce_async_(torch.zeros(1), name=name, op=hvd.Sum, process_set=process_set)
-
-
-def barrier(hvd: Any, name: str = "hybridsync.barrier", process_set: Any = None) -> None:
-    """``hvd.barrier()`` that sleeps while it waits, among all ranks or those of ``process_set``."""
-    wait(hvd, start_barrier(hvd, name, process_set))
+    wait(hvd, hvd.allreduce_async_(torch.zeros(1), name=name, op=hvd.Sum))

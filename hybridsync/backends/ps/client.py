@@ -260,7 +260,7 @@ class PSHandle:
         chunks = [chunk for chunk, _ in self._calls]
         what = f"push_pull of {chunks[0].key if len(chunks) == 1 else f'{len(chunks)} keys'}"
         results = self._client.wait_all([call for _, call in self._calls], what)
-        factor = _result_factor(self._reduction, self._client.num_workers)
+        factor = self._reduction.result_factor(self._client.num_workers)
         for chunk, result in zip(chunks, results):
             self._flats[chunk.group][chunk.start:chunk.stop].copy_(result.view(-1))
         for flat, members in zip(self._flats, self._layout.groups):
@@ -278,7 +278,7 @@ class SparseHandle:
 
     def wait(self) -> torch.Tensor:
         (indices, values, size), = self._client.wait_all([self._call], f"sparse push_pull of {self._name}")
-        factor = _result_factor(self._reduction, self._client.num_workers)
+        factor = self._reduction.result_factor(self._client.num_workers)
         return torch.sparse_coo_tensor(indices, values * factor if factor != 1.0 else values, size,
                                        check_invariants=False)
 
@@ -303,11 +303,6 @@ class PSBackend:
     def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
         """Touched rows only, both ways; the callable waits and returns the reduced sparse gradient."""
         return self.client.push_pull_sparse_async(name, grad, reduction).wait
-
-
-def _result_factor(reduction: Reduction, num_workers: int) -> float:
-    """What the summed tensor is multiplied by: the postscale, and 1/num_workers for an average."""
-    return reduction.postscale_factor / (num_workers if reduction.op == "average" else 1)
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
