@@ -129,7 +129,7 @@ def _measure(hvd, numel: int, rounds: int, backends: dict, count_bytes: bool) ->
             "ps_server_bytes": server_bytes, "wrong": wrong}
 
 
-def _hier_stages(hvd, numel: int, reps: int = 3) -> dict[str, float]:
+def _hier_stages(hvd, groups, numel: int, reps: int = 3) -> dict[str, float]:
     """Median seconds of each step of hier-gloo run on its own (this rank).
 
     The steps as the backend runs them; hier's cross-node step is the same as hier-gloo's, so
@@ -137,17 +137,12 @@ def _hier_stages(hvd, numel: int, reps: int = 3) -> dict[str, float]:
     """
     import torch
     from hybridsync.backends import flat_buffers, hierarchical
-    from hybridsync.topology import hierarchical_sets
-    sets = hierarchical_sets()
     flat = torch.ones(numel)  # values grow with each in-place rep; only the time matters here
-    shard = flat_buffers.node_slice(flat, sets.local_size, hvd.local_rank())
+    shard = flat_buffers.node_slice(flat, groups.local_size, groups.local_rank)
     stages = {
-        "intra all-reduce (hier-gloo)": lambda: waiting.wait(
-            hvd, hierarchical.start_first_step(hvd, flat, sets, "st.iar")),
-        "cross all-reduce of slice": lambda: waiting.wait(hvd, hvd.allreduce_async_(
-            shard, name="st.ar", op=hvd.Sum, process_set=sets.cross_node)),
-        "intra all-gather (hier-gloo)": lambda: waiting.wait(hvd, hvd.allgather_async(
-            shard, name="st.ag", process_set=sets.intra_node)),
+        "intra all-reduce (hier-gloo)": lambda: hierarchical.start_first_step(flat, groups, "st.iar").wait(),
+        "cross all-reduce of slice": lambda: groups.cross_node.allreduce_async(shard, "st.ar").wait(),
+        "intra all-gather (hier-gloo)": lambda: groups.intra_node.allgather(shard, "st.ag"),
     }
     out = {}
     for label, op in stages.items():
@@ -189,7 +184,7 @@ def worker(out_path: str, sizes_mb: list[float], rounds: int) -> None:
                         "busy": measured["busy"], "wrong": {p: max(w[p] for w in wrong) for p in PATHS},
                         "ps_server_bytes": measured["ps_server_bytes"]})
     largest = int(max(sizes_mb) * 2**20) // 4
-    stages = hvd.allgather_object(_hier_stages(hvd, largest), name="gather.stages")
+    stages = hvd.allgather_object(_hier_stages(hvd, backends["hier"].groups, largest), name="gather.stages")
     stages = {label: max(s[label] for s in stages) for label in stages[0]}
     world = {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size(),
              "partition_bytes": client.config.partition_bytes, "num_servers": client.config.num_servers}

@@ -1,11 +1,9 @@
-"""Which ranks share a node, and the Horovod process sets that hierarchical all-reduce needs.
+"""Which ranks share a node: the layout hierarchical all-reduce builds its groups on.
 
-Horovod's own hierarchical all-reduce is compiled out without NCCL (and is one global
-switch), so hybridsync builds it from process sets: one set per node (the ranks that
-share it) and one per local rank (the ranks across nodes that share a local rank).
-Static process sets must be declared at ``hvd.init``; dynamic ones would do, but they
-slowed every all-reduce by ~40% here (50 x 256 KB, 2 ranks, Gloo), so ``hs.init``
-derives the node layout from the launcher's environment before initializing Horovod.
+``hs.init`` is ``hvd.init``: nothing is declared for hierarchical all-reduce up front
+(declared Horovod process sets slowed every collective of a job, hierarchical or not;
+``backends/node_groups.py`` says how much). The layout is read from Horovod once it runs,
+so a job started with plain ``hvd.init()`` can route variables hierarchically too.
 """
 from __future__ import annotations
 
@@ -14,9 +12,6 @@ import os
 from typing import Any
 
 from hybridsync.frameworks import horovod_torch
-
-_state: dict[str, Any] = {"layout": None, "sets": None, "problem": "hybridsync.init() was not called "
-                          "(hvd.init() declares no process sets for hierarchical all-reduce)"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,48 +44,16 @@ def layout_from_environment(env: dict[str, str] | None = None) -> NodeLayout | N
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class HierarchicalSets:
-    """This rank's two process sets (``None`` where the level has one member)."""
-
-    intra_node: Any
-    cross_node: Any
-    local_size: int
-    num_nodes: int
-
-
 def init(*args: Any, **kwargs: Any) -> None:
-    """``hvd.init`` plus the process sets for hierarchical all-reduce when the job spans nodes."""
-    hvd = horovod_torch("hybridsync.init")
-    layout = layout_from_environment()
-    if "process_sets" in kwargs or layout is None or not 1 < layout.local_size < layout.size:
-        hvd.init(*args, **kwargs)
-        _state.update(layout=layout, sets=None, problem=None if layout else
-                      "the launcher did not announce how many ranks share a node")
-        if "process_sets" in kwargs:
-            _state["problem"] = "hybridsync.init() was given its own process_sets"
-        return
-    intra = [hvd.ProcessSet(ranks) for ranks in layout.node_ranks()]
-    cross = [hvd.ProcessSet(ranks) for ranks in layout.local_rank_peers()]
-    hvd.init(*args, process_sets=intra + cross, **kwargs)
-    rank = hvd.rank()
-    _state.update(layout=layout, problem=None,
-                  sets=HierarchicalSets(intra[rank // layout.local_size], cross[rank % layout.local_size],
-                                        layout.local_size, layout.num_nodes))
-    if (hvd.local_rank(), hvd.cross_rank()) != (rank % layout.local_size, rank // layout.local_size):
-        _state.update(sets=None, problem=f"rank {rank} is local rank {hvd.local_rank()} of node "
-                      f"{hvd.cross_rank()}: ranks are not laid out node by node")
+    """``hvd.init``, unchanged: hybridsync's routes create what they need when a plan uses them."""
+    horovod_torch("hybridsync.init").init(*args, **kwargs)
 
 
-def hierarchical_sets() -> HierarchicalSets:
-    """This rank's process sets for hierarchical all-reduce; ``RuntimeError`` saying why if there are none."""
+def node_layout() -> tuple[NodeLayout | None, str | None]:
+    """This job's layout from the running Horovod, or ``None`` and why there is none."""
     import horovod.torch as hvd
-    if _state["sets"] is not None:
-        return _state["sets"]
-    if _state["problem"] is None and _state["layout"] is not None:
-        layout = _state["layout"]
-        # One node (or one rank per node): one level of the hierarchy is the whole job.
-        return HierarchicalSets(hvd.global_process_set if layout.num_nodes == 1 else None,
-                                hvd.global_process_set if layout.local_size == 1 else None,
-                                layout.local_size, layout.num_nodes)
-    raise RuntimeError(f"hierarchical all-reduce is not available: {_state['problem']}")
+    if not hvd.is_initialized():
+        return None, "Horovod is not initialized (call hs.init() first)"
+    if not hvd.mpi_ops._basics.is_homogeneous():  # not re-exported by horovod.torch
+        return None, f"nodes hold different numbers of ranks (rank {hvd.rank()}'s node has {hvd.local_size()})"
+    return NodeLayout(size=hvd.size(), local_size=hvd.local_size()), None

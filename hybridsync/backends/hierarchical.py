@@ -1,9 +1,11 @@
-"""Hierarchical all-reduce from Horovod process sets, selectable per message.
+"""Hierarchical all-reduce, selectable per message.
 
 Three steps: reduce within the node, all-reduce across nodes, share within the node.
 Each rank of a node carries its own ``1/local_size`` slice of the node's sum across nodes
 (all-reducing it with the ranks that share its local rank on the other nodes, the
-``cross_node`` set ``hs.init()`` declares), so every rank's uplink is busy at once and each
+``cross_node`` group of ``node_groups``, built when a plan first uses this route and never
+a Horovod process set, so a job pays nothing for the route unless it uses it), so every
+rank's uplink is busy at once and each
 carries ``1/local_size`` of the message: the cross-node traffic of the bandwidth-optimal
 form Horovod uses with NCCL.
 
@@ -16,8 +18,8 @@ The intra-node steps go through one of two transports (``HYBRIDSYNC_INTRA_NODE``
   Chosen on x86-64 when every node's ranks are seen to share the segment (and each other's
   pids); otherwise (ranks of a node in separate containers, say) the job warns once and
   uses ``horovod``.
-- ``horovod``: an all-reduce of the whole message on the node's process set, then the
-  cross-node step on the slice, then an all-gather of the slices on the node's set. Moves
+- ``horovod``: a Gloo all-reduce of the whole message within the node's group, then the
+  cross-node step on the slice, then an all-gather of the slices within the node. Moves
   about twice a reduce-scatter's bytes within the node: Horovod 0.28.1's Gloo
   ``reducescatter`` on a process set intermittently returned wrong sums (one contribution
   counted twice) and sometimes hung for 64 MiB buffers on the emulated cluster
@@ -45,81 +47,76 @@ from hybridsync.backends.base import Reduction, RouteUnavailableError
 from hybridsync.backends.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
 from hybridsync.backends.hierarchical_shm import SharedMemoryHandle
 from hybridsync.backends.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
-from hybridsync.backends.waiting import barrier, wait
-from hybridsync.topology import HierarchicalSets, hierarchical_sets
+from hybridsync.backends.waiting import barrier
+from hybridsync.backends.node_groups import HierarchicalGroups, Work, hierarchical_groups
+from hybridsync.topology import node_layout
 
 INTRA_NODE_VAR = "HYBRIDSYNC_INTRA_NODE"
 INTRA_NODE_CHOICES = ("shm", "horovod")
 
 
-def start_first_step(hvd: Any, flat: torch.Tensor, sets: HierarchicalSets, name: str) -> int:
-    """Starts the in-place all-reduce of ``flat`` on the node's set (or, with one rank per node, across nodes)."""
-    process_set = sets.intra_node if sets.intra_node is not None else sets.cross_node
-    assert process_set is not None, "a job of one rank has no hierarchical sets"
-    return hvd.allreduce_async_(flat, name=f"{name}.iar" if sets.intra_node is not None else f"{name}.ar",
-                                op=hvd.Sum, process_set=process_set)
+def start_first_step(flat: torch.Tensor, groups: HierarchicalGroups, name: str) -> Work:
+    """Starts the in-place sum of ``flat`` within the node (or, with one rank per node, across nodes)."""
+    group = groups.intra_node if groups.intra_node is not None else groups.cross_node
+    assert group is not None, "a job of one rank has no hierarchical groups"
+    return group.allreduce_async(flat, f"{name}.iar" if groups.intra_node is not None else f"{name}.ar")
 
 
-def finish_across_nodes(hvd: Any, node_sum: torch.Tensor, sets: HierarchicalSets, name: str) -> torch.Tensor:
+def finish_across_nodes(node_sum: torch.Tensor, groups: HierarchicalGroups, name: str) -> torch.Tensor:
     """Steps 2 and 3 on a buffer already summed within the node: the global sum, padded length."""
-    # hs.init() checked that local rank == position in the node's set (ranks laid out node by node),
-    # which is the order in which all-gather concatenates the slices.
-    shard = node_slice(node_sum, sets.local_size, hvd.local_rank())
-    wait(hvd, hvd.allreduce_async_(shard, name=f"{name}.ar", op=hvd.Sum, process_set=sets.cross_node))
-    return wait(hvd, hvd.allgather_async(shard, name=f"{name}.ag", process_set=sets.intra_node))
+    # hierarchical_groups() checked that local rank == position in the node's group (ranks laid
+    # out node by node), which is the order in which all-gather concatenates the slices.
+    shard = node_slice(node_sum, groups.local_size, groups.local_rank)
+    groups.cross_node.allreduce_async(shard, f"{name}.ar").wait()
+    return groups.intra_node.allgather(shard, f"{name}.ag")
 
 
 class _GlooIntraNodeHandle:
-    """``horovod`` intra-node transport: the first all-reduce starts at submit; the cross-node and
-    all-gather steps run in ``wait()``.
+    """``horovod`` intra-node transport: all three steps run in ``wait()``.
 
-    The router waits messages in plan order on every rank, so the blocking steps meet up.
+    The router waits messages in plan order on every rank, and a group's collectives must be
+    issued in the same order by all its members, so nothing starts at submit (the order in
+    which gradients become ready is not guaranteed to be the same on every rank).
     """
 
     def __init__(self, backend: "HierarchicalAllreduce", name: str, tensors: Sequence[torch.Tensor],
                  reduction: Reduction) -> None:
         self._backend, self._name, self._tensors, self._reduction = backend, name, tensors, reduction
-        flat, _ = flatten_padded(tensors, backend.sets.local_size)
-        if reduction.prescale_factor != 1.0:
-            flat.mul_(reduction.prescale_factor)
-        self._flat = flat
-        self._first = start_first_step(backend.hvd, flat, backend.sets, name)
 
     def wait(self) -> None:
-        hvd, sets = self._backend.hvd, self._backend.sets
-        wait(hvd, self._first)  # in place: self._flat now holds the node's sum (or the total)
-        both_levels = sets.intra_node is not None and sets.cross_node is not None
-        total = finish_across_nodes(hvd, self._flat, sets, self._name) if both_levels else self._flat
-        copy_out(total, self._tensors, self._reduction.result_factor(hvd.size()))
+        groups = self._backend.groups
+        flat, _ = flatten_padded(self._tensors, groups.local_size)
+        if self._reduction.prescale_factor != 1.0:
+            flat.mul_(self._reduction.prescale_factor)
+        start_first_step(flat, groups, self._name).wait()  # in place: flat now holds the node's sum (or the total)
+        both_levels = groups.intra_node is not None and groups.cross_node is not None
+        total = finish_across_nodes(flat, groups, self._name) if both_levels else flat
+        copy_out(total, self._tensors, self._reduction.result_factor(self._backend.hvd.size()))
 
 
 class HierarchicalAllreduce:
-    """Per-message hierarchical all-reduce over the node/local-rank process sets of ``hs.init()``."""
+    """Per-message hierarchical all-reduce over the node / local-rank groups (``node_groups``)."""
 
     def __init__(self, intra_node: str | None = None) -> None:
         """``intra_node``: ``shm`` or ``horovod``; by default ``HYBRIDSYNC_INTRA_NODE`` (or ``shm``).
         Collective: every rank constructs it at the same point."""
         import horovod.torch as hvd
         self.hvd = hvd
-        try:
-            sets: HierarchicalSets | None = hierarchical_sets()
-            problem = None
-        except RuntimeError as e:
-            sets, problem = None, str(e)
-        # Every rank must agree before any of them relies on the sets, or one would hang.
+        layout, problem = node_layout()
+        # Every rank must agree before any of them builds groups, or one would hang.
         problems = [p for p in hvd.allgather_object(problem, name="hybridsync.hierarchical_check") if p]
         if problems:
-            raise RouteUnavailableError(f"{problems[0]} (reported by {len(problems)} of {hvd.size()} ranks)")
-        assert sets is not None
-        self.sets = sets
+            raise RouteUnavailableError(f"hierarchical all-reduce is not available: {problems[0]} "
+                                        f"(reported by {len(problems)} of {hvd.size()} ranks)")
+        self.groups = groups = hierarchical_groups(hvd, layout)
         self._node_pids: list[int] = []
-        self.intra_node = self._choose_intra_node(intra_node) if sets.intra_node is not None else "horovod"
+        self.intra_node = self._choose_intra_node(intra_node) if groups.intra_node is not None else "horovod"
         self._segments: dict[str, NodeSegment] = {}
         self._uses: dict[str, int] = {}
 
     def _choose_intra_node(self, asked: str | None) -> str:
         """``shm`` where asked for and every node's ranks share a probe segment; agreed by all ranks."""
-        hvd, sets = self.hvd, self.sets
+        hvd, groups = self.hvd, self.groups
         choice = asked or os.environ.get(INTRA_NODE_VAR, "shm").strip().lower() or "shm"
         if choice not in INTRA_NODE_CHOICES:
             raise ValueError(f"{INTRA_NODE_VAR} must be one of {', '.join(INTRA_NODE_CHOICES)}, got {choice!r}")
@@ -130,14 +127,14 @@ class HierarchicalAllreduce:
             problem = f"this machine ({os.uname().machine}) does not order stores as the shared counters need"
         elif choice == "shm":
             try:
-                probe = NodeSegment(segment_path(self.job_token, hvd.cross_rank(), "probe"), sets.local_size,
+                probe = NodeSegment(segment_path(self.job_token, hvd.cross_rank(), "probe"), groups.local_size,
                                     1, torch.float64, hvd.local_rank())
                 probe.inputs[hvd.local_rank()][0] = hvd.rank() + 1
             except OSError as e:
                 problem = f"rank {hvd.rank()} cannot map a segment in {SHM_DIR}: {e}"
         barrier(hvd, "hybridsync.node_memory_probe")  # every rank has written its probe
         if probe is not None:
-            problem = _probe_problem(probe, [hvd.cross_rank() * sets.local_size + i for i in range(sets.local_size)],
+            problem = _probe_problem(probe, [hvd.cross_rank() * groups.local_size + i for i in range(groups.local_size)],
                                      hvd.rank())
         answers = hvd.allgather_object((choice, problem), name="hybridsync.node_memory_check")
         if probe is not None:
@@ -157,11 +154,11 @@ class HierarchicalAllreduce:
 
     def segment(self, name: str, tensors: Sequence[torch.Tensor]) -> tuple[NodeSegment, int]:
         """The node's shared segment for message ``name`` (mapped at its first use) and this use's number."""
-        padded = padded_length(tensors, self.sets.local_size)
+        padded = padded_length(tensors, self.groups.local_size)
         segment = self._segments.get(name)
         if segment is None:
             segment = NodeSegment(segment_path(self.job_token, self.hvd.cross_rank(), name),
-                                  self.sets.local_size, padded, tensors[0].dtype, self.hvd.local_rank(),
+                                  self.groups.local_size, padded, tensors[0].dtype, self.hvd.local_rank(),
                                   self._node_pids)
             self._segments[name] = segment
         if segment.output.numel() != padded or segment.output.dtype != tensors[0].dtype:
@@ -176,7 +173,7 @@ class HierarchicalAllreduce:
                                f"all-reduce sends a message as one buffer")
         if self.intra_node == "shm":
             segment, use = self.segment(name, tensors)
-            return SharedMemoryHandle(self.hvd, self.sets.cross_node, segment, use, name, tensors,
+            return SharedMemoryHandle(self.groups.cross_node, segment, use, name, tensors,
                                       reduction.prescale_factor, reduction.result_factor(self.hvd.size()))
         return _GlooIntraNodeHandle(self, name, tensors, reduction)
 

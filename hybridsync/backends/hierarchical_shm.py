@@ -18,10 +18,11 @@ every rank has copied it (use n+1's inputs are written only after use n is compl
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
+from hybridsync.backends.node_groups import Group
 from hybridsync.backends.flat_buffers import copy_into, copy_out, pieces, slice_range
 from hybridsync.backends.node_memory import NodeSegment
 
@@ -30,9 +31,9 @@ class SharedMemoryHandle:
     """One message's hierarchical all-reduce through ``segment``: the copy in at construction
     (submit), the rest in ``wait()``."""
 
-    def __init__(self, hvd: Any, cross_node: Any, segment: NodeSegment, use: int, name: str,
+    def __init__(self, cross_node: Group | None, segment: NodeSegment, use: int, name: str,
                  tensors: Sequence[torch.Tensor], prescale: float, postscale: float) -> None:
-        self._hvd, self._cross_node, self._segment, self._use = hvd, cross_node, segment, use
+        self._cross_node, self._segment, self._use = cross_node, segment, use
         self._name, self._tensors, self._prescale, self._postscale = name, tensors, prescale, postscale
         local_size, me = len(segment.inputs), segment.local_rank
         padded = segment.output.numel()
@@ -55,8 +56,7 @@ class SharedMemoryHandle:
         self._sum_slice(shard, lo, hi)
         in_flight = []
         if self._cross_node is not None:
-            in_flight.append(self._hvd.allreduce_async_(shard, name=f"{self._name}.ar", op=self._hvd.Sum,
-                                                        process_set=self._cross_node))
+            in_flight.append(self._cross_node.allreduce_async(shard, f"{self._name}.ar"))
         unread = [i for i in range(len(self._ranges)) if i != me]
 
         def read_final_slices() -> bool:
@@ -66,12 +66,12 @@ class SharedMemoryHandle:
                 if self._by_slice:
                     copy_out(segment.output, self._tensors, self._postscale, [self._ranges[i]])
                 unread.remove(i)
-            return not in_flight or bool(self._hvd.poll(in_flight[0]))
+            return not in_flight or in_flight[0].done()
 
         what = f"waiting for the final slices of message {self._name!r}"
         segment.wait_until(read_final_slices, lambda: unread, what)
         if in_flight:
-            self._hvd.synchronize(in_flight.pop())
+            in_flight.pop().wait()
         segment.outputs_done[me] = use
         if self._by_slice:
             copy_out(segment.output, self._tensors, self._postscale, [(lo, hi)])

@@ -52,6 +52,21 @@ class RingAllreduce:
         return _HorovodHandle(self._hvd, self._hvd.grouped_allreduce_async_(list(tensors), name=name, **kwargs))
 
     def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
-        """Sparse gradients as Horovod sends them: all-gather of indices and values."""
-        return self._hvd.sparse_allreduce_async(grad, name=name, op=horovod_op(reduction),
-                                                process_set=self._process_set)
+        """Sparse gradients as Horovod sends them (``sparse_allreduce_async``): all-gather of the
+        indices and of the values, the values divided by the ranks for an average. Waited for
+        with ``waiting.wait``, so ``HYBRIDSYNC_WAIT=sleep`` holds for sparse gradients too."""
+        hvd, process_set = self._hvd, self._process_set
+        # all-gather concatenates along dim 0: indices travel as (nnz, sparse_dim).
+        indices = hvd.allgather_async(grad._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
+                                      process_set=process_set)
+        values = hvd.allgather_async(grad._values(), name=f"{name}.values", process_set=process_set)
+
+        def result() -> torch.Tensor:
+            gathered_values = wait(hvd, values)  # values first, as Horovod does (horovod#2961)
+            gathered_indices = wait(hvd, indices)
+            if reduction.op == "average":
+                gathered_values = gathered_values / process_set.size()
+            if gathered_indices.dim() == 0 or gathered_values.dim() == 0:
+                return torch.sparse_coo_tensor(size=grad.size(), dtype=grad.dtype)  # nothing touched anywhere
+            return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, grad.size())
+        return result

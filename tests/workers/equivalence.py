@@ -168,7 +168,7 @@ def train_nothing(model_kwargs: dict) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    hs.init()  # declares the process sets hierarchical all-reduce needs when the job spans nodes
+    hs.init()
     out_path, names = sys.argv[1], sys.argv[2:] or list(CASES)
     results = {name: run_case(name) for name in names}
     results["_world"] = {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size()}

@@ -92,7 +92,8 @@ CASES = {
     "strategy_from_environment": strategy_from_environment,
     "ps_without_servers": lambda: make({"variables": {"0.weight": {"route": "ps"}}}),
     "ps_worker_count_mismatch": ps_worker_count_mismatch,
-    "hierarchical_without_hs_init": lambda: make({"variables": {"0.weight": {"route": "allreduce",
+    # Not an error any more: hierarchical groups need no hs.init() (they are built when a plan uses them).
+    "hierarchical_after_plain_hvd_init": lambda: make({"variables": {"0.weight": {"route": "allreduce",
                                                                              "algorithm": "hierarchical"}}}),
     "duplicate_names": lambda: make(named=[("w", p) for p in model().parameters()]),
     "predivide_with_sum": lambda: make(op=hs.Sum, gradient_predivide_factor=2.0),

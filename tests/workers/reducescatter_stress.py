@@ -22,25 +22,28 @@ import sys
 import horovod.torch as hvd
 import torch
 
-import hybridsync as hs
-from hybridsync.topology import hierarchical_sets
+from hybridsync.topology import layout_from_environment
 
 
 def main() -> int:
     mib = float(sys.argv[1]) if len(sys.argv) > 1 else 64
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
     torch.set_num_threads(1)
-    hs.init()
-    sets = hierarchical_sets()
+    layout = layout_from_environment()
+    intra = [hvd.ProcessSet(ranks) for ranks in layout.node_ranks()]
+    cross = [hvd.ProcessSet(ranks) for ranks in layout.local_rank_peers()]
+    hvd.init(process_sets=intra + cross)
+    rank = hvd.rank()
+    intra_node, cross_node = intra[rank // layout.local_size], cross[rank % layout.local_size]
     numel = int(mib * 2**20) // 4
     ranks = range(hvd.cross_rank() * hvd.local_size(), (hvd.cross_rank() + 1) * hvd.local_size())
     node_sum, total = float(sum(r + 1 for r in ranks)), float(sum(range(1, hvd.size() + 1)))
     failed = False
     for rep in range(reps):
         value = torch.full((numel,), float(hvd.rank() + 1))
-        shard = hvd.synchronize(hvd.reducescatter_async(value, name="rs", op=hvd.Sum, process_set=sets.intra_node))
-        reduced = hvd.allreduce(shard, name="ar", op=hvd.Sum, process_set=sets.cross_node)
-        full = hvd.allgather(reduced, name="ag", process_set=sets.intra_node)
+        shard = hvd.synchronize(hvd.reducescatter_async(value, name="rs", op=hvd.Sum, process_set=intra_node))
+        reduced = hvd.allreduce(shard, name="ar", op=hvd.Sum, process_set=cross_node)
+        full = hvd.allgather(reduced, name="ag", process_set=intra_node)
         for step, out, want in (("reduce-scatter", shard, node_sum), ("cross all-reduce", reduced, total),
                                 ("all-gather", full, total)):
             off = int((out != want).sum())

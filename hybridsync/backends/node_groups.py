@@ -1,0 +1,211 @@
+"""The two communicators of hierarchical all-reduce, created when a plan first uses the route.
+
+Hierarchical all-reduce needs the ranks of a node (the intra-node step, when it is not done
+through shared memory) and the ranks that share a local rank on the other nodes (the
+cross-node step). Horovod's process sets would serve, but a process set is not free: static
+sets must be declared at ``hvd.init`` and, declared, slowed every Horovod collective of the
+job, hierarchical or not; ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` must also be set at
+``hvd.init`` and taxes the job the same way (benchmarks/dropin_cluster.py and
+benchmarks/RESULTS.md have the numbers). A job would pay for a route its strategy never uses.
+
+So the groups are ``torch.distributed`` Gloo process groups, built directly on a
+``TCPStore`` that rank 0 hosts, outside Horovod: nothing exists until a plan routes a
+variable hierarchically (``hierarchical_groups`` is collective and runs at optimizer
+construction), and Horovod's background loop never sees them. Where one level is the whole
+job (one node, or one rank per node) that level is Horovod's own global all-reduce.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from collections import Counter
+from typing import Any, Protocol
+
+import torch
+
+from hybridsync.backends.base import RouteUnavailableError
+from hybridsync.backends.waiting import wait
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=600)
+"""Gloo's bound on one collective: a 64 MiB slice at 100 Mbit/s takes ~6 s; a dead peer fails
+at once (its sockets close), so this only bounds a peer that hangs."""
+CONNECT_TIMEOUT_S = 5.0
+INTERFACE_VARS = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
+"""The interface horovodrun (or the user) chose for Gloo; used for our groups too when set."""
+
+
+class Work(Protocol):
+    """A collective in flight."""
+
+    def wait(self) -> Any:
+        """Block until it is done (raising if it failed)."""
+        ...
+
+    def done(self) -> bool:
+        """True once it is done (``wait`` then returns at once)."""
+        ...
+
+
+class Group(Protocol):
+    """Some ranks of the job that reduce and gather together, in the order they are asked."""
+
+    size: int
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Work:
+        """Start summing ``tensor`` (contiguous) in place across the group."""
+        ...
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Every member's ``tensor`` (equal lengths), concatenated in member order."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HierarchicalGroups:
+    """This rank's two groups; ``None`` where a level has a single member."""
+
+    intra_node: Group | None
+    cross_node: Group | None
+    local_size: int
+    num_nodes: int
+    local_rank: int
+
+
+class _HorovodWork:
+    def __init__(self, hvd: Any, handle: Any) -> None:
+        self._hvd, self._handle = hvd, handle
+
+    def wait(self) -> Any:
+        return wait(self._hvd, self._handle)
+
+    def done(self) -> bool:
+        return bool(self._hvd.poll(self._handle))
+
+
+class HorovodGlobal:
+    """The whole job, through Horovod's global set (no process set needed)."""
+
+    def __init__(self, hvd: Any) -> None:
+        self._hvd, self.size = hvd, hvd.size()
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Work:
+        return _HorovodWork(self._hvd, self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Sum))
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return wait(self._hvd, self._hvd.allgather_async(tensor, name=name))
+
+
+class _GlooWork:
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> Any:
+        return self._work.wait()  # blocks in C++ without holding the GIL or a spinning core
+
+    def done(self) -> bool:
+        return bool(self._work.is_completed())
+
+
+class GlooGroup:
+    """A torch Gloo process group over ``ranks`` (this rank among them)."""
+
+    def __init__(self, store: Any, label: str, ranks: list[int], rank: int, device_address: str) -> None:
+        import torch.distributed as dist
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=device_address)]
+        options._timeout = GROUP_TIMEOUT
+        self.size, self.ranks = len(ranks), ranks
+        self._group = dist.ProcessGroupGloo(dist.PrefixStore(label, store), ranks.index(rank), len(ranks), options)
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Work:
+        return _GlooWork(self._group.allreduce([tensor]))
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype)
+        self._group.allgather([list(out.chunk(self.size))], [tensor]).wait()
+        return out
+
+
+_groups: dict[str, Any] = {}
+
+
+def hierarchical_groups(hvd: Any, layout: Any) -> HierarchicalGroups:
+    """This rank's groups for ``layout`` (``topology.NodeLayout``), built at the first call.
+
+    Collective: every rank calls it at the same point (optimizer construction). Ranks must
+    be laid out node by node (node k holds ranks ``k*local_size ...``), as horovodrun and
+    Open MPI's default mapping place them; otherwise ``RouteUnavailableError`` on every rank.
+    """
+    if "groups" in _groups:
+        return _groups["groups"]
+    rank, size, local_size = hvd.rank(), hvd.size(), layout.local_size
+    node, local_rank = rank // local_size, rank % local_size
+    placed = (hvd.local_rank(), hvd.cross_rank()) == (local_rank, node)
+    misplaced = [r for r, ok in enumerate(hvd.allgather_object(placed, name="hybridsync.groups.layout")) if not ok]
+    if misplaced:
+        raise RouteUnavailableError(f"hierarchical all-reduce needs ranks laid out node by node; ranks {misplaced} "
+                                    f"are not (rank r should be local rank r % {local_size} of node r // {local_size})")
+    one_node, one_per_node = layout.num_nodes == 1, local_size == 1
+    store, address = (None, "") if one_node or one_per_node else _rendezvous(hvd)
+    intra = (HorovodGlobal(hvd) if one_node else None if one_per_node else
+             GlooGroup(store, f"hybridsync/node{node}", layout.node_ranks()[node], rank, address))
+    cross = (HorovodGlobal(hvd) if one_per_node else None if one_node else
+             GlooGroup(store, f"hybridsync/local{local_rank}", layout.local_rank_peers()[local_rank], rank, address))
+    _groups.update(groups=HierarchicalGroups(intra_node=intra, cross_node=cross, local_size=local_size,
+                                             num_nodes=layout.num_nodes, local_rank=local_rank), store=store)
+    return _groups["groups"]
+
+
+def _rendezvous(hvd: Any) -> tuple[Any, str]:
+    """Rank 0 hosts a ``TCPStore``; every rank finds an address of rank 0 it reaches and the
+    address of its own it reaches it from (its Gloo device's address). Rank 0's own device
+    address is the one of its addresses the other ranks reached most."""
+    import torch.distributed as dist
+    store = None
+    if hvd.rank() == 0:
+        store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+        offer = (_own_addresses(), store.port)
+    offer = hvd.broadcast_object(offer if hvd.rank() == 0 else None, root_rank=0, name="hybridsync.groups.offer")
+    candidates, port = offer
+    reached = _reach(candidates, port) if hvd.rank() != 0 else None
+    everyone = hvd.allgather_object(reached, name="hybridsync.groups.reached")
+    failed = [r for r, answer in enumerate(everyone) if r != 0 and answer is None]
+    if failed:
+        raise RouteUnavailableError(f"hierarchical all-reduce: ranks {failed} cannot reach rank 0 at any of "
+                                    f"{', '.join(candidates)} (port {port}); set HOROVOD_GLOO_IFACE to the "
+                                    f"interface the hosts share")
+    if hvd.rank() == 0:
+        votes = Counter(answer[0] for answer in everyone[1:])
+        return store, votes.most_common(1)[0][0] if votes else candidates[0]
+    rank0_address, own_address = reached
+    store = dist.TCPStore(rank0_address, port, None, False, timeout=GROUP_TIMEOUT)
+    return store, own_address
+
+
+def _own_addresses() -> list[str]:
+    """This host's IPv4 addresses, the chosen interface's first, loopback last."""
+    import psutil
+    wanted = next((os.environ[v] for v in INTERFACE_VARS if os.environ.get(v)), None)
+    found: list[tuple[int, str]] = []
+    for iface, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family == socket.AF_INET:
+                order = 0 if iface == wanted else 2 if address.address.startswith("127.") else 1
+                found.append((order, address.address))
+    if wanted and not any(order == 0 for order, _ in found):
+        raise RouteUnavailableError(f"hierarchical all-reduce: interface {wanted!r} (from "
+                                    f"{'/'.join(INTERFACE_VARS)}) has no IPv4 address on rank 0's host")
+    return [address for _, address in sorted(found)] or ["127.0.0.1"]
+
+
+def _reach(candidates: list[str], port: int) -> tuple[str, str] | None:
+    """(rank 0's address, our source address) for the first candidate that accepts a connection."""
+    for address in candidates:
+        try:
+            with socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S) as probe:
+                return address, probe.getsockname()[0]
+        except OSError:
+            continue
+    return None
