@@ -54,8 +54,8 @@ _HOROVODRUN_ARITY: dict[str, int] = {
         "-h", "--help", "-v", "--version", "-cb", "--check-build", "--disable-cache", "--verbose",
         "--hierarchical-allreduce", "--no-hierarchical-allreduce", "--hierarchical-allgather",
         "--no-hierarchical-allgather", "--torus-allreduce", "--no-torus-allreduce", "--autotune", "--no-autotune",
-        "--timeline-mark-cycles", "--no-timeline-mark-cycles", "--no-stall-check", "--stall-check", "--mpi-threads-disable",
-        "--no-mpi-threads-disable", "--tcp", "--log-with-timestamp", "--log-without-timestamp",
+        "--timeline-mark-cycles", "--no-timeline-mark-cycles", "--no-stall-check", "--stall-check",
+        "--mpi-threads-disable", "--no-mpi-threads-disable", "--tcp", "--log-with-timestamp", "--log-without-timestamp",
         "-prefix-timestamp", "--prefix-output-with-timestamp", "--log-hide-timestamp", "--no-log-hide-timestamp",
         "--gloo", "--mpi", "--jsrun"), 0),
 }
