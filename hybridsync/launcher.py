@@ -1,9 +1,13 @@
 """``hybridsync-run``: horovodrun plus what hybridsync needs around it.
 
-    hybridsync-run [--strategy S] [--num-servers K] [--server-hosts H,...] [horovodrun flags...] command...
+    hybridsync-run [hybridsync and horovodrun flags, in any order] command...
+    hybridsync-run -np 2 -H localhost:2 --num-servers 2 --strategy s.json python train.py
 
-hybridsync's own flags come first; everything from the first other token on is handed to
-horovodrun unchanged. The launcher sets ``HYBRIDSYNC_STRATEGY`` for every rank, starts K
+hybridsync's own flags may stand anywhere before the command; every other word goes to
+horovodrun unchanged, in order, and everything from the command on is the command's.
+With horovodrun's ``--config-file``, the file's ``hybridsync:`` section (``strategy``,
+relative to the file, ``num_servers``, ``partition_bytes``) supplies what the command line
+does not set; the flags win. The launcher sets ``HYBRIDSYNC_STRATEGY`` for every rank, starts K
 parameter servers (BytePS's ``DMLC_*`` settings) beside the workers when the strategy
 routes anything through the PS, and stops them when the job ends, however it ends.
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,9 +32,33 @@ from typing import Sequence
 from hybridsync import procs
 from hybridsync.strategy import Strategy
 
-_OWN_FLAGS = {"--strategy": True, "--num-servers": True, "--server-hosts": True, "--partition-bytes": True,
-              "--ps-root-port": True}
-"""Flag -> whether it takes a value."""
+_OWN_FLAGS = ("--strategy", "--num-servers", "--server-hosts", "--partition-bytes", "--ps-root-port")
+"""hybridsync-run's own flags; each takes one value (``--flag V`` or ``--flag=V``), spelled in full."""
+
+# horovodrun 0.28.1's options (horovod/runner/launch.py) -> how many values each takes. Only
+# the arity matters here: it tells a flag's value from the first word of the command.
+# tests/test_launcher.py checks this table against horovodrun's own parser.
+_HOROVODRUN_ARITY: dict[str, int] = {
+    **dict.fromkeys((
+        "-np", "--num-proc", "--start-timeout", "--network-interfaces", "--network-interface",
+        "--output-filename", "--config-file", "-p", "--ssh-port", "-i", "--ssh-identity-file",
+        "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--autotune-log-file",
+        "--autotune-warmup-samples", "--autotune-steps-per-sample", "--autotune-bayes-opt-max-samples",
+        "--autotune-gaussian-process-noise", "--min-np", "--min-num-proc", "--max-np", "--max-num-proc",
+        "--slots-per-host", "--elastic-timeout", "--reset-limit", "--timeline-filename",
+        "--stall-check-warning-time-seconds", "--stall-check-shutdown-time-seconds", "--mpi-args",
+        "--binding-args", "--num-nccl-streams", "--thread-affinity", "--gloo-timeout-seconds", "--log-level",
+        "-H", "--hosts", "-hostfile", "--hostfile", "--host-discovery-script"), 1),
+    "--blacklist-cooldown-range": 2,
+    **dict.fromkeys((
+        "-h", "--help", "-v", "--version", "-cb", "--check-build", "--disable-cache", "--verbose",
+        "--hierarchical-allreduce", "--no-hierarchical-allreduce", "--hierarchical-allgather",
+        "--no-hierarchical-allgather", "--torus-allreduce", "--no-torus-allreduce", "--autotune", "--no-autotune",
+        "--timeline-mark-cycles", "--no-timeline-mark-cycles", "--no-stall-check", "--stall-check",
+        "--mpi-threads-disable", "--no-mpi-threads-disable", "--tcp", "--log-with-timestamp", "--log-without-timestamp",
+        "-prefix-timestamp", "--prefix-output-with-timestamp", "--log-hide-timestamp", "--no-log-hide-timestamp",
+        "--gloo", "--mpi", "--jsrun"), 0),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,20 +78,61 @@ class LaunchOptions:
 
 
 def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
-    """hybridsync's leading flags, and the rest for horovodrun. ``ValueError`` on a bad value."""
+    """hybridsync's flags, and the rest for horovodrun. ``ValueError`` on a bad value.
+
+    Ours may stand anywhere before the command, among horovodrun's flags, as horovodrun
+    reads its own: the command starts at the first word that is neither a flag nor a
+    flag's value (or after ``--``), and everything from there on is the command's, even
+    a word that looks like one of our flags.
+    """
     own: dict[str, str] = {}
+    rest: list[str] = []
     i = 0
-    while i < len(argv):
-        flag, _, inline = argv[i].partition("=")
-        if flag not in _OWN_FLAGS:
-            break
-        if inline:
-            own[flag], i = inline, i + 1
-        elif i + 1 < len(argv):
-            own[flag], i = argv[i + 1], i + 2
-        else:
-            raise ValueError(f"{flag} needs a value")
-    return _options(own), list(argv[i:])
+    while i < len(argv) and _is_flag(argv[i]):
+        flag, inline = _resolve_flag(argv[i])
+        if flag in _OWN_FLAGS:
+            if inline is None and (i + 1 == len(argv) or _is_flag(argv[i + 1])):
+                raise ValueError(f"{flag} needs a value")
+            own[flag], i = (inline, i + 1) if inline is not None else (argv[i + 1], i + 2)
+            continue
+        arity = 0 if inline is not None else _HOROVODRUN_ARITY.get(flag, 0)
+        taken = 0
+        while taken < arity and i + 1 + taken < len(argv) and not _is_flag(argv[i + 1 + taken]):
+            taken += 1  # a flag where a value should be: horovodrun reports the missing value
+        rest.extend(argv[i:i + 1 + taken])
+        i += 1 + taken
+    return _options(own), rest + list(argv[i:])
+
+
+def _is_flag(word: str) -> bool:
+    """Whether argparse reads ``word`` as an option (``-5``, ``-`` and ``--`` are not options here)."""
+    return word.startswith("-") and word != "-" and word != "--" and not _NEGATIVE_NUMBER.fullmatch(word)
+
+
+_NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
+
+
+def _resolve_flag(word: str) -> tuple[str, str | None]:
+    """The option ``word`` names (as argparse resolves it) and its ``=``/attached value, if any.
+
+    An unknown word is returned as is (horovodrun will reject it); an abbreviation that
+    could be one of ours or another option is a ``ValueError``, as in argparse.
+    """
+    known = (*_OWN_FLAGS, *_HOROVODRUN_ARITY)
+    name, eq, inline = word.partition("=")
+    value = inline if eq else None
+    if name in known:
+        return name, value
+    if name.startswith("--"):
+        matches = [flag for flag in known if flag.startswith(name)]
+        if len(matches) == 1:
+            return matches[0], value
+        if any(m in _OWN_FLAGS for m in matches):
+            raise ValueError(f"ambiguous option: {name} could match {', '.join(matches)}")
+        return name, value
+    if word[:2] in _HOROVODRUN_ARITY and _HOROVODRUN_ARITY[word[:2]] == 1:
+        return word[:2], word[2:]  # argparse's attached short value: -Hlocalhost:2
+    return name, value
 
 
 def _options(own: dict[str, str]) -> LaunchOptions:
@@ -102,6 +172,8 @@ class JobShape:
     """Host names of ``-H``/``--hostfile`` (empty: horovodrun's default, this host)."""
     ssh_args: tuple[str, ...] = ()
     """The job's ``-p``/``-i`` ssh settings, reused to start servers on other hosts."""
+    config_file: str | None = None
+    """horovodrun's ``--config-file``, whose ``hybridsync:`` section fills in our settings."""
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -111,14 +183,36 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
     from horovod.runner import launch
     from horovod.runner.common.util import hosts as horovod_hosts
     with mock.patch.object(sys, "argv", ["horovodrun", *horovodrun_argv]):
-        args = launch.parse_args()
+        try:
+            args = launch.parse_args()  # also reads --config-file, as horovodrun will
+        except OSError as e:
+            raise ValueError(f"cannot read --config-file: {e}") from None
     if not args.command:
         raise ValueError("no training command given (e.g. hybridsync-run -np 2 python train.py)")
     spec = args.hosts or (horovod_hosts.parse_host_files(args.hostfile) if args.hostfile else "")
     names = tuple(h.hostname for h in horovod_hosts.parse_hosts(spec)) if spec else ()
     ssh_args = (("-p", str(args.ssh_port)) if args.ssh_port else ()) + (
         ("-i", args.ssh_identity_file) if args.ssh_identity_file else ())
-    return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args)
+    return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file)
+
+
+def with_run_config(options: LaunchOptions, config_file: str | None) -> LaunchOptions:
+    """``options`` with what the command line left unset taken from the config's ``hybridsync:``
+    section (``strategy``, ``num_servers``, ``partition_bytes``): the command line wins."""
+    if config_file is None:
+        return options
+    from hybridsync.runconfig import load_run_config
+    config = load_run_config(config_file)
+    if options.strategy and config.strategy_path and options.strategy != config.strategy_path:
+        print(f"hybridsync-run: --strategy {options.strategy} replaces {config_file}'s strategy "
+              f"{config.strategy_path}", file=sys.stderr)
+    strategy = options.strategy or config.strategy_path
+    if strategy != options.strategy:
+        Strategy.load(strategy)  # fail here, before any process starts, if the file is bad
+    return dataclasses.replace(
+        options, strategy=strategy,
+        num_servers=options.num_servers if options.num_servers is not None else config.num_servers,
+        partition_bytes=options.partition_bytes or config.partition_bytes)
 
 
 def server_placement(options: LaunchOptions, job: JobShape, num_servers: int) -> tuple[str, ...] | None:
@@ -209,10 +303,11 @@ def _raise_on_sigterm(signum, frame) -> None:
 def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_s: float = 60.0) -> int:
     """Start servers (if any), run horovodrun to the end, then stop everything it started."""
     job_shape = horovodrun_job(horovodrun_argv)
+    options = with_run_config(options, job_shape.config_file)
     num_servers = options.num_servers if options.num_servers is not None else int(_uses_ps(options.strategy))
     if num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
-                         f"but --num-servers is 0")
+                         f"but the number of servers (--num-servers or the config's num_servers) is 0")
     placement = server_placement(options, job_shape, num_servers) if num_servers else None
     env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -248,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        print("\nhybridsync flags:\n  --strategy PATH        strategy file for every rank\n"
+        print("\nhybridsync flags (anywhere before the command; they override the --config-file's "
+              "hybridsync: section):\n  --strategy PATH        strategy file for every rank\n"
               "  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)\n"
               "  --server-hosts H,...   host of each server (default: colocated with the workers)\n"
               "  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)\n"

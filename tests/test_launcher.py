@@ -1,0 +1,189 @@
+"""``hybridsync-run``: its own flags anywhere before the command, and ``--config-file``'s
+``hybridsync:`` section taking effect in a real 2-rank job with parameter servers."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from conftest import BIN, WORKERS, run_job
+from hybridsync.launcher import _HOROVODRUN_ARITY, LaunchOptions, split_argv, with_run_config
+from hybridsync.strategy import Strategy
+
+TRAIN = ["python", "train.py"]
+
+
+def horovodrun_parse(argv: list[str]) -> argparse.Namespace:
+    """horovodrun's own reading of ``argv`` (an error in it fails the test)."""
+    launch = pytest.importorskip("horovod.runner.launch")
+    with mock.patch.object(sys, "argv", ["horovodrun", *argv]):
+        try:
+            return launch.parse_args()
+        except SystemExit as e:
+            pytest.fail(f"horovodrun rejects {argv}: exit {e.code}")
+
+
+@pytest.fixture
+def strategy_file(tmp_path) -> str:
+    path = tmp_path / "s.json"
+    Strategy().save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, horovodrun_argv", [
+    # the issue's command: ours after horovodrun's
+    (["-np", "2", "-H", "localhost:2", "--num-servers", "2", *TRAIN], ["-np", "2", "-H", "localhost:2", *TRAIN]),
+    # before, and between
+    (["--num-servers", "2", "-np", "2", "-H", "localhost:2", *TRAIN], ["-np", "2", "-H", "localhost:2", *TRAIN]),
+    (["-np", "2", "--num-servers", "2", "-H", "localhost:2", *TRAIN], ["-np", "2", "-H", "localhost:2", *TRAIN]),
+    # --flag=value, on both sides, and argparse's attached short value
+    (["-np=2", "--num-servers=2", "-H=localhost:2", *TRAIN], ["-np=2", "-H=localhost:2", *TRAIN]),
+    (["-np", "2", "-Hlocalhost:2", "--num-servers", "2", *TRAIN], ["-np", "2", "-Hlocalhost:2", *TRAIN]),
+    # a horovodrun switch takes no value: "python" after --gloo is the command
+    (["-np", "2", "--gloo", "--num-servers", "2", *TRAIN], ["-np", "2", "--gloo", *TRAIN]),
+    # a horovodrun value that looks like a command, and one that takes two values
+    (["-np", "2", "--output-filename", "python", "--num-servers", "2", *TRAIN],
+     ["-np", "2", "--output-filename", "python", *TRAIN]),
+    (["-np", "2", "--blacklist-cooldown-range", "60", "300", "--num-servers", "2", *TRAIN],
+     ["-np", "2", "--blacklist-cooldown-range", "60", "300", *TRAIN]),
+    # abbreviations, as argparse allows them: ours, and horovodrun's (its value is kept with it)
+    (["-np", "2", "--num-serv", "2", "--fusion", "32", *TRAIN], ["-np", "2", "--fusion", "32", *TRAIN]),
+    # the last of a repeated flag wins
+    (["--num-servers", "5", "-np", "2", "--num-servers", "2", *TRAIN], ["-np", "2", *TRAIN]),
+])
+def test_own_flags_anywhere_before_the_command(argv, horovodrun_argv):
+    options, rest = split_argv(argv)
+    assert options.num_servers == 2
+    assert rest == horovodrun_argv
+    parsed = horovodrun_parse(rest)
+    assert parsed.command == TRAIN and parsed.num_proc == 2
+
+
+def test_all_own_flags_between_horovodrun_flags(strategy_file):
+    options, rest = split_argv(["-np", "4", "--strategy", strategy_file, "-H", "localhost:2,127.0.0.1:2",
+                                "--server-hosts=localhost,127.0.0.1", "--gloo", "--partition-bytes", "400",
+                                "--ps-root-port=4567", *TRAIN])
+    assert options == LaunchOptions(strategy=strategy_file, num_servers=2, partition_bytes=400, ps_root_port=4567,
+                                    server_hosts=("localhost", "127.0.0.1"))
+    assert rest == ["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo", *TRAIN]
+
+
+@pytest.mark.parametrize("argv", [
+    ["-np", "2", "python", "train.py", "--num-servers", "5", "--strategy", "x.json"],
+    ["-np", "2", "--", "python", "--num-servers", "5"],  # after "--" everything is the command
+    ["-np", "2", "train.sh", "-np", "3", "--num-servers=5"],
+])
+def test_flags_after_the_command_are_the_commands(argv):
+    options, rest = split_argv(argv)
+    assert options == LaunchOptions()
+    assert rest == argv
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", "2", "--num-servers", "-1", *TRAIN], "--num-servers must be >= 0"),  # a negative number is a value
+    (["-np", "2", "--strategy", "--gloo", *TRAIN], "--strategy needs a value"),
+    (["-np", "2", "--num-servers"], "--num-servers needs a value"),
+    (["-np", "2", "--partition-bytes", "many", *TRAIN], "--partition-bytes must be an integer"),
+    (["-np", "2", "--s", "x", *TRAIN], "ambiguous option: --s could match --strategy, --server-hosts"),
+])
+def test_bad_own_flags_are_clear_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        split_argv(argv)
+
+
+def test_arity_table_matches_horovodrun():
+    """Which horovodrun flags take values (and how many) is read from its own parser."""
+    launch = pytest.importorskip("horovod.runner.launch")
+
+    class Captured(Exception):
+        pass
+
+    def capture(parser, *args, **kwargs):
+        raise Captured(parser)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), \
+            pytest.raises(Captured) as captured:
+        launch.parse_args()
+    parser = captured.value.args[0]
+    actual = {option: (1 if action.nargs is None else action.nargs)
+              for action in parser._actions for option in action.option_strings}
+    assert actual == _HOROVODRUN_ARITY
+
+
+def write_config(tmp_path: Path, section: str) -> Path:
+    path = tmp_path / "cfg" / "run.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"controller: gloo\nparams:\n  fusion_threshold_mb: 32\nhybridsync:\n{section}")
+    return path
+
+
+def test_run_config_fills_what_the_command_line_left_unset(tmp_path, capsys):
+    (tmp_path / "strategies").mkdir()
+    Strategy().save(tmp_path / "strategies" / "s.json")
+    config = write_config(tmp_path, "  strategy: ../strategies/s.json\n  num_servers: 2\n  partition_bytes: 1000\n")
+    options = with_run_config(LaunchOptions(), str(config))
+    assert options == LaunchOptions(strategy=str(tmp_path / "strategies" / "s.json"), num_servers=2,
+                                    partition_bytes=1000)
+    assert with_run_config(LaunchOptions(), None) == LaunchOptions()
+    # the command line wins, and says so when it replaces the config's strategy
+    Strategy().save(tmp_path / "mine.json")
+    mine = LaunchOptions(strategy=str(tmp_path / "mine.json"), num_servers=0, partition_bytes=5)
+    assert with_run_config(mine, str(config)) == mine
+    assert "replaces" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section, message", [
+    ("  num_servers: -1\n", "hybridsync.num_servers must be an integer >= 0"),
+    ("  partition_bytes: true\n", "hybridsync.partition_bytes must be an integer >= 1"),
+    ("  strategy: {default: {route: ps}}\n", "hybridsync.strategy must be the path of a strategy file"),
+    ("  strategy: absent.json\n", "cannot read strategy file"),
+])
+def test_bad_run_config_sections_are_clear_errors(tmp_path, section, message):
+    with pytest.raises(ValueError, match=message):
+        with_run_config(LaunchOptions(), str(write_config(tmp_path, section)))
+
+
+def test_config_without_servers_for_a_ps_strategy_is_refused(tmp_path):
+    pytest.importorskip("horovod.runner")
+    from hybridsync.launcher import run
+    Strategy.from_dict({"variables": {"emb.weight": {"route": "ps"}}}).save(tmp_path / "cfg.json")
+    config = write_config(tmp_path, "  strategy: ../cfg.json\n  num_servers: 0\n")
+    with pytest.raises(ValueError, match="routes variables through the parameter server"):
+        run(LaunchOptions(), ["-np", "2", "--config-file", str(config), *TRAIN])
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    pytest.importorskip("horovod.runner")
+    from hybridsync.launcher import horovodrun_job
+    with pytest.raises(ValueError, match="cannot read --config-file"):
+        horovodrun_job(["-np", "2", "--config-file", str(tmp_path / "absent.yaml"), *TRAIN])
+
+
+def test_config_file_strategy_takes_effect_in_a_real_job(tmp_path):
+    """The config's strategy sends emb.weight through 2 parameter servers (which must start);
+    ``--partition-bytes`` between horovodrun's flags overrides the config's; horovodrun still
+    reads its own sections of the same file (fusion threshold)."""
+    pytest.importorskip("horovod.torch")
+    strategy = Strategy.from_dict({"default": {"route": "allreduce"},
+                                   "variables": {"emb.weight": {"route": "ps", "partitions": 2}}})
+    (tmp_path / "strategies").mkdir()
+    strategy.save(tmp_path / "strategies" / "ps.json")
+    config = write_config(tmp_path, "  strategy: ../strategies/ps.json\n  num_servers: 2\n"
+                                    "  partition_bytes: 100000\n")
+    out = tmp_path / "report"
+    argv = [str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--partition-bytes", "400",
+            "--config-file", str(config), sys.executable, str(WORKERS / "report_strategy.py"), str(out)]
+    proc = run_job(argv, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for rank in range(2):
+        report = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert report["strategy_fingerprint"] == strategy.fingerprint()
+        assert report["routes"] == {"emb.weight": "ps", "fc.weight": "allreduce", "fc.bias": "allreduce"}
+        assert report["ps_pushed_bytes"] > 0, "nothing went through the servers"
+        assert report["env"] == {"HYBRIDSYNC_STRATEGY": str(tmp_path / "strategies" / "ps.json"),
+                                 "DMLC_NUM_SERVER": "2", "BYTEPS_PARTITION_BYTES": "400",
+                                 "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024)}
