@@ -2,8 +2,9 @@
 
 ``import hybridsync as hs`` replaces ``import horovod.torch as hvd`` in a training
 script. ``hs.DistributedOptimizer`` takes an extra ``strategy=`` (or reads
-``HYBRIDSYNC_STRATEGY``); without one it behaves exactly like Horovod's. The process
-functions (``init``, ``rank``, ``size``, ``broadcast_parameters``...) are Horovod's own,
+``HYBRIDSYNC_STRATEGY``); without one it behaves exactly like Horovod's.
+``hs.broadcast_optimizer_state`` is Horovod's, made aware of hybridsync's optimizer. The
+process functions (``init``, ``rank``, ``size``, ``broadcast_parameters``...) are Horovod's own,
 imported on first use so that ``import hybridsync`` works where Horovod is absent
 (e.g. to run the search or ``hybridsync explain`` on a laptop).
 """
@@ -19,9 +20,10 @@ __version__ = "0.1.0"
 
 _HOROVOD_FUNCTIONS = frozenset({
     "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+    "cross_size", "broadcast_parameters", "broadcast_object",
     "allgather_object", "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join",
     "barrier", "mpi_enabled", "gloo_enabled", "mpi_built", "gloo_built", "ProcessSet",
+    "add_process_set", "remove_process_set", "global_process_set",
     "HorovodInternalError",
 })
 _LAZY = {
@@ -30,6 +32,7 @@ _LAZY = {
     "Average": "hybridsync.optimizer",
     "Sum": "hybridsync.optimizer",
     "Compression": "hybridsync.compression",
+    "broadcast_optimizer_state": "hybridsync.horovod_options",
 }
 
 __all__ = ["Strategy", "VarConfig", *sorted(_LAZY), *sorted(_HOROVOD_FUNCTIONS)]

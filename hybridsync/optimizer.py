@@ -18,6 +18,8 @@ import torch
 
 from hybridsync.backends import Reduction
 from hybridsync.compression import Compression
+from hybridsync.horovod_options import (called_from_horovod_state_init, check_process_set, gather_fingerprints,
+                                        grouped_names, normalize_groups, strategy_with_groups, wrapped_step)
 from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.router.runtime import Router
 from hybridsync.strategy import Strategy, resolve_strategy
@@ -32,12 +34,17 @@ Adasum = 2
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin whose ``__dict__`` becomes a subclass of the user's optimizer class (as Horovod does)."""
 
+    _is_hybridsync = True
+
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, strategy):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, strategy):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
         self._hvd = hvd
         named = _checked_named_parameters(named_parameters, self.param_groups)
+        if groups is not None:
+            names = {p: name for name, p in named}
+            strategy = strategy_with_groups(strategy, grouped_names(groups, self.param_groups, names))
         self._parameter_names = {p: name for name, p in named}
         self._params = [p for _, p in named]
         self.backward_passes_per_step = backward_passes_per_step
@@ -48,12 +55,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._grad_accs: list[Any] = []
         self._synchronized = False
         self._should_synchronize = True
+        self.sparse_as_dense = sparse_as_dense
+        self._densified: dict[Any, int] = {}  # parameter -> sparse_dim of the sparse gradient it had
         self.strategy = strategy
         self.plan = build_plan(variables_from_parameters(named), strategy)
+        self.process_set = check_process_set(hvd, process_set, self.plan)
+        # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps locally.
+        self._synchronizing = hvd.size() > 1 and self.process_set.included()
         reduction = _reduction(op, gradient_predivide_factor)
-        self._router = Router(self.plan, self._params, compression=compression, reduction=reduction)
-        if hvd.size() > 1:
-            _check_ranks_agree(hvd, strategy, self.plan)
+        self._router = Router(self.plan, self._params, compression=compression, reduction=reduction,
+                              process_set=self.process_set)
+        if self._synchronizing:
+            if self.process_set.size() > 1:
+                _check_ranks_agree(hvd, strategy, self.plan, self.process_set)
             self._register_hooks()
 
     def load_state_dict(self, *args, **kwargs):
@@ -79,6 +93,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "Gradients were computed more than backward_passes_per_step times before call "
                     "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
             assert not p.grad.requires_grad
+            if self.sparse_as_dense and p.grad.is_sparse:
+                self._densified.setdefault(p, p.grad.sparse_dim())
+                p.grad = p.grad.to_dense()
             self._allreduce_delay[p] -= 1
             self._fired.add(p)
             if self._allreduce_delay[p] == 0:
@@ -87,13 +104,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Finish every gradient's synchronization of this step and write the results into ``p.grad``."""
-        if self._hvd.size() == 1:
+        if not self._synchronizing:
             self._synchronized = True
             return
         try:
             self._router.finish()
         finally:
             self._fired.clear()
+            for p, sparse_dim in self._densified.items():  # the update a sparse optimizer expects
+                p.grad = p.grad.to_sparse(sparse_dim)
+            self._densified.clear()
             for p in self._allreduce_delay:
                 self._allreduce_delay[p] = self.backward_passes_per_step
         self._synchronized = True
@@ -108,6 +128,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if called_from_horovod_state_init():
+            return wrapped_step(self, closure)  # see called_from_horovod_state_init
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -160,12 +182,14 @@ def _reduction(op: int, gradient_predivide_factor: float) -> Reduction:
     return Reduction(op="sum")
 
 
-def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan) -> None:
-    """Every rank must route identically; a mismatch fails on all ranks now instead of hanging later."""
+def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan, process_set: Any) -> None:
+    """Every rank (of the process set) must route identically; a mismatch fails on all of them now
+    instead of hanging later."""
     mine = ((strategy or Strategy()).fingerprint(), plan.fingerprint())
-    everyone = hvd.allgather_object(mine, name="hybridsync.strategy_fingerprint")
+    everyone = gather_fingerprints(hvd, mine, process_set)
+    ranks = process_set.ranks or range(len(everyone))
     if any(theirs != mine for theirs in everyone):
-        table = "; ".join(f"rank {r}: strategy {s}, plan {p}" for r, (s, p) in enumerate(everyone))
+        table = "; ".join(f"rank {r}: strategy {s}, plan {p}" for r, (s, p) in zip(ranks, everyone))
         raise ValueError(f"ranks disagree on the synchronization strategy ({table}). Every rank must load "
                          f"the same strategy file (HYBRIDSYNC_STRATEGY={os.environ.get('HYBRIDSYNC_STRATEGY')!r} "
                          f"here) and build the same model.")
@@ -174,14 +198,22 @@ def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan) -
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression: Any = Compression.none, backward_passes_per_step: int = 1,
                          op: int = Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: int | list | None = None, sparse_as_dense: bool = False,
+                         process_set: Any = None,
                          strategy: Strategy | Mapping[str, Any] | str | os.PathLike | None = None
                          ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so gradients are synchronized across ranks before ``step()``.
 
-    Same arguments and semantics as ``horovod.torch.DistributedOptimizer``, plus
+    Same arguments and semantics as ``horovod.torch.DistributedOptimizer`` (v0.28.1), plus
     ``strategy``: a ``Strategy``, a strategy dict, or a path to a JSON/YAML file. When
     ``None``, the path in ``HYBRIDSYNC_STRATEGY`` is used; with neither, every variable
     is ring all-reduced under its own name, exactly as Horovod does.
+
+    ``groups`` (or the deprecated ``num_groups``) become merge groups of the routing plan;
+    a variable cannot be in one of them and in a strategy group as well. ``sparse_as_dense``
+    all-reduces sparse gradients as dense tensors (sparse again before ``step()``).
+    ``process_set`` (``None``: every rank) synchronizes among its ranks only, by ring
+    all-reduce; ranks outside it step on their local gradients.
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -189,7 +221,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
         raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
+    groups = normalize_groups(groups, num_groups)
     resolved = resolve_strategy(strategy)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, resolved)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, resolved)

@@ -10,7 +10,7 @@ from hybridsync.backends.base import Backend, Handle, Reduction, RouteUnavailabl
 __all__ = ["Backend", "Handle", "Reduction", "RouteUnavailableError", "make_backend", "make_parameter_sync"]
 
 
-def make_backend(route: str, variant: str, variables: Iterable[str] = ()) -> Backend:
+def make_backend(route: str, variant: str, variables: Iterable[str] = (), process_set: Any = None) -> Backend:
     """The backend for a route (``variant``: the all-reduce algorithm, or the PS protocol).
 
     Unavailable routes fail here, at construction, never silently. ASP/SSP are not
@@ -18,7 +18,7 @@ def make_backend(route: str, variant: str, variables: Iterable[str] = ()) -> Bac
     """
     if route == "allreduce" and variant == "ring":
         from hybridsync.backends.ring import RingAllreduce
-        return RingAllreduce()
+        return RingAllreduce(process_set)
     if route == "allreduce" and variant == "hierarchical":
         from hybridsync.backends.hierarchical import HierarchicalAllreduce
         return HierarchicalAllreduce()

@@ -34,14 +34,14 @@ class Router:
     """Submits and completes the messages of one plan over the parameters it was built for."""
 
     def __init__(self, plan: RoutingPlan, params: Sequence[torch.nn.Parameter], *,
-                 compression: Any, reduction: Reduction) -> None:
+                 compression: Any, reduction: Reduction, process_set: Any = None) -> None:
         assert len(params) == len(plan.var_names)
         self.plan = plan
         self._params = list(params)
         self._reduction = reduction
         self._compressors = [compressor_named(m.config.compression, compression) for m in plan.messages]
         self._async = [_is_async(m) for m in plan.messages]
-        self._backends = self._make_backends(plan, self._async)
+        self._backends = self._make_backends(plan, self._async, process_set)
         self._declare_ps_keys()
         self._parameter_syncs: list[Any] | None = None
         self._waiting_on = [len(m.var_indices) for m in plan.messages]
@@ -50,13 +50,14 @@ class Router:
         self._in_flight: list[_InFlight] = []
 
     @staticmethod
-    def _make_backends(plan: RoutingPlan, is_async: Sequence[bool]) -> list[Backend | None]:
+    def _make_backends(plan: RoutingPlan, is_async: Sequence[bool], process_set: Any) -> list[Backend | None]:
         """One backend per distinct route (none for ASP/SSP); an unavailable route raises here."""
         users: dict[tuple[str, str], list[str]] = {}
         for message, skip in zip(plan.messages, is_async):
             if not skip:
                 users.setdefault(_backend_key(message), []).extend(p.var_name for p in message.pieces)
-        backends = {key: make_backend(*key, variables=names) for key, names in users.items()}
+        backends = {key: make_backend(*key, variables=names, process_set=process_set)
+                    for key, names in users.items()}
         return [None if skip else backends[_backend_key(m)] for m, skip in zip(plan.messages, is_async)]
 
     def _declare_ps_keys(self) -> None:
@@ -114,8 +115,14 @@ class Router:
 
     def finish(self) -> None:
         """Start what never became ready (zero gradients), wait for all, write results back."""
+        lent = []
         for var_index in sorted(self._all_vars - self._ready):
             param = self._params[var_index]
+            if not param.requires_grad:
+                if self._alone_in_its_messages(var_index):
+                    continue  # frozen: never synchronized, never given a gradient
+                if param.grad is None:
+                    lent.append(param)  # a fused message needs its piece on every rank; taken back below
             if param.grad is None:
                 # Another rank may have a gradient here (dynamic graphs): send zeros, as Horovod does.
                 param.grad = torch.zeros_like(param)
@@ -126,9 +133,14 @@ class Router:
             for flight in sorted(self._in_flight, key=lambda f: f.index):
                 self._complete(flight)
         finally:
+            for param in lent:
+                param.grad = None
             self._in_flight.clear()
             self._ready.clear()
             self._waiting_on = [len(m.var_indices) for m in self.plan.messages]
+
+    def _alone_in_its_messages(self, var_index: int) -> bool:
+        return all(len(self.plan.messages[m].pieces) == 1 for m in self.plan.messages_of_var[var_index])
 
     def _submit(self, m_index: int) -> None:
         message = self.plan.messages[m_index]

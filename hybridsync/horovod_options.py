@@ -1,0 +1,197 @@
+"""Horovod ``DistributedOptimizer`` options that hybridsync maps onto its own concepts.
+
+``groups``/``num_groups`` become merge groups of the routing plan, ``process_set`` restricts
+the ring all-reduce to a subset of ranks, and ``broadcast_optimizer_state`` resumes from a
+checkpoint restored on one rank only. Kept apart from ``optimizer.py`` so that the
+optimizer reads as Horovod's hook/synchronize/step contract.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from hybridsync.router.plan import RoutingPlan
+from hybridsync.strategy import Strategy
+
+_FINGERPRINT_BYTES = 32  # two 16-hex-digit fingerprints
+_TORCH_OPTIMIZER_FILE = inspect.getfile(torch.optim.Optimizer)
+
+
+def normalize_groups(groups: Any, num_groups: int) -> Any:
+    """Horovod's rules: ``num_groups`` is the deprecated spelling of an integer ``groups``."""
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+        return groups
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError(f"groups should be a non-negative integer or a list of list of torch.Tensor, got {groups!r}")
+    return groups
+
+
+def grouped_names(groups: Any, param_groups: Sequence[dict], names: dict[Any, str]) -> list[list[str]]:
+    """The names of the parameters each Horovod group fuses, as Horovod forms them.
+
+    Only parameters that require a gradient take part (in ``param_groups`` order): an
+    integer splits them into that many near-equal consecutive chunks; a list keeps its
+    members, and a parameter in no list is a group of its own (i.e. not merged).
+    """
+    trainable = [p for group in param_groups for p in group["params"] if p.requires_grad]
+    if isinstance(groups, int):
+        base, extra = divmod(len(trainable), groups)
+        chunks, start = [], 0
+        for k in range(groups):
+            stop = start + base + (1 if k < extra else 0)
+            chunks.append(trainable[start:stop])
+            start = stop
+    else:
+        ids = {id(p) for p in trainable}
+        chunks = [[p for p in group if id(p) in ids] for group in groups]
+    return [[names[p] for p in chunk] for chunk in chunks if chunk]
+
+
+def strategy_with_groups(strategy: Strategy | None, groups: list[list[str]]) -> Strategy:
+    """``strategy`` with each Horovod group as a merge group of its own (ids past the strategy's own).
+
+    A variable the strategy already puts in a group cannot also be in a Horovod group: which
+    one should win is the user's call, so that is a ``ValueError`` naming them.
+    """
+    strategy = strategy or Strategy()
+    clashing = sorted(name for group in groups for name in group if strategy.config_for(name).group is not None)
+    if clashing:
+        raise ValueError(f"groups/num_groups and the strategy both put variables in merge groups: "
+                         f"{', '.join(clashing)}. Give merge groups in one place only (the strategy's "
+                         f"'group' key, or the optimizer's groups=/num_groups=).")
+    used = [c.group for c in (strategy.default, *strategy.variables.values()) if c.group is not None]
+    first = max(used, default=-1) + 1
+    variables = dict(strategy.variables)
+    for offset, members in enumerate(groups):
+        for name in members:
+            variables[name] = dataclasses.replace(strategy.config_for(name), group=first + offset)
+    return dataclasses.replace(strategy, variables=variables)
+
+
+def check_process_set(hvd: Any, process_set: Any, plan: RoutingPlan) -> Any:
+    """The process set to all-reduce within (Horovod's global set for ``None``).
+
+    Only the ring route can run within a process set: the hierarchical route builds its
+    own sets over the whole job and the parameter servers count every rank as a worker.
+    """
+    if process_set is None or process_set is hvd.global_process_set:
+        return hvd.global_process_set
+    if getattr(process_set, "process_set_id", None) is None:
+        raise ValueError(f"process_set {process_set} is not initialized: pass it to hvd.init(process_sets=...) "
+                         f"or add it with hvd.add_process_set() first")
+    if process_set.process_set_id == 0:
+        return process_set
+    others = sorted({f"{piece.var_name} ({_route_name(m.config)})" for m in plan.messages
+                     if _route_name(m.config) != "allreduce/ring" for piece in m.pieces})
+    if others:
+        raise ValueError(f"process_set={process_set} restricts synchronization to ranks {process_set.ranks}, "
+                         f"which only the ring all-reduce route supports; the strategy routes "
+                         f"{', '.join(others)}. Use the global process set, or route them by ring all-reduce.")
+    return process_set
+
+
+def _route_name(config: Any) -> str:
+    return f"{config.route}/{config.algorithm if config.route == 'allreduce' else config.protocol}"
+
+
+def gather_fingerprints(hvd: Any, mine: tuple[str, str], process_set: Any) -> list[tuple[str, str]]:
+    """Every rank's ``(strategy, plan)`` fingerprints within ``process_set``, in rank order.
+
+    An all-gather of fixed-size bytes (``hvd.allgather_object`` has no process set).
+    """
+    data = "".join(mine).encode("ascii")
+    assert len(data) == _FINGERPRINT_BYTES, mine
+    gathered = hvd.allgather(torch.tensor(list(data), dtype=torch.uint8),
+                             name="hybridsync.strategy_fingerprint", process_set=process_set)
+    rows = bytes(gathered.tolist())
+    half = _FINGERPRINT_BYTES // 2
+    return [(rows[i:i + half].decode(), rows[i + half:i + _FINGERPRINT_BYTES].decode())
+            for i in range(0, len(rows), _FINGERPRINT_BYTES)]
+
+
+def initialize_state_locally(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> None:
+    """Give an optimizer with no state its state: zero gradients, one step of the wrapped optimizer.
+
+    What Horovod's ``broadcast_optimizer_state`` does for its own optimizer (sparse
+    zeros for ``SparseAdam`` and for SGD on sparse embeddings), with no synchronization:
+    the ranks that restored a checkpoint do not take this step.
+    """
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    state = optimizer.state_dict()["state"]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in state:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    wrapped_step(optimizer)
+
+
+def wrapped_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+    """``step()`` of the optimizer class a hybridsync optimizer wraps (no synchronization)."""
+    return super(optimizer.__class__, optimizer).step(closure)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: torch.nn.Module | None = None) -> None:
+    """Horovod's ``broadcast_optimizer_state``, for hybridsync's optimizer too.
+
+    Ranks whose optimizer has no state yet (typically: all but the one that restored a
+    checkpoint) create it locally first, without synchronizing, so no rank waits for a
+    collective the others never start; then Horovod's function broadcasts the state.
+    """
+    import horovod.torch as hvd
+    if is_hybridsync_optimizer(optimizer) and not optimizer.state_dict()["state"]:
+        initialize_state_locally(optimizer, model)
+        if not optimizer.state_dict()["state"]:
+            # Stateless (e.g. SGD without momentum) on this rank, hence on every rank
+            # (same class, same options): Horovod returns here too.
+            return
+    hvd.broadcast_optimizer_state(optimizer, root_rank, model=model)
+
+
+def is_hybridsync_optimizer(optimizer: Any) -> bool:
+    return getattr(optimizer, "_is_hybridsync", False) is True
+
+
+def called_from_horovod_state_init() -> bool:
+    """True when ``step()`` (the caller) was called by Horovod's ``broadcast_optimizer_state``.
+
+    Horovod's function creates missing optimizer state by setting zero gradients and
+    calling ``optimizer.step()``; it steps only the wrapped optimizer when it recognizes
+    its own ``DistributedOptimizer`` (by ``__module__``), and ours is not its own. A
+    synchronizing step there would start collectives on the ranks without state only,
+    and hang. Recognizing that one caller by its code object is exact: no other call of
+    ``step()`` is affected, and our class keeps its true module. Frames of torch's own
+    ``step()`` wrapper (optimizer hooks, profiling) in between are skipped.
+    """
+    functions = sys.modules.get("horovod.torch.functions")
+    target = getattr(getattr(functions, "broadcast_optimizer_state", None), "__code__", None)
+    if target is None:
+        return False
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == _TORCH_OPTIMIZER_FILE:
+        frame = frame.f_back
+    return frame is not None and frame.f_code is target
