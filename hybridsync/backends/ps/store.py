@@ -230,10 +230,15 @@ def _answer(answers: list[tuple[Future, torch.Tensor]]) -> None:
 
 
 def _refused(message: str) -> Future:
-    """A push's answer that is an error the worker reads (the key's state is left untouched)."""
+    """A push's answer that fails with ``message`` on the worker (the key's state is left untouched).
+
+    ``Future.set_exception`` alone stores the exception as the future's value (only Python's
+    ``wait()`` raises it), so RPC would send it back as a normal result; a ``then`` callback
+    that raises marks the future as failed, which RPC carries to the caller as an error.
+    """
     future: Future = Future()
     future.set_exception(ValueError(message))
-    return future
+    return future.then(lambda failed: failed.wait())
 
 
 def _mismatch(key: str, held: PayloadKind, worker: int | None, pushed: PayloadKind) -> str:
