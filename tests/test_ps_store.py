@@ -93,7 +93,8 @@ def test_a_push_of_another_kind_is_refused_naming_the_key_and_both_kinds():
 def test_sparse_keys_check_size_and_malformed_payloads():
     store = KeyStore(num_workers=2)
     store.push_pull("e", 0, 0, (torch.tensor([[1]]), torch.ones(1, 2), (10, 2)))
-    with pytest.raises(RuntimeError, match=r"sparse float32 \[12, 2\] to key 'e', which holds sparse float32 \[10, 2\]"):
+    with pytest.raises(RuntimeError, match=r"sparse float32 \[12, 2\] to key 'e', which holds sparse float32 "
+                                           r"\[10, 2\]"):
         store.push_pull("e", 1, 0, (torch.tensor([[1]]), torch.ones(1, 2), (12, 2))).wait()
     with pytest.raises(RuntimeError, match="malformed payload to key 'e': sparse indices outside size"):
         store.push_pull("e", 1, 0, (torch.tensor([[10]]), torch.ones(1, 2), (10, 2))).wait()
