@@ -304,4 +304,5 @@ def _at_rows(shard: torch.Tensor, start: int, shape: torch.Size) -> torch.Tensor
 def _sparse_zeros(param: torch.Tensor) -> torch.Tensor:
     """An empty sparse gradient (no touched rows) for a parameter whose gradients are sparse."""
     return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64),
-                                   torch.zeros((0, *param.shape[1:]), dtype=param.dtype), param.shape)
+                                   torch.zeros((0, *param.shape[1:]), dtype=param.dtype), param.shape,
+                                   check_invariants=False)
