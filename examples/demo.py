@@ -11,7 +11,7 @@ sys.path.insert(0, REPO)
 from hybridsync.explain import explain  # noqa: E402
 from hybridsync.procs import run_bounded  # noqa: E402
 from hybridsync.strategy import Strategy  # noqa: E402
-from hybridsync.variables import variables_from_parameters  # noqa: E402
+from hybridsync.variables import variables_from_model  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
 from train import Classifier  # noqa: E402
@@ -21,7 +21,7 @@ STRATEGY = os.path.join(REPO, "examples", "strategies", "demo.json")
 
 def main() -> int:
     print("== strategy ==")
-    print(explain(Strategy.load(STRATEGY), variables_from_parameters(Classifier().named_parameters())))
+    print(explain(Strategy.load(STRATEGY), variables_from_model(Classifier())))
     print("\n== training on 2 ranks + 2 parameter servers: hybridsync-run --strategy "
           "examples/strategies/demo.json --num-servers 2 -np 2 -H localhost:2 --gloo python examples/train.py ==")
     launcher = os.path.join(os.path.dirname(sys.executable), "hybridsync-run")

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_explain)
     p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model")
     p.add_argument("name", choices=sorted(baselines.BUILDERS))
-    p.add_argument("--model", required=True, help="model description JSON")
+    p.add_argument("--model", required=True,
+                   help="model description JSON; write it with hybridsync.variables.save_model_description("
+                        "variables_from_model(model), path) so sparse embeddings are marked sparse")
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
     p.add_argument("-o", "--output", required=True, help="where to write the strategy")
     p.set_defaults(func=_baseline)

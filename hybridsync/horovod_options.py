@@ -18,6 +18,7 @@ import torch
 from hybridsync.router.plan import RoutingPlan
 from hybridsync.strategy import Strategy
 
+_INSTANCE_DIGITS = 8
 _FINGERPRINT_BYTES = 32  # two 16-hex-digit fingerprints
 _TORCH_OPTIMIZER_FILE = inspect.getfile(torch.optim.Optimizer)
 
@@ -114,19 +115,20 @@ def _route_name(config: Any) -> str:
     return f"{config.route}/{config.algorithm if config.route == 'allreduce' else config.protocol}"
 
 
-def gather_fingerprints(hvd: Any, mine: tuple[str, str], process_set: Any) -> list[tuple[str, str]]:
-    """Every rank's ``(strategy, plan)`` fingerprints within ``process_set``, in rank order.
+def gather_fingerprints(hvd: Any, mine: tuple[str, str, int], process_set: Any) -> list[tuple[str, str, int]]:
+    """Every rank's ``(strategy fingerprint, plan fingerprint, optimizer number)`` within
+    ``process_set``, in rank order.
 
     An all-gather of fixed-size bytes (``hvd.allgather_object`` has no process set).
     """
-    data = "".join(mine).encode("ascii")
-    assert len(data) == _FINGERPRINT_BYTES, mine
+    strategy, plan, instance = mine
+    data = f"{strategy}{plan}{instance:0{_INSTANCE_DIGITS}d}".encode("ascii")
+    assert len(data) == _FINGERPRINT_BYTES + _INSTANCE_DIGITS, mine
     gathered = hvd.allgather(torch.tensor(list(data), dtype=torch.uint8),
                              name="hybridsync.strategy_fingerprint", process_set=process_set)
-    rows = bytes(gathered.tolist())
-    half = _FINGERPRINT_BYTES // 2
-    return [(rows[i:i + half].decode(), rows[i + half:i + _FINGERPRINT_BYTES].decode())
-            for i in range(0, len(rows), _FINGERPRINT_BYTES)]
+    rows, width, half = bytes(gathered.tolist()), len(data), _FINGERPRINT_BYTES // 2
+    return [(rows[i:i + half].decode(), rows[i + half:i + _FINGERPRINT_BYTES].decode(),
+             int(rows[i + _FINGERPRINT_BYTES:i + width])) for i in range(0, len(rows), width)]
 
 
 def initialize_state_locally(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> None:

@@ -67,7 +67,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               process_set=self.process_set)
         if self._synchronizing:
             if self.process_set.size() > 1:
-                _check_ranks_agree(hvd, strategy, self.plan, self.process_set)
+                _check_ranks_agree(hvd, strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
 
     def load_state_dict(self, *args, **kwargs):
@@ -84,7 +84,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _register_hooks(self) -> None:
         for p in self._params:
             if p.requires_grad:
-                self._grad_accs.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+                # A newer optimizer over a parameter (a new training phase, one re-created after a
+                # checkpoint) takes its gradient over: the older one's hook, which lives as long as
+                # the parameter, would otherwise keep submitting it under the old plan.
+                previous = getattr(p, "_hybridsync_hook", None)
+                if previous is not None:
+                    previous.remove()
+                p._hybridsync_hook = p.register_post_accumulate_grad_hook(self._make_hook(p))
+                self._grad_accs.append(p._hybridsync_hook)
 
     def _make_hook(self, p):
         def hook(_):
@@ -182,17 +189,24 @@ def _reduction(op: int, gradient_predivide_factor: float) -> Reduction:
     return Reduction(op="sum")
 
 
-def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan, process_set: Any) -> None:
+def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan, process_set: Any,
+                       instance: int) -> None:
     """Every rank (of the process set) must route identically; a mismatch fails on all of them now
-    instead of hanging later."""
-    mine = ((strategy or Strategy()).fingerprint(), plan.fingerprint())
+    instead of hanging later.
+
+    ``instance`` numbers the optimizers built in this process: it names their PS keys, so
+    ranks must also agree on how many optimizers came before this one.
+    """
+    mine = ((strategy or Strategy()).fingerprint(), plan.fingerprint(), instance)
     everyone = gather_fingerprints(hvd, mine, process_set)
     ranks = process_set.ranks or range(len(everyone))
     if any(theirs != mine for theirs in everyone):
-        table = "; ".join(f"rank {r}: strategy {s}, plan {p}" for r, (s, p) in zip(ranks, everyone))
+        table = "; ".join(f"rank {r}: strategy {s}, plan {p}, optimizer #{i}"
+                          for r, (s, p, i) in zip(ranks, everyone))
         raise ValueError(f"ranks disagree on the synchronization strategy ({table}). Every rank must load "
                          f"the same strategy file (HYBRIDSYNC_STRATEGY={os.environ.get('HYBRIDSYNC_STRATEGY')!r} "
-                         f"here) and build the same model.")
+                         f"here), build the same model and create the same DistributedOptimizers in the "
+                         f"same order.")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,

@@ -45,6 +45,16 @@ def variables_from_parameters(named_parameters: Iterable[tuple[str, Any]],
             for name, p in named_parameters}
 
 
+def variables_from_model(model: Any) -> dict[str, VariableInfo]:
+    """``VariableInfo`` for each of ``model``'s parameters, sparse where its module makes the gradient sparse.
+
+    Use this (not ``variables_from_parameters(model.named_parameters())``, which marks
+    nothing sparse) to write a model description: sparsity-aware builders such as
+    ``parallax`` send exactly the variables marked sparse to the parameter servers.
+    """
+    return variables_from_parameters(model.named_parameters(), sparse_parameter_names(model))
+
+
 def sparse_parameter_names(model: Any) -> set[str]:
     """Names of parameters owned by ``nn.Embedding``/``EmbeddingBag`` modules built with ``sparse=True``."""
     names = set()

@@ -17,7 +17,7 @@ from hybridsync.topology import NodeLayout, layout_from_environment
 
 CASES = ["default", "merge_groups", "partitions", "sparse_embedding", "hierarchical",
          "hierarchical_sum_predivide", "hierarchical_mixed_with_ring", "mixed_groups_partitions_fp16",
-         "ps_hierarchical_ring_mixed"]
+         "ps_hierarchical_ring_mixed", "sparse_hierarchical", "sparse_ring_partitions_groups"]
 GLOO_INTRA_NODE_CASES = [c for c in CASES if "hierarchical" in c]
 """Run again with ``HYBRIDSYNC_INTRA_NODE=horovod``: the intra-node steps through Gloo, not shared memory."""
 _cache: dict[str, dict] = {}

@@ -79,6 +79,27 @@ def _scenario_sparse(client, out: dict) -> None:
     out["dense_bytes"] = emb.weight.nbytes
 
 
+def _scenario_mismatch(client, out: dict) -> None:
+    """Payloads that do not match their key, sent straight to its server (no client checks):
+    each is answered with a readable error, and the key still works afterwards."""
+    import torch
+    from torch.distributed import rpc
+    from hybridsync.backends.ps import group, server
+    from hybridsync.backends.ps.client import _first_line as first_line
+    target = group.server_name(client.server_of("small"))  # dense float32 [15] since _scenario_bsp
+    bad = {"sparse": ("rpc_push_pull_sparse", (torch.tensor([[1]]), torch.ones(1, 3), (5, 3))),
+           "dtype": ("rpc_push_pull", torch.ones(15, dtype=torch.float64)),
+           "malformed": ("rpc_push_pull", "not a tensor")}
+    out["mismatch"] = {}
+    for case, (function, payload) in bad.items():
+        try:
+            answer = rpc.rpc_sync(target, getattr(server, function),
+                                  args=("small", client.config.index, STEPS, payload), timeout=20)
+            out["mismatch"][case] = f"accepted: {answer!r}"
+        except Exception as e:  # noqa: BLE001 - the error text is what the test judges
+            out["mismatch"][case] = first_line(e)  # what PSServerError would say after the server's name
+
+
 def _scenario_loop(client, out_dir: Path) -> None:
     """Push-pull keys on both servers forever; signal readiness after the first step."""
     import torch
@@ -135,6 +156,8 @@ def worker_main(scenario: str, out_dir: Path) -> int:
         if scenario == "basic":
             _scenario_bsp(client, out)
             _scenario_sparse(client, out)
+            _scenario_mismatch(client, out)
+            out["index"] = client.config.index
         elif scenario == "async":
             _train(client, None, out)
             _train(client, 1, out)
@@ -276,6 +299,21 @@ def test_sparse_rows_union(basic):
         # touched rows only: 3 rows x 16 floats + 3 int64 indices, vs 6.4 MB dense
         assert result["sparse_pushed_bytes"] == 3 * 16 * 4 + 3 * 8, result
         assert result["dense_bytes"] == 100_000 * 16 * 4
+
+
+def test_a_payload_that_does_not_match_its_key_gets_a_clear_error(basic):
+    for result in basic[0]:
+        errors = result["mismatch"]
+        assert not any(text.startswith("accepted") for text in errors.values()), errors
+        me = f"worker{result['index']}"
+        assert errors["sparse"].startswith(f"ValueError: {me} pushed sparse float32 [5, 3] to key 'small', "
+                                           f"which holds dense float32 [15]"), errors
+        assert errors["dtype"].startswith(f"ValueError: {me} pushed dense float64 [15] to key 'small', "
+                                          f"which holds dense float32 [15]"), errors
+        assert errors["malformed"].startswith(f"ValueError: {me} pushed a malformed payload to key 'small': "
+                                              f"a str, neither a tensor"), errors
+        assert not any(internal in text for text in errors.values()
+                       for internal in ("AttributeError", "AssertionError", "TypeError"))
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,7 @@ def test_ps_strategies_equal_horovod(case, tmp_path_factory):
     assert result["moved"] > 1e-3
     assert result["max_abs_diff"] <= result["tolerance"], result
     assert result["ps_pushed_bytes"] > 0, "nothing went through the servers"
+    assert not result["stale_router_fired"], "an earlier optimizer still got the parameters' gradients"
 
 
 def test_servers_leave_cleanly_after_the_job(tmp_path_factory):

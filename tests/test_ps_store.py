@@ -69,3 +69,48 @@ def test_first_workers_value_wins_and_staleness_must_agree():
     assert store.init_async("p", torch.zeros(2), staleness=2).tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="workers disagree on the staleness of key 'p'"):
         store.init_async("p", torch.zeros(2), staleness=3)
+
+
+def test_a_push_of_another_kind_is_refused_naming_the_key_and_both_kinds():
+    """A sparse push into a key first pushed dense (e.g. two optimizers sharing key names) is
+    refused with a readable error, and the key's round is untouched. (Errors answered through
+    futures surface as RuntimeError, as RPC delivers them to the worker.)"""
+    store = KeyStore(num_workers=2)
+    first = store.push_pull("emb", 0, 0, torch.ones(4, 2))
+    sparse = (torch.tensor([[1]]), torch.ones(1, 2), (4, 2))
+    with pytest.raises(RuntimeError, match=r"worker1 pushed sparse float32 \[4, 2\] to key 'emb', "
+                                         r"which holds dense float32 \[4, 2\]"):
+        store.push_pull("emb", 1, 0, sparse).wait()
+    with pytest.raises(RuntimeError, match=r"pushed dense float64 \[4, 2\] to key 'emb', which holds dense float32"):
+        store.push_pull("emb", 1, 0, torch.ones(4, 2, dtype=torch.float64)).wait()
+    with pytest.raises(RuntimeError, match=r"pushed dense float32 \[8\] to key 'emb'"):
+        store.push_pull("emb", 1, 0, torch.ones(8)).wait()
+    assert not first.done()
+    store.push_pull("emb", 1, 0, torch.ones(4, 2))  # the valid push still completes the round
+    assert torch.equal(first.wait(), torch.full((4, 2), 2.0))
+
+
+def test_sparse_keys_check_size_and_malformed_payloads():
+    store = KeyStore(num_workers=2)
+    store.push_pull("e", 0, 0, (torch.tensor([[1]]), torch.ones(1, 2), (10, 2)))
+    with pytest.raises(RuntimeError, match=r"sparse float32 \[12, 2\] to key 'e', which holds sparse float32 "
+                                           r"\[10, 2\]"):
+        store.push_pull("e", 1, 0, (torch.tensor([[1]]), torch.ones(1, 2), (12, 2))).wait()
+    with pytest.raises(RuntimeError, match="malformed payload to key 'e': sparse indices outside size"):
+        store.push_pull("e", 1, 0, (torch.tensor([[10]]), torch.ones(1, 2), (10, 2))).wait()
+    with pytest.raises(RuntimeError, match="malformed payload to key 'x': a list, neither a tensor"):
+        store.push_pull("x", 1, 0, [torch.ones(2)]).wait()
+
+
+def test_bsp_and_async_keys_do_not_mix():
+    store = KeyStore(num_workers=2)
+    store.init_async("p", torch.zeros(3), staleness=None)
+    with pytest.raises(RuntimeError, match="BSP dense float32 \\[3\\] payload to key 'p', which holds an ASP/SSP"):
+        store.push_pull("p", 0, 0, torch.ones(3)).wait()
+    with pytest.raises(RuntimeError, match=r"pushed dense float32 \[4\] to key 'p', which holds dense float32 \[3\]"):
+        store.push_delta("p", 0, 0, torch.ones(4)).wait()
+    store.push_pull("g", 0, 0, torch.ones(3))
+    with pytest.raises(ValueError, match="key 'g' holds BSP dense float32 \\[3\\] gradients"):
+        store.init_async("g", torch.zeros(3), staleness=None)
+    with pytest.raises(RuntimeError, match="ASP/SSP delta to key 'g', which holds BSP"):
+        store.push_delta("g", 0, 0, torch.ones(3)).wait()

@@ -159,3 +159,46 @@ def test_builders():
     assert {par.config_for(n).group for n in v if n != "emb.weight"} == {0, 1}
     with pytest.raises(ValueError, match="num_servers"):
         baselines.all_ps(v, num_servers=0)
+
+
+def sparse_model():
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(1000, 16, sparse=True)
+            self.bag = nn.EmbeddingBag(100, 16, sparse=False)
+            self.fc1 = nn.Linear(16, 64)
+            self.fc2 = nn.Linear(64, 10)
+    return Model()
+
+
+def test_variables_from_model_marks_sparse_embeddings():
+    from hybridsync.variables import variables_from_model, variables_from_parameters
+    model = sparse_model()
+    found = variables_from_model(model)
+    assert list(found) == [name for name, _ in model.named_parameters()]
+    assert {name for name, info in found.items() if info.sparse} == {"emb.weight"}
+    assert found["emb.weight"].shape == (1000, 16) and found["emb.weight"].dtype == "float32"
+    assert not any(info.sparse for info in variables_from_parameters(model.named_parameters()).values())
+
+
+def test_model_description_round_trip_keeps_sparsity(tmp_path):
+    from hybridsync.variables import load_model_description, save_model_description, variables_from_model
+    save_model_description(variables_from_model(sparse_model()), tmp_path / "m.json")
+    assert load_model_description(tmp_path / "m.json") == variables_from_model(sparse_model())
+
+
+def test_baselines_on_a_sparse_model_route_the_embedding_to_the_servers():
+    from hybridsync.variables import variables_from_model
+    found = variables_from_model(sparse_model())
+    parallax = baselines.parallax(found, num_servers=2, num_groups=2)
+    assert parallax.config_for("emb.weight").route == "ps"
+    assert {parallax.config_for(n).route for n in found if n != "emb.weight"} == {"allreduce"}
+    partitioned = baselines.partitioned_ps(found, num_servers=2, partition_bytes=16_000)
+    emb = partitioned.config_for("emb.weight")
+    assert emb.route == "ps" and emb.partitions == 4 and sorted(emb.servers) == [0, 0, 1, 1]
+    for strategy in (parallax, partitioned):  # both plan: a shard of a sparse variable is a PS message
+        plan = build_plan(found, strategy)
+        assert {m.config.route for m in plan.messages if "emb.weight" in m.name} == {"ps"}

@@ -10,11 +10,14 @@ from hybridsync.backends.base import Backend, Handle, Reduction, RouteUnavailabl
 __all__ = ["Backend", "Handle", "Reduction", "RouteUnavailableError", "make_backend", "make_parameter_sync"]
 
 
-def make_backend(route: str, variant: str, variables: Iterable[str] = (), process_set: Any = None) -> Backend:
+def make_backend(route: str, variant: str, variables: Iterable[str] = (), namespace: str = "",
+                 process_set: Any = None) -> Backend:
     """The backend for a route (``variant``: the all-reduce algorithm, or the PS protocol).
 
     Unavailable routes fail here, at construction, never silently. ASP/SSP are not
     backends (nothing is exchanged per gradient): see ``make_parameter_sync``.
+    ``namespace`` prefixes the names a backend keeps beyond one step (parameter-server
+    keys), so two routers in one job never share them.
     """
     if route == "allreduce" and variant == "ring":
         from hybridsync.backends.ring import RingAllreduce
@@ -24,14 +27,15 @@ def make_backend(route: str, variant: str, variables: Iterable[str] = (), proces
         return HierarchicalAllreduce()
     if route == "ps" and variant == "bsp":
         from hybridsync.backends.ps.route import bsp_backend
-        return bsp_backend()
+        return bsp_backend(namespace)
     names = sorted(variables)
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     raise RouteUnavailableError(f"route {route!r} with {variant!r} has no per-gradient backend (used by: {shown})")
 
 
-def make_parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]], staleness: int | None) -> Any:
+def make_parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]], staleness: int | None,
+                        namespace: str = "") -> Any:
     """ASP (``staleness=None``) or SSP on the parameter servers for ``(key name, tensor, server)``
     pieces of parameters; its ``push_pull()`` runs after each local optimizer step."""
     from hybridsync.backends.ps.route import parameter_sync
-    return parameter_sync(pieces, staleness)
+    return parameter_sync(pieces, staleness, namespace)

@@ -4,6 +4,13 @@ The router knows backends only through this module: it hands a backend a list of
 tensors that form one message (already compressed, views into gradients where
 possible) and gets back a handle; after ``handle.wait()`` returns, the tensors hold
 the synchronized values in place. No backend imports another.
+
+Two optional methods let a backend take sparse gradients as they are (the router makes
+them dense for a backend that has neither): ``submit_sparse(name, grad, reduction)`` for a
+message that is one whole sparse gradient (ring: Horovod's sparse all-reduce; PS: touched
+rows), and ``submit_parts(name, [(part, tensor), ...], reduction)`` for a message mixing
+sparse row shards and dense pieces (PS). Both return a callable that waits and returns
+the reduced sparse tensor(s).
 """
 from __future__ import annotations
 

@@ -5,10 +5,20 @@ Messages start as soon as their last gradient is ready, so communication overlap
 rest of the backward pass, exactly as Horovod's per-parameter hooks do. Messages on the
 parameter server under ASP/SSP exchange no gradients: their variables are stepped
 locally and their parameters pushed and pulled after ``step()`` (``after_step``).
+
+Sparse gradients (``nn.Embedding(sparse=True)``) are handled on every route and shape,
+since the optimizer cannot know them before the first step: a whole variable goes as
+the backend sends sparse tensors (Horovod's sparse all-reduce, the PS's touched rows);
+on the parameter server a shard or merge-group member goes as its own key, touched rows
+only (indices re-based to the shard); on the all-reduce routes a partitioned or merged
+sparse gradient, and any sparse gradient on the hierarchical route, is made dense for
+the message (as Horovod's ``sparse_as_dense``: correct, at the variable's full bytes).
+The result goes back into ``p.grad`` as a sparse tensor, as the optimizer expects.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -18,16 +28,23 @@ from hybridsync.compression import compressor_named
 from hybridsync.router.plan import Message, Piece, RoutingPlan
 
 
+_ROUTERS_CREATED = itertools.count()
+"""Routers built in this process so far: every rank builds the same ones, in the same order."""
+
+
 @dataclasses.dataclass(slots=True)
 class _InFlight:
     index: int
     message: Message
     handle: Handle | None
-    sparse_result: Callable[[], torch.Tensor] | None
+    sparse_result: Callable[[], list[torch.Tensor | None]] | None
+    """Waits; returns a reduced sparse tensor (or ``None``) per entry of ``sparse_rows``."""
     views: list[torch.Tensor]
     sent: list[torch.Tensor]
     contexts: list[Any]
     compressor: Any
+    sparse_rows: list[tuple[int, int] | None] = dataclasses.field(default_factory=list)
+    """Per sparse result: (variable index, first row of its shard), or ``None`` for a dense part."""
 
 
 class Router:
@@ -36,27 +53,37 @@ class Router:
     def __init__(self, plan: RoutingPlan, params: Sequence[torch.nn.Parameter], *,
                  compression: Any, reduction: Reduction, process_set: Any = None) -> None:
         assert len(params) == len(plan.var_names)
+        self.instance = next(_ROUTERS_CREATED)
+        """Identical on every rank (the optimizer's fingerprint check covers it)."""
+        self.namespace = f"opt{self.instance}"
+        """Prefix of every name kept beyond a step (parameter-server keys): two routers never share one."""
         self.plan = plan
         self._params = list(params)
         self._reduction = reduction
         self._compressors = [compressor_named(m.config.compression, compression) for m in plan.messages]
         self._async = [_is_async(m) for m in plan.messages]
-        self._backends = self._make_backends(plan, self._async, process_set)
+        self._backends = self._make_backends(plan, self._async, self.namespace, process_set)
         self._declare_ps_keys()
         self._parameter_syncs: list[Any] | None = None
         self._waiting_on = [len(m.var_indices) for m in plan.messages]
         self._ready: set[int] = set()
         self._all_vars = frozenset(range(len(self._params)))
         self._in_flight: list[_InFlight] = []
+        self._sparse_vars: set[int] = set()
+        """Variables seen with a sparse gradient: one that gets none is sent as sparse zeros."""
+        self._sparse_results: dict[int, list[torch.Tensor]] = {}
+        self._densified: dict[int, torch.Tensor] = {}
+        """This step's sparse gradients made dense for an all-reduce, by variable index."""
 
     @staticmethod
-    def _make_backends(plan: RoutingPlan, is_async: Sequence[bool], process_set: Any) -> list[Backend | None]:
+    def _make_backends(plan: RoutingPlan, is_async: Sequence[bool], namespace: str,
+                       process_set: Any) -> list[Backend | None]:
         """One backend per distinct route (none for ASP/SSP); an unavailable route raises here."""
         users: dict[tuple[str, str], list[str]] = {}
         for message, skip in zip(plan.messages, is_async):
             if not skip:
                 users.setdefault(_backend_key(message), []).extend(p.var_name for p in message.pieces)
-        backends = {key: make_backend(*key, variables=names, process_set=process_set)
+        backends = {key: make_backend(*key, variables=names, namespace=namespace, process_set=process_set)
                     for key, names in users.items()}
         return [None if skip else backends[_backend_key(m)] for m, skip in zip(plan.messages, is_async)]
 
@@ -91,7 +118,8 @@ class Router:
                 key = message.name if len(message.pieces) == 1 else f"{message.name}.{piece.var_name}"
                 view = self._piece_of(piece, self._params[piece.var_index].data)
                 by_staleness.setdefault(message.config.staleness, []).append((key, view, _server_of(message)))
-        self._parameter_syncs = [make_parameter_sync(pieces, staleness) for staleness, pieces in by_staleness.items()]
+        self._parameter_syncs = [make_parameter_sync(pieces, staleness, self.namespace)
+                                 for staleness, pieces in by_staleness.items()]
 
     def after_step(self) -> None:
         """Push the ASP/SSP variables' updates and adopt the servers' current values."""
@@ -125,18 +153,21 @@ class Router:
                     lent.append(param)  # a fused message needs its piece on every rank; taken back below
             if param.grad is None:
                 # Another rank may have a gradient here (dynamic graphs): send zeros, as Horovod does.
-                param.grad = torch.zeros_like(param)
+                param.grad = (_sparse_zeros(param) if var_index in self._sparse_vars else torch.zeros_like(param))
             self.mark_ready(var_index)
         try:
             # Plan order, identical on every rank: a backend whose wait() blocks on a collective
             # (hierarchical, parameter server) then meets the other ranks at the same message.
             for flight in sorted(self._in_flight, key=lambda f: f.index):
                 self._complete(flight)
+            self._write_back_sparse()
         finally:
             for param in lent:
                 param.grad = None
             self._in_flight.clear()
             self._ready.clear()
+            self._sparse_results.clear()
+            self._densified.clear()
             self._waiting_on = [len(m.var_indices) for m in self.plan.messages]
 
     def _alone_in_its_messages(self, var_index: int) -> bool:
@@ -157,20 +188,68 @@ class Router:
                 return
         grads = [self._gradient(piece) for piece in pieces]
         if any(grad.is_sparse for grad in grads):
-            if len(grads) != 1 or not message.pieces[0].whole:
-                raise RuntimeError(
-                    f"a sparse gradient cannot be partitioned or merged on the all-reduce route "
-                    f"(message {message.name!r} holds {', '.join(p.var_name for p in message.pieces)}); "
-                    f"give the sparse variable its own entry without 'partitions'/'group'")
-            submit_sparse = getattr(backend, "submit_sparse", None)
-            assert submit_sparse is not None, f"backend of {message.name!r} lacks sparse support"
-            result = submit_sparse(message.name, grads[0], self._reduction)
-            self._in_flight.append(_InFlight(m_index, message, None, result, [], [], [], compressor))
-            return
+            self._sparse_vars.update(p.var_index for p, g in zip(pieces, grads) if g.is_sparse)
+            if self._submit_sparse(m_index, grads):
+                return
+            grads = [self._densify(piece.var_index, grad) if grad.is_sparse else grad
+                     for piece, grad in zip(pieces, grads)]
         views = [self._piece_of(piece, grad) for piece, grad in zip(message.pieces, grads)]
         sent, contexts = zip(*(compressor.compress(view) for view in views))
         handle = backend.submit(message.name, sent, self._reduction)
         self._in_flight.append(_InFlight(m_index, message, handle, None, views, list(sent), list(contexts), compressor))
+
+    def _submit_sparse(self, m_index: int, grads: list[torch.Tensor]) -> bool:
+        """Send a message holding sparse gradients as sparse where its backend can; False: densify it."""
+        message, backend, compressor = self.plan.messages[m_index], self._backends[m_index], self._compressors[m_index]
+        pieces = message.pieces
+        submit_sparse = getattr(backend, "submit_sparse", None)
+        if len(pieces) == 1 and pieces[0].whole and submit_sparse is not None:
+            result = submit_sparse(message.name, grads[0], self._reduction)
+            self._in_flight.append(_InFlight(m_index, message, None, lambda: [result()], [], [], [], compressor,
+                                             [(pieces[0].var_index, 0)]))
+            return True
+        submit_parts = getattr(backend, "submit_parts", None)
+        if submit_parts is None:
+            return False
+        parts, rows, views, sent, contexts = [], [], [], [], []
+        for piece, grad in zip(pieces, grads):
+            if grad.is_sparse:
+                parts.append((piece.var_name, _sparse_rows(self._coalesced(piece.var_index), piece.start, piece.stop)))
+                rows.append((piece.var_index, piece.start))
+            else:  # a dense member of a merge group: its own key, compressed as the message says
+                view = self._piece_of(piece, grad)
+                wire, ctx = compressor.compress(view)
+                parts.append((piece.var_name, wire))
+                rows.append(None)
+                views.append(view), sent.append(wire), contexts.append(ctx)
+        result = submit_parts(message.name, parts, self._reduction)
+        self._in_flight.append(_InFlight(m_index, message, None, result, views, sent, contexts, compressor, rows))
+        return True
+
+    def _coalesced(self, var_index: int) -> torch.Tensor:
+        """The variable's sparse gradient with unique, sorted rows (coalesced once per step)."""
+        param = self._params[var_index]
+        if not param.grad.is_coalesced():
+            param.grad = param.grad.coalesce()
+        return param.grad
+
+    def _densify(self, var_index: int, grad: torch.Tensor) -> torch.Tensor:
+        """A dense copy of a sparse gradient, shared by every message of the variable this step."""
+        dense = self._densified.get(var_index)
+        if dense is None:
+            dense = self._densified[var_index] = grad.to_dense()
+        return dense
+
+    def _write_back_sparse(self) -> None:
+        """Every sparse gradient of the step from its reduced shards, or from its densified copy."""
+        for var_index, results in self._sparse_results.items():
+            grad = self._params[var_index].grad
+            grad.zero_()  # sparse tensors do not support set_()
+            for result in results:
+                grad.add_(result)
+        for var_index, dense in self._densified.items():
+            grad = self._params[var_index].grad
+            grad.zero_().add_(dense.to_sparse(grad.sparse_dim()))
 
     def _gradient(self, piece: Piece) -> torch.Tensor:
         param = self._params[piece.var_index]
@@ -188,10 +267,13 @@ class Router:
 
     def _complete(self, flight: _InFlight) -> None:
         if flight.sparse_result is not None:
-            grad = self._params[flight.message.pieces[0].var_index].grad
-            grad.zero_().add_(flight.sparse_result())  # sparse tensors do not support set_()
-            return
-        flight.handle.wait()
+            for where, result in zip(flight.sparse_rows, flight.sparse_result()):
+                if where is not None:
+                    var_index, start = where
+                    shape = self._params[var_index].shape
+                    self._sparse_results.setdefault(var_index, []).append(_at_rows(result, start, shape))
+        else:
+            flight.handle.wait()
         for view, sent, ctx in zip(flight.views, flight.sent, flight.contexts):
             if sent is not view:
                 view.copy_(flight.compressor.decompress(sent, ctx))
@@ -211,3 +293,29 @@ def _server_of(message: Message) -> int | None:
     """The strategy's server for this message's shard, if it names one."""
     servers = message.config.servers
     return servers[message.pieces[0].shard] if servers else None
+
+
+def _sparse_rows(grad: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a coalesced sparse gradient, re-based to the shard: only touched rows."""
+    indices, values = grad.indices(), grad.values()
+    keep = (indices[0] >= start) & (indices[0] < stop)
+    indices = indices[:, keep]
+    indices[0] -= start  # boolean indexing copied them
+    return torch.sparse_coo_tensor(indices, values[keep], (stop - start, *grad.shape[1:]),
+                                   is_coalesced=True, check_invariants=False)
+
+
+def _at_rows(shard: torch.Tensor, start: int, shape: torch.Size) -> torch.Tensor:
+    """A reduced shard (sparse, rows re-based) placed back at row ``start`` of the whole variable."""
+    if start == 0 and shard.shape == shape:
+        return shard
+    indices = shard._indices().clone()
+    indices[0] += start
+    return torch.sparse_coo_tensor(indices, shard._values(), shape, check_invariants=False)
+
+
+def _sparse_zeros(param: torch.Tensor) -> torch.Tensor:
+    """An empty sparse gradient (no touched rows) for a parameter whose gradients are sparse."""
+    return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64),
+                                   torch.zeros((0, *param.shape[1:]), dtype=param.dtype), param.shape,
+                                   check_invariants=False)

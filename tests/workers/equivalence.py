@@ -6,9 +6,11 @@ Every rank trains on its own data, so the result depends on a correct reduction.
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -35,6 +37,13 @@ HIERARCHICAL_MIXED = {
     "emb.weight": {"route": "allreduce", "algorithm": "ring", "partitions": 2}}
 
 
+SPARSE_RING = {"emb.weight": {"route": "allreduce", "partitions": 2, "group": 1},
+               "fc1.weight": {"route": "allreduce", "group": 1}}
+SPARSE_HIERARCHICAL = {"emb.weight": {"route": "allreduce", "algorithm": "hierarchical"},
+                       "fc1.weight": {"route": "allreduce", "algorithm": "hierarchical", "partitions": 2},
+                       "fc2.weight": {"route": "allreduce", "algorithm": "hierarchical"}}
+
+
 def strategy(variables: dict) -> dict:
     return {"version": 1, "default": {"route": "allreduce", "algorithm": "ring"}, "variables": variables}
 
@@ -59,6 +68,9 @@ CASES = {
                                    {"strategy": {"default": {"route": "allreduce", "algorithm": "hierarchical"}}},
                                    {}, 1e-5),
     "hierarchical_mixed_with_ring": ({}, {"strategy": strategy(HIERARCHICAL_MIXED)}, {}, 2e-3),
+    # Sparse gradients where the all-reduce routes cannot send them sparse: made dense for the message.
+    "sparse_ring_partitions_groups": ({}, {"strategy": strategy(SPARSE_RING)}, {"sparse": True}, 1e-5),
+    "sparse_hierarchical": ({}, {"strategy": strategy(SPARSE_HIERARCHICAL)}, {"sparse": True}, 1e-5),
 }
 
 
@@ -72,8 +84,24 @@ PS_HIERARCHICAL_RING = {
     "fc1.bias": {"route": "allreduce", "algorithm": "hierarchical", "group": 1},
     "fc2.weight": {"route": "ps", "group": 2}, "fc2.bias": {"route": "ps", "group": 2}}
 
+PS_SPARSE_GROUPED = {"emb.weight": {"route": "ps", "partitions": 2, "group": 4},
+                     "fc1.weight": {"route": "ps", "group": 4}, "fc1.bias": {"route": "ps", "group": 4}}
+
+
+def baseline(name: str) -> dict:
+    """A baseline strategy built, as a user would, from the sparse model's description."""
+    from hybridsync import baselines
+    from hybridsync.variables import variables_from_model
+    variables = variables_from_model(Net(sparse=True))
+    if name == "parallax":
+        return baselines.parallax(variables, num_servers=2).to_dict()
+    return baselines.partitioned_ps(variables, num_servers=2, partition_bytes=400).to_dict()
+
+
 # Cases that need parameter servers (run under hybridsync-run --num-servers K, never by default).
-# Each one's variables get their own names on the servers (keys persist for the whole job).
+# Every case builds new optimizers over the same parameter names in one job: each optimizer's
+# keys live in its own namespace on the servers (ps_all routes 'emb.weight' dense, the sparse
+# cases after it route the same name sparse).
 PS_CASES = {
     "ps_all": ({}, {"strategy": {"default": {"route": "ps"}}}, {}, 1e-5),
     "ps_mixed_with_ring": ({}, {"strategy": strategy(PS_MIXED)}, {}, 1e-5),
@@ -82,13 +110,23 @@ PS_CASES = {
     "ps_predivide_backward_passes_2": ({"gradient_predivide_factor": 2.0, "backward_passes_per_step": 2},
                                        {"strategy": {"default": {"route": "ps"}}}, {}, 1e-5),
     "ps_hierarchical_ring_mixed": ({}, {"strategy": strategy(PS_HIERARCHICAL_RING)}, {}, 1e-5),
+    "ps_sparse_partitions": ({}, {"strategy": strategy({"emb.weight": {"route": "ps", "partitions": 2}})},
+                             {"sparse": True}, 1e-5),
+    "ps_sparse_partitions_grouped": ({}, {"strategy": strategy(PS_SPARSE_GROUPED)}, {"sparse": True}, 1e-5),
+    "ps_parallax_baseline": ({}, {"strategy": "parallax"}, {"sparse": True}, 1e-5),
+    "ps_partitioned_baseline": ({}, {"strategy": "partitioned_ps"}, {"sparse": True}, 1e-5),
+    # ASP steps locally (the sparse gradient stays local) and pushes dense parameter deltas:
+    # not Horovod's BSP result, so only a loose bound; it must run and move the parameters.
+    "ps_asp_sparse_partitions": ({}, {"strategy": strategy({"emb.weight": {"route": "ps", "partitions": 2,
+                                                                          "protocol": "asp"}})},
+                                 {"sparse": True}, 0.5),
+    # An all-PS optimizer over a dense model, then a second optimizer in the same job once the
+    # embedding became sparse, with emb.weight sparse on the PS (the same names, new keys).
+    "ps_second_optimizer_sparse": ({}, {"strategy": {"default": {"route": "ps"}},
+                                        "second_strategy": strategy({"emb.weight": {"route": "ps",
+                                                                                   "partitions": 2}})},
+                                   {"second_sparse": True}, 1e-5),
 }
-
-
-def prefixed(prefix: str, doc: dict) -> dict:
-    """``doc`` with every variable name prefixed (the names the model's parameters get)."""
-    variables = {f"{prefix}.{name}": config for name, config in doc.get("variables", {}).items()}
-    return {**doc, "variables": variables}
 
 
 class Net(nn.Module):
@@ -107,19 +145,37 @@ class Net(nn.Module):
 
 
 def train(make_optimizer, model_kwargs: dict, common: dict, extra: dict) -> list[torch.Tensor]:
+    model_kwargs, extra = dict(model_kwargs), dict(extra)
+    second_sparse = model_kwargs.pop("second_sparse", False)
+    second_strategy = extra.pop("second_strategy", None)
+    if isinstance(extra.get("strategy"), str):
+        extra["strategy"] = baseline(extra["strategy"])
     torch.manual_seed(0)
     model = Net(**model_kwargs)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    gen = torch.Generator().manual_seed(100 + hvd.rank())
+    first = steps(model, make_optimizer, common, extra, gen)
+    if second_sparse:  # a new phase: the embedding's gradient is sparse now, a new optimizer
+        model.emb.sparse = True
+        router = getattr(first, "_router", None)
+        del first
+        gc.collect()  # Horovod's optimizer: its hooks go only with the old optimizer (hybridsync's: replaced)
+        steps(model, make_optimizer, common, {"strategy": second_strategy} if second_strategy else {}, gen)
+        if router is not None:  # the first optimizer's hooks must not have fired in the second phase
+            STALE_ROUTERS.append(router.pending)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+STALE_ROUTERS: list[bool] = []
+"""Per two-phase run: whether the first optimizer's router got gradients during the second phase."""
+
+
+def steps(model: nn.Module, make_optimizer, common: dict, extra: dict, gen: torch.Generator) -> Any:
+    """``STEPS`` training steps of ``model`` with a new (distributed) optimizer; returns the optimizer."""
     base = (torch.optim.Adam(model.parameters(), lr=0.01) if common.get("optim") == "adam"
             else torch.optim.SGD(model.parameters(), lr=0.1))
     kwargs = {k: v for k, v in common.items() if k != "optim"}
-    named, extra = list(model.named_parameters()), dict(extra)
-    prefix = extra.pop("prefix", None)
-    if prefix:
-        named = [(f"{prefix}.{name}", p) for name, p in named]
-        extra["strategy"] = prefixed(prefix, extra["strategy"])
-    opt = make_optimizer(base, named_parameters=named, **kwargs, **extra)
-    gen = torch.Generator().manual_seed(100 + hvd.rank())
+    opt = make_optimizer(base, named_parameters=list(model.named_parameters()), **kwargs, **extra)
     passes = common.get("backward_passes_per_step", 1)
     for _ in range(STEPS):
         opt.zero_grad()
@@ -128,7 +184,7 @@ def train(make_optimizer, model_kwargs: dict, common: dict, extra: dict) -> list
             target = torch.randn(6, 4, generator=gen)
             nn.functional.mse_loss(model(ids), target).backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return opt
 
 
 def resolve(common: dict, lib) -> dict:
@@ -142,8 +198,6 @@ def resolve(common: dict, lib) -> dict:
 
 def run_case(name: str) -> dict:
     common, extra, model_kwargs, tolerance = {**CASES, **PS_CASES}[name]
-    if name in PS_CASES:
-        extra = {**extra, "prefix": name}
     start = time.perf_counter()
     expected = train(hvd.DistributedOptimizer, model_kwargs, resolve(common, hvd), {})
     pushed_before = ps_pushed_bytes()
@@ -151,6 +205,7 @@ def run_case(name: str) -> dict:
     diff = max(float((a - e).abs().max()) for a, e in zip(actual, expected))
     moved = max(float((a - b).abs().max()) for a, b in zip(actual, train_nothing(model_kwargs)))
     return {"max_abs_diff": diff, "tolerance": tolerance, "moved": moved,
+            "stale_router_fired": any(STALE_ROUTERS),
             "ps_pushed_bytes": ps_pushed_bytes() - pushed_before, "seconds": round(time.perf_counter() - start, 2)}
 
 
@@ -162,7 +217,7 @@ def ps_pushed_bytes() -> int:
 
 def train_nothing(model_kwargs: dict) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    model = Net(**model_kwargs)
+    model = Net(**{k: v for k, v in model_kwargs.items() if k != "second_sparse"})
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return [p.detach().clone() for p in model.parameters()]
 

@@ -10,7 +10,7 @@ Worker side::
 
     from hybridsync.backends import ps
     client = ps.init()                 # same DMLC_* env; worker id: DMLC_WORKER_ID or HOROVOD_RANK
-    backend = ps.PSBackend(client)     # the router's Backend: submit(...) / submit_sparse(...)
+    backend = ps.PSBackend(client, namespace="opt0")   # the router's Backend; keys "opt0/<message>"
     backend.declare_all([(message_name, tensors, server_or_None), ...])   # once, plan order
     ...
     ps.shutdown()                      # also registered atexit; servers exit after the last worker

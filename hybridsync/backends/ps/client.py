@@ -95,6 +95,20 @@ class PSClient:
         """Server of every key placed so far (a copy)."""
         return dict(self._placement)
 
+    def place_with(self, key: str, message: str) -> None:
+        """Put ``key`` (if not placed yet) on the server of declared ``message``'s first key.
+
+        Every worker declared the same messages, so every worker places ``key`` alike.
+        """
+        server = self.server_of_message(message)
+        if key not in self._placement and server is not None:
+            self._placement[key] = server
+
+    def server_of_message(self, message: str) -> int | None:
+        """The server of declared ``message``'s first key (``None`` when it was never declared)."""
+        layout = self._layouts.get(message)
+        return self._placement.get(layout.chunks[0].key) if layout is not None else None
+
     def server_of(self, key: str) -> int:
         """The server holding ``key``: declared placement, else the hash fallback."""
         if key not in self._placement:
@@ -113,10 +127,16 @@ class PSClient:
             calls.append((chunk, self.send(chunk.key, "rpc_push_pull", payload)))
         return PSHandle(self, tensors, layout, flats, calls, reduction)
 
-    def push_pull_sparse_async(self, name: str, grad: torch.Tensor,
-                               reduction: Reduction = Reduction()) -> SparseHandle:
-        """Push the touched rows of sparse ``grad``; ``wait()`` returns the summed sparse tensor."""
+    def push_pull_sparse_async(self, name: str, grad: torch.Tensor, reduction: Reduction = Reduction(), *,
+                               home: str | None = None) -> SparseHandle:
+        """Push the touched rows of sparse ``grad``; ``wait()`` returns the summed sparse tensor.
+
+        ``home``: a declared message whose server this key joins when it has no place yet
+        (a sparse gradient travels as one key, on the server of its message's first key).
+        """
         self.check_usable()
+        if home is not None:
+            self.place_with(name, home)
         grad = grad.coalesce()
         values = grad.values() * reduction.prescale_factor if reduction.prescale_factor != 1 else grad.values()
         payload = (grad.indices(), values, tuple(grad.shape))
@@ -284,25 +304,59 @@ class SparseHandle:
 
 
 class PSBackend:
-    """The router's ``Backend`` for ``route: "ps"`` (BSP): one push-pull per message."""
+    """The router's ``Backend`` for ``route: "ps"`` (BSP): one push-pull per message.
 
-    def __init__(self, client: PSClient | None = None) -> None:
+    ``namespace`` prefixes every key name this backend sends (``"<namespace>/<message>"``),
+    so the messages of two optimizers in one job (a new training phase, an optimizer
+    re-created after a checkpoint) never share keys on the servers, even when their
+    names, shapes or sparsity coincide.
+    """
+
+    def __init__(self, client: PSClient | None = None, namespace: str = "") -> None:
         self.client = client if client is not None else get_client()
+        self.namespace = namespace
+
+    def key(self, name: str) -> str:
+        """The server-side name of message ``name``."""
+        return f"{self.namespace}/{name}" if self.namespace else name
 
     def declare(self, name: str, tensors: Sequence[torch.Tensor], server: int | None = None) -> None:
         """Place message ``name``'s keys (balanced by bytes, or on ``server``) before the first step."""
-        self.client.declare(name, tensors, server=server)
+        self.client.declare(self.key(name), tensors, server=server)
 
     def declare_all(self, messages: Sequence[tuple[str, Sequence[torch.Tensor], int | None]]) -> None:
         """Place every PS message of a routing plan at once: ``(name, tensors, server or None)``."""
-        self.client.declare_all(messages)
+        self.client.declare_all([(self.key(name), tensors, server) for name, tensors, server in messages])
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> PSHandle:
-        return self.client.push_pull_async(name, tensors, reduction)
+        return self.client.push_pull_async(self.key(name), tensors, reduction)
 
     def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
         """Touched rows only, both ways; the callable waits and returns the reduced sparse gradient."""
-        return self.client.push_pull_sparse_async(name, grad, reduction).wait
+        key = self.key(name)
+        return self.client.push_pull_sparse_async(key, grad, reduction, home=key).wait
+
+    def submit_parts(self, name: str, parts: Sequence[tuple[str, torch.Tensor]],
+                     reduction: Reduction) -> Callable[[], list[torch.Tensor | None]]:
+        """A message holding sparse gradients (a row shard, a merge group): each ``(part, tensor)``
+        travels under its own key ``<message>.<part>`` (a lone part: ``<message>``) on the server of
+        the message's first key,
+        sparse tensors as their touched rows, dense ones in place.
+
+        The callable waits and returns, per part, the reduced sparse tensor (``None`` for dense).
+        """
+        home = self.key(name)
+        handles: list[Any] = []
+        for part, tensor in parts:
+            key = home if len(parts) == 1 else f"{home}.{part}"
+            if tensor.is_sparse:
+                handles.append(self.client.push_pull_sparse_async(key, tensor, reduction, home=home))
+            else:
+                server = self.client.server_of_message(home)
+                if server is not None:  # else the hash places it: identical on every worker, in any order
+                    self.client.declare(key, [tensor], server=server)
+                handles.append(self.client.push_pull_async(key, [tensor], reduction))
+        return lambda: [handle.wait() for handle in handles]
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -50,14 +50,16 @@ def joined_client() -> ps_client.PSClient:
     return ps_client.init(worker_id=hvd.rank())
 
 
-def bsp_backend() -> ps_client.PSBackend:
-    """The router's backend for ``route: "ps"``, ``protocol: "bsp"``."""
-    return ps_client.PSBackend(joined_client())
+def bsp_backend(namespace: str = "") -> ps_client.PSBackend:
+    """The router's backend for ``route: "ps"``, ``protocol: "bsp"``; key names prefixed by ``namespace``."""
+    return ps_client.PSBackend(joined_client(), namespace=namespace)
 
 
 def parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]],
-                   staleness: int | None) -> AsyncParameterSync:
-    """ASP (``staleness=None``) or SSP sync of parameter ``pieces``: ``(key name, tensor, server or None)``."""
-    return AsyncParameterSync(joined_client(), [(name, tensor) for name, tensor, _ in pieces],
+                   staleness: int | None, namespace: str = "") -> AsyncParameterSync:
+    """ASP (``staleness=None``) or SSP sync of parameter ``pieces``: ``(key name, tensor, server or None)``,
+    key names prefixed by ``namespace`` as ``PSBackend`` does."""
+    key = (lambda name: f"{namespace}/{name}") if namespace else (lambda name: name)
+    return AsyncParameterSync(joined_client(), [(key(name), tensor) for name, tensor, _ in pieces],
                               staleness=staleness,
-                              servers={name: server for name, _, server in pieces if server is not None})
+                              servers={key(name): server for name, _, server in pieces if server is not None})

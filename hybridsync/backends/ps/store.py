@@ -7,7 +7,10 @@ push round ``t + 1`` of a key before its pull of round ``t`` returned, so one op
 per key is enough; the step number a worker sends is checked to catch plan mismatches.
 
 Dense payloads are tensors; sparse payloads are ``(indices, values, size)`` of a COO
-tensor, and the result covers the union of the rows the workers touched.
+tensor, and the result covers the union of the rows the workers touched. A key's first
+push fixes its kind (dense or sparse, dtype, shape); every later push is checked against
+it, and a push that does not match (another plan's payload, a corrupt one) is answered
+with an error naming the key and both kinds, never summed.
 
 ASP/SSP (``AsyncKey``): the server holds the parameter itself. A worker pushes the delta of
 its local optimizer step; the server adds it and answers with the current parameter. ASP
@@ -46,6 +49,42 @@ def payload_bytes(payload: torch.Tensor | SparsePayload) -> int:
     return indices.nbytes + values.nbytes
 
 
+@dataclasses.dataclass(frozen=True)
+class PayloadKind:
+    """What a key holds: dense or sparse, element type, and the (full, for sparse) shape."""
+
+    sparse: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{'sparse' if self.sparse else 'dense'} {str(self.dtype).removeprefix('torch.')} {list(self.shape)}"
+
+
+def payload_kind(payload: Any) -> PayloadKind:
+    """The kind of a dense or sparse payload; ``ValueError`` saying why for anything malformed."""
+    if isinstance(payload, torch.Tensor):
+        if payload.layout != torch.strided:
+            raise ValueError(f"a {payload.layout} tensor (sparse pushes are (indices, values, size))")
+        return PayloadKind(False, payload.dtype, tuple(payload.shape))
+    if not (isinstance(payload, tuple) and len(payload) == 3 and isinstance(payload[0], torch.Tensor)
+            and isinstance(payload[1], torch.Tensor)):
+        raise ValueError(f"a {type(payload).__name__}, neither a tensor nor (indices, values, size)")
+    indices, values, size = payload
+    try:
+        size = tuple(int(d) for d in size)
+    except (TypeError, ValueError):
+        raise ValueError(f"sparse size {size!r} is not a sequence of integers") from None
+    if indices.dim() != 2 or indices.dtype != torch.int64 or not 1 <= indices.shape[0] <= len(size):
+        raise ValueError(f"sparse indices of shape {list(indices.shape)} and dtype {indices.dtype} for size {size}")
+    if values.shape[0] != indices.shape[1] or tuple(values.shape[1:]) != size[indices.shape[0]:]:
+        raise ValueError(f"sparse values of shape {list(values.shape)} for {indices.shape[1]} indices of size {size}")
+    if indices.numel() and (int(indices.min()) < 0 or any(
+            int(indices[d].max()) >= size[d] for d in range(indices.shape[0]))):
+        raise ValueError(f"sparse indices outside size {size}")
+    return PayloadKind(True, values.dtype, size)
+
+
 def sum_dense(parts: list[torch.Tensor]) -> torch.Tensor:
     """Sum of the workers' tensors; half types are accumulated in float32."""
     low_precision = parts[0].dtype in (torch.float16, torch.bfloat16)
@@ -70,8 +109,9 @@ def sum_sparse(parts: list[SparsePayload]) -> SparsePayload:
 class BspKey:
     """The open round of one key."""
 
-    def __init__(self, key: str, num_workers: int, combine: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, key: str, kind: PayloadKind, num_workers: int, combine: Callable[[list[Any]], Any]) -> None:
         self.key = key
+        self.kind = kind
         self.num_workers = num_workers
         self.combine = combine
         self.step = 0
@@ -139,6 +179,7 @@ class AsyncKey:
     def __init__(self, key: str, value: torch.Tensor, num_workers: int, staleness: int | None,
                  counters: StalenessCounters) -> None:
         self.key, self.value, self.staleness, self.counters = key, value.clone(), staleness, counters
+        self.kind = PayloadKind(False, value.dtype, tuple(value.shape))
         self.clocks = [0] * num_workers
         self.attached = set(range(num_workers))
         self.lock = threading.Lock()
@@ -188,6 +229,24 @@ def _answer(answers: list[tuple[Future, torch.Tensor]]) -> None:
         future.set_result(value)
 
 
+def _refused(message: str) -> Future:
+    """A push's answer that fails with ``message`` on the worker (the key's state is left untouched).
+
+    ``Future.set_exception`` alone stores the exception as the future's value (only Python's
+    ``wait()`` raises it), so RPC would send it back as a normal result; a ``then`` callback
+    that raises marks the future as failed, which RPC carries to the caller as an error.
+    """
+    future: Future = Future()
+    future.set_exception(ValueError(message))
+    return future.then(lambda failed: failed.wait())
+
+
+def _mismatch(key: str, held: PayloadKind, worker: int | None, pushed: PayloadKind) -> str:
+    who = "a worker" if worker is None else f"worker{worker}"
+    return (f"{who} pushed {pushed} to key {key!r}, which holds {held}; a key's first push fixes its kind "
+            f"(do two optimizers or routing plans share key names?)")
+
+
 class KeyStore:
     """Every key a server holds, with byte counters."""
 
@@ -202,8 +261,16 @@ class KeyStore:
 
     def init_async(self, key: str, value: torch.Tensor, staleness: int | None) -> torch.Tensor:
         """Create an ASP/SSP key (the first worker's value wins); returns the current value."""
+        kind = payload_kind(value)
+        if kind.sparse:
+            raise ValueError(f"key {key!r}: an ASP/SSP parameter must be a dense tensor, got {kind}")
         with self._lock:
+            if key in self._keys:
+                raise ValueError(f"key {key!r} holds BSP {self._keys[key].kind} gradients; it cannot also "
+                                 f"hold an ASP/SSP parameter")
             state = self._async_keys.get(key)
+            if state is not None and state.kind != kind:
+                raise ValueError(_mismatch(key, state.kind, None, kind))
             if state is None:
                 mode = "asp" if staleness is None else f"ssp{staleness}"
                 counters = self.staleness_counters.setdefault(mode, StalenessCounters())
@@ -216,14 +283,19 @@ class KeyStore:
 
     def push_delta(self, key: str, worker: int, clock: int, delta: torch.Tensor) -> Future:
         """ASP/SSP push of a parameter delta; resolves to the server's current parameter."""
+        try:
+            kind = payload_kind(delta)
+        except ValueError as e:
+            return _refused(f"worker{worker} pushed a malformed delta to key {key!r}: {e}")
         with self._lock:
             state = self._async_keys.get(key)
+            if state is None:
+                held = f"holds BSP {self._keys[key].kind} gradients" if key in self._keys else "was never initialized"
+                return _refused(f"worker{worker} pushed an ASP/SSP delta to key {key!r}, which {held}")
+            if kind != state.kind:
+                return _refused(_mismatch(key, state.kind, worker, kind))
             self.counters.pushed_bytes += delta.nbytes
             self.counters.push_pulls += 1
-        if state is None:
-            future: Future = Future()
-            future.set_exception(ValueError(f"key {key!r} was pushed before init_async"))
-            return future
         return state.push(worker, clock, delta).then(self._count_pull)
 
     def detach(self, worker: int) -> None:
@@ -234,12 +306,25 @@ class KeyStore:
             state.detach(worker)
 
     def push_pull(self, key: str, worker: int, step: int, payload: torch.Tensor | SparsePayload) -> Future:
-        """BSP push of ``payload``; the future resolves to the sum over all workers."""
-        sparse = not isinstance(payload, torch.Tensor)
+        """BSP push of ``payload``; the future resolves to the sum over all workers.
+
+        The key's first push fixes its kind; a push of another kind is refused (the error
+        names the key and both kinds) and leaves the key's round untouched.
+        """
+        try:
+            kind = payload_kind(payload)
+        except ValueError as e:
+            return _refused(f"worker{worker} pushed a malformed payload to key {key!r}: {e}")
         with self._lock:
+            if key in self._async_keys:
+                return _refused(f"worker{worker} pushed a BSP {kind} payload to key {key!r}, which holds an "
+                                f"ASP/SSP parameter ({self._async_keys[key].kind})")
             state = self._keys.get(key)
             if state is None:
-                state = self._keys[key] = BspKey(key, self.num_workers, sum_sparse if sparse else sum_dense)
+                state = self._keys[key] = BspKey(key, kind, self.num_workers,
+                                                 sum_sparse if kind.sparse else sum_dense)
+            elif state.kind != kind:
+                return _refused(_mismatch(key, state.kind, worker, kind))
             self.counters.pushed_bytes += payload_bytes(payload)
             self.counters.push_pulls += 1
         future, close = state.push(worker, step, payload)
