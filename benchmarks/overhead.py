@@ -1,6 +1,7 @@
 """hybridsync with no strategy vs Horovod, same 2-rank model, interleaved rounds in one job.
 
     .venv/bin/python benchmarks/overhead.py            # launches itself under horovodrun -np 2 --gloo
+    OVERHEAD_MODEL=sparse .venv/bin/python benchmarks/overhead.py   # dropin_cluster.py's wide & deep model
 
 Three copies of one model of ~50 parameter tensors are trained in rotating order, round
 by round: Horovod's DistributedOptimizer (built first), hybridsync's (built second) and
@@ -18,10 +19,15 @@ import time
 
 ROUNDS = int(os.environ.get("OVERHEAD_ROUNDS", "15"))
 ROUND_STEPS = int(os.environ.get("OVERHEAD_STEPS", "20"))
+MODEL = os.environ.get("OVERHEAD_MODEL", "mlp")
+"""``mlp`` (below), or ``sparse`` / ``dense``: the wide & deep model of ``dropin_cluster.py``."""
 
 
 def build_model():
     import torch.nn as nn
+    if MODEL in ("sparse", "dense"):
+        from dropin_cluster import build_model as wide_and_deep
+        return wide_and_deep(sparse=MODEL == "sparse")
     layers = []
     for i in range(25):  # 25 Linear layers = 50 parameter tensors, 256x256 each (~6.6 MB in all)
         layers += [nn.Linear(256, 256), nn.ReLU()]
@@ -47,7 +53,10 @@ def worker() -> None:
     hvd.init()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    data = [(torch.randn(32, 256), torch.randn(32, 256)) for _ in range(ROUND_STEPS)]
+    if MODEL == "mlp":
+        data = [(torch.randn(32, 256), torch.randn(32, 256)) for _ in range(ROUND_STEPS)]
+    else:
+        data = [(torch.randint(0, 100_000, (64, 26)), torch.randn(64)) for _ in range(ROUND_STEPS)]
     runs = {}
     builders = (("horovod", hvd.DistributedOptimizer), ("hybridsync", hs.DistributedOptimizer),
                 ("horovod-2", hvd.DistributedOptimizer))
@@ -66,7 +75,7 @@ def worker() -> None:
     if hvd.rank() == 0:
         median = {name: statistics.median(times) for name, times in per_step.items()}
         hv = statistics.median(per_step["horovod"] + per_step["horovod-2"])
-        print(f"model: 50 parameter tensors, {ROUNDS} rotating rounds x {ROUND_STEPS} steps, 2 ranks (Gloo)")
+        print(f"model: {MODEL} ({len(list(runs['horovod'][1].parameters()))} parameter tensors), {ROUNDS} rotating rounds x {ROUND_STEPS} steps, 2 ranks (Gloo)")
         for name in names:
             print(f"{name:<10} median step {median[name] * 1e3:8.2f} ms")
         print(f"A/A ratio horovod-2/horovod = {median['horovod-2'] / median['horovod']:.3f}  (noise floor)")

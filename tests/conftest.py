@@ -1,6 +1,7 @@
 """Shared helpers: launching real multi-process jobs with a hard time bound."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,22 @@ def run_job(argv: list[str], timeout: float = 240, env: dict | None = None) -> s
         return run_bounded(argv, timeout=timeout, env=full_env, cwd=str(REPO))
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"job did not finish within {timeout}s: {' '.join(argv)}\n{e.output}")
+
+
+_rank_results: dict[tuple[str, str], list[dict]] = {}
+
+
+def rank_results(launcher: str, worker: str, tmp_path_factory, timeout: float = 240, np: int = 2) -> list[dict]:
+    """Each rank's JSON results of one job of ``tests/workers/<worker>`` (run once per launcher and
+    cached): the worker writes ``<prefix>.rank<r>.json``, ``prefix`` being its first argument."""
+    if (launcher, worker) not in _rank_results:
+        prefix = tmp_path_factory.mktemp(f"{Path(worker).stem}-{launcher}") / "results"
+        proc = run_job(launcher_argv(launcher, np) + [sys.executable, str(WORKERS / worker), str(prefix)],
+                       timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        _rank_results[launcher, worker] = [json.loads(Path(f"{prefix}.rank{r}.json").read_text())
+                                           for r in range(np)]
+    return _rank_results[launcher, worker]
 
 
 @pytest.fixture(params=["horovodrun", "mpirun"])

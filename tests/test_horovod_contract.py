@@ -9,29 +9,19 @@ it compares the parameters with ``horovod.torch.DistributedOptimizer``'s.
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import WORKERS, launcher_argv, run_job
+from conftest import WORKERS, rank_results
 
 sys.path.insert(0, str(WORKERS))
 from horovod_contract import CASES  # noqa: E402
 
-_cache: dict[str, list[dict]] = {}
-
 
 def contract_results(launcher: str, tmp_path_factory) -> list[dict]:
     """One job per launcher runs every case (each bounded inside the job); tests read its results."""
-    if launcher not in _cache:
-        prefix = tmp_path_factory.mktemp(f"contract-{launcher}") / "contract"
-        proc = run_job(launcher_argv(launcher) + [sys.executable, str(WORKERS / "horovod_contract.py"), str(prefix)],
-                       timeout=300)
-        assert proc.returncode == 0, proc.stdout[-6000:]
-        _cache[launcher] = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(2)]
-    return _cache[launcher]
+    return rank_results(launcher, "horovod_contract.py", tmp_path_factory, timeout=300)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

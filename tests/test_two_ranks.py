@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WORKERS, launcher_argv, run_job
+from conftest import WORKERS, launcher_argv, rank_results, run_job
 
 sys.path.insert(0, str(WORKERS))
 from equivalence import CASES  # noqa: E402
@@ -37,17 +37,8 @@ def test_world_has_two_ranks(launcher, tmp_path_factory):
     assert equivalence_results(launcher, tmp_path_factory)["_world"]["size"] == 2
 
 
-_error_cache: dict[str, list[dict]] = {}
-
-
 def error_results(launcher: str, tmp_path_factory) -> list[dict]:
-    if launcher not in _error_cache:
-        prefix = tmp_path_factory.mktemp(f"err-{launcher}") / "errors"
-        proc = run_job(launcher_argv(launcher) + [sys.executable, str(WORKERS / "errors.py"), str(prefix)],
-                       timeout=120)
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        _error_cache[launcher] = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(2)]
-    return _error_cache[launcher]
+    return rank_results(launcher, "errors.py", tmp_path_factory, timeout=120)
 
 
 EXPECTED_ERRORS = {
