@@ -3,10 +3,12 @@
 Hierarchical all-reduce needs the ranks of a node (the intra-node step, when it is not done
 through shared memory) and the ranks that share a local rank on the other nodes (the
 cross-node step). Horovod's process sets would serve, but a process set is not free: static
-sets must be declared at ``hvd.init`` and, declared, slowed every Horovod collective of the
-job, hierarchical or not; ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` must also be set at
-``hvd.init`` and taxes the job the same way (benchmarks/dropin_cluster.py and
-benchmarks/RESULTS.md have the numbers). A job would pay for a route its strategy never uses.
+sets must be declared at ``hvd.init`` and, declared, slowed every Horovod collective of a
+2 x 2 job by 1.26-1.31x, hierarchical or not; dynamic sets need
+``HOROVOD_DYNAMIC_PROCESS_SETS=1`` at ``hvd.init`` in every job, which adds a global
+all-gather to every cycle of Horovod's background loop (``process_set.cc``). Either way a
+job would pay for a route its strategy never uses (benchmarks/dropin_cluster.py and
+benchmarks/RESULTS.md have the numbers).
 
 So the groups are ``torch.distributed`` Gloo process groups, built directly on a
 ``TCPStore`` that rank 0 hosts, outside Horovod: nothing exists until a plan routes a
