@@ -27,7 +27,7 @@ _HOROVOD_FUNCTIONS = frozenset({
     "HorovodInternalError",
 })
 _LAZY = {
-    "init": "hybridsync.topology",
+    "init": "hybridsync.backends.hierarchical.layout",
     "DistributedOptimizer": "hybridsync.optimizer",
     "Average": "hybridsync.optimizer",
     "Sum": "hybridsync.optimizer",

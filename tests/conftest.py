@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridsync.procs import run_bounded
+from hybridsync.run.procs import run_bounded
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"

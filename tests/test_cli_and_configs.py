@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 
 from hybridsync.cli import main
-from hybridsync.runconfig import load_run_config
+from hybridsync.run.config import load_run_config
 from hybridsync.strategy import Strategy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def test_cluster_subcommand_is_wired():
 
 
 def test_hybridsync_run_splits_its_own_flags(tmp_path):
-    from hybridsync.launcher import split_argv
+    from hybridsync.run.launcher import split_argv
     Strategy().save(tmp_path / "s.json")
     options, rest = split_argv(["--strategy", str(tmp_path / "s.json"), "--num-servers=2", "-np", "2",
                                 "python", "train.py", "--strategy", "not-ours"])
@@ -101,7 +101,7 @@ def test_hybridsync_run_splits_its_own_flags(tmp_path):
 
 def test_hybridsync_run_reads_the_job_shape_and_picks_a_reachable_rendezvous():
     pytest.importorskip("horovod.runner")
-    from hybridsync.launcher import horovodrun_job, rendezvous_address
+    from hybridsync.run.launcher import horovodrun_job, rendezvous_address
     job = horovodrun_job(["-np", "4", "-H", "localhost:2,127.0.0.1:2", "python", "train.py"])
     assert (job.num_proc, job.hosts) == (4, ("localhost", "127.0.0.1"))
     assert horovodrun_job(["-np", "2", "python", "train.py"]).hosts == ()
@@ -114,7 +114,7 @@ def test_hybridsync_run_reads_the_job_shape_and_picks_a_reachable_rendezvous():
 
 def test_hybridsync_run_places_servers_with_the_workers_or_where_told():
     pytest.importorskip("horovod.runner")
-    from hybridsync.launcher import JobShape, LaunchOptions, job_environment, server_placement, split_argv
+    from hybridsync.run.launcher import JobShape, LaunchOptions, job_environment, server_placement, split_argv
     local = JobShape(num_proc=2, hosts=("localhost",))
     assert server_placement(LaunchOptions(), local, 2) is None  # all here: plain child processes
     spread = JobShape(num_proc=4, hosts=("localhost", "192.0.2.7"))

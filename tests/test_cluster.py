@@ -148,7 +148,7 @@ def test_teardown_after_exception_inside_with() -> None:
 
 @needs_root
 def test_failing_job_is_stopped_and_torn_down() -> None:
-    from hybridsync.cluster.launch import Job
+    from hybridsync.run.emulated import Job
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     with EmulatedCluster(small_spec()) as cluster:
@@ -252,7 +252,7 @@ def _uplink_bytes(cluster, node: int) -> int:
 @needs_root
 @needs_horovod
 def test_gloo_allreduce_across_two_hosts() -> None:
-    from hybridsync.cluster.launch import launch_gloo
+    from hybridsync.run.emulated import launch_gloo
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     spec = small_spec()
@@ -272,7 +272,7 @@ def test_gloo_allreduce_across_two_hosts() -> None:
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
 def test_one_launcher_places_ranks_on_both_hosts(launcher: str) -> None:
     """mpirun and horovodrun, started once (on host 0), run every rank on its own host."""
-    from hybridsync.cluster import launch
+    from hybridsync.run import emulated as launch
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     if launcher == "mpirun" and shutil.which("mpirun") is None:

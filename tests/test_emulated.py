@@ -43,7 +43,7 @@ JOB_TIMEOUT_S = 120.0
 
 
 def _env(cluster, extra: dict | None = None) -> dict[str, str]:
-    from hybridsync.cluster.launch import ps_env
+    from hybridsync.run.emulated import ps_env
     # 300 kB keys: the mixed test's 1 MB PS message becomes 4 keys spread over both servers.
     return {**os.environ, **ps_env(cluster), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1", "BYTEPS_PARTITION_BYTES": "300000", **(extra or {})}
@@ -51,7 +51,7 @@ def _env(cluster, extra: dict | None = None) -> dict[str, str]:
 
 def _run_job(cluster, argv: list[str], log: Path, *, servers: bool = False, timeout: float = JOB_TIMEOUT_S) -> list[int]:
     """Runs ``argv`` on every slot (launch_gloo), PS servers beside it if asked; exit codes in rank order."""
-    from hybridsync.cluster.launch import launch_gloo, launch_servers
+    from hybridsync.run.emulated import launch_gloo, launch_servers
 
     env = _env(cluster)
     with open(log, "a") as out:
@@ -95,7 +95,7 @@ def test_hierarchical_equals_ring_across_emulated_hosts(equivalence, case: str) 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 def test_hierarchical_equals_ring_under_mpirun(tmp_path: Path) -> None:
     """The same under Open MPI (Horovod's MPI controller, layout from OMPI_COMM_WORLD_LOCAL_SIZE)."""
-    from hybridsync.cluster.launch import launch_mpirun
+    from hybridsync.run.emulated import launch_mpirun
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     cases = ["hierarchical", "hierarchical_mixed_with_ring"]
@@ -154,7 +154,7 @@ def test_hierarchical_large_message_exact_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_failing_job_with_servers_is_stopped_and_leaves_nothing(tmp_path: Path) -> None:
-    from hybridsync.cluster.launch import launch_gloo, launch_servers
+    from hybridsync.run.emulated import launch_gloo, launch_servers
     from hybridsync.cluster.netns import EmulatedCluster, leftovers, namespace_pids
 
     log = tmp_path / "job.log"
@@ -178,7 +178,7 @@ def test_failing_job_with_servers_is_stopped_and_leaves_nothing(tmp_path: Path) 
 
 def test_exception_while_job_runs_tears_everything_down(tmp_path: Path) -> None:
     """Leaving the ``with`` block by an exception while ranks and servers run kills them all."""
-    from hybridsync.cluster.launch import launch_gloo, launch_servers
+    from hybridsync.run.emulated import launch_gloo, launch_servers
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     cluster = EmulatedCluster(SPEC)

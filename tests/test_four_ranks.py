@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import BIN, WORKERS, launcher_argv, run_job
-from hybridsync.topology import NodeLayout, layout_from_environment
+from hybridsync.backends.hierarchical.layout import NodeLayout, layout_from_environment
 
 CASES = ["default", "merge_groups", "partitions", "sparse_embedding", "hierarchical",
          "hierarchical_sum_predivide", "hierarchical_mixed_with_ring", "mixed_groups_partitions_fp16",

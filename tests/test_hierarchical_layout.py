@@ -15,8 +15,9 @@ import textwrap
 import pytest
 import torch
 
-from hybridsync.backends.flat_buffers import copy_into, copy_out, flatten_padded, node_slice, padded_length, slice_range
-from hybridsync.backends.node_memory import NodeSegment, PeerExitedError
+from hybridsync.backends.hierarchical.flat_buffers import (copy_into, copy_out, flatten_padded, node_slice,
+                                                          padded_length, slice_range)
+from hybridsync.backends.hierarchical.node_memory import NodeSegment, PeerExitedError
 
 
 @pytest.mark.parametrize("local_size", [1, 2, 3, 4])
@@ -62,7 +63,7 @@ def test_node_segment_is_shared_between_processes_and_leaves_no_file(tmp_path) -
     mine.inputs[0].fill_(1.0)
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import torch
-        from hybridsync.backends.node_memory import NodeSegment
+        from hybridsync.backends.hierarchical.node_memory import NodeSegment
         theirs = NodeSegment({path!r}, local_size=2, padded=4, dtype=torch.float32, local_rank=1)
         assert theirs.inputs[0].tolist() == [1.0] * 4
         theirs.inputs[1].fill_(2.0)

@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 
 from conftest import BIN, WORKERS, run_job
-from hybridsync.launcher import _HOROVODRUN_ARITY, LaunchOptions, split_argv, with_run_config
+from hybridsync.run.launcher import _HOROVODRUN_ARITY, LaunchOptions, split_argv, with_run_config
 from hybridsync.strategy import Strategy
 
 TRAIN = ["python", "train.py"]
@@ -149,7 +149,7 @@ def test_bad_run_config_sections_are_clear_errors(tmp_path, section, message):
 
 def test_config_without_servers_for_a_ps_strategy_is_refused(tmp_path):
     pytest.importorskip("horovod.runner")
-    from hybridsync.launcher import run
+    from hybridsync.run.launcher import run
     Strategy.from_dict({"variables": {"emb.weight": {"route": "ps"}}}).save(tmp_path / "cfg.json")
     config = write_config(tmp_path, "  strategy: ../cfg.json\n  num_servers: 0\n")
     with pytest.raises(ValueError, match="routes variables through the parameter server"):
@@ -158,7 +158,7 @@ def test_config_without_servers_for_a_ps_strategy_is_refused(tmp_path):
 
 def test_missing_config_file_is_a_clear_error(tmp_path):
     pytest.importorskip("horovod.runner")
-    from hybridsync.launcher import horovodrun_job
+    from hybridsync.run.launcher import horovodrun_job
     with pytest.raises(ValueError, match="cannot read --config-file"):
         horovodrun_job(["-np", "2", "--config-file", str(tmp_path / "absent.yaml"), *TRAIN])
 

@@ -46,7 +46,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-from hybridsync.procs import run_bounded, start, stop  # noqa: E402
+from hybridsync.run.procs import run_bounded, start, stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(85)
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import BIN, REPO, WORKERS, launcher_argv, run_job
-from hybridsync.procs import start, stop
+from hybridsync.run.procs import start, stop
 
 sys.path.insert(0, str(WORKERS))
 from equivalence import PS_CASES  # noqa: E402

@@ -22,7 +22,7 @@ from hybridsync.cluster.netns import NAMESPACE_PREFIX, EmulatedCluster, leftover
 from hybridsync.cluster.spec import ClusterSpec
 
 if TYPE_CHECKING:
-    from hybridsync.cluster.launch import Job
+    from hybridsync.run.emulated import Job
 
 LAUNCHERS = ("none", "gloo", "mpirun", "horovodrun")
 EXIT_TIMEOUT = 124
@@ -92,7 +92,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _start(cluster: EmulatedCluster, args: argparse.Namespace, command: list[str]) -> "Job":
     """Starts the job's processes; with ``--servers``, the servers first and PS settings for all."""
-    from hybridsync.cluster import launch
+    from hybridsync.run import emulated as launch
 
     env: dict[str, str] = {}
     if args.servers:

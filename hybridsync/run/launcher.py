@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Sequence
 
-from hybridsync import procs
+from hybridsync.run import procs
 from hybridsync.strategy import Strategy
 
 _OWN_FLAGS = ("--strategy", "--num-servers", "--server-hosts", "--partition-bytes", "--ps-root-port")
@@ -201,7 +201,7 @@ def with_run_config(options: LaunchOptions, config_file: str | None) -> LaunchOp
     section (``strategy``, ``num_servers``, ``partition_bytes``): the command line wins."""
     if config_file is None:
         return options
-    from hybridsync.runconfig import load_run_config
+    from hybridsync.run.config import load_run_config
     config = load_run_config(config_file)
     if options.strategy and config.strategy_path and options.strategy != config.strategy_path:
         print(f"hybridsync-run: --strategy {options.strategy} replaces {config_file}'s strategy "

@@ -42,14 +42,14 @@ from typing import Any, Sequence
 
 import torch
 
-from hybridsync.backends import node_memory
+from hybridsync.backends.hierarchical import node_memory
 from hybridsync.backends.base import Reduction, RouteUnavailableError
-from hybridsync.backends.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
-from hybridsync.backends.hierarchical_shm import SharedMemoryHandle
-from hybridsync.backends.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
+from hybridsync.backends.hierarchical.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
+from hybridsync.backends.hierarchical.shm import SharedMemoryHandle
+from hybridsync.backends.hierarchical.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
 from hybridsync.backends.waiting import barrier
-from hybridsync.backends.node_groups import HierarchicalGroups, Work, hierarchical_groups
-from hybridsync.topology import node_layout
+from hybridsync.backends.hierarchical.groups import HierarchicalGroups, Work, hierarchical_groups
+from hybridsync.backends.hierarchical.layout import node_layout
 
 INTRA_NODE_VAR = "HYBRIDSYNC_INTRA_NODE"
 INTRA_NODE_CHOICES = ("shm", "horovod")

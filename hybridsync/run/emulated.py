@@ -104,7 +104,7 @@ def start_rendezvous(cluster: EmulatedCluster, *, num_proc: int, node_index: int
     """Starts Horovod's rendezvous server on a host; returns the process and its port."""
     proc = cluster.run(
         node_index,
-        [sys.executable, "-m", "hybridsync.cluster.rendezvous", cluster.spec.horovod_hosts, str(num_proc)],
+        [sys.executable, "-m", "hybridsync.run.rendezvous", cluster.spec.horovod_hosts, str(num_proc)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
