@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         server_log = open(os.path.join(logs, "servers.log"), "a")
         rank_log = open(os.path.join(logs, "ranks.log"), "a")
         try:
-            servers = launch_servers(cluster, [sys.executable, "-m", "hybridsync.backends.ps.server"], env=env,
-                                     stdout=server_log, stderr=subprocess.STDOUT)
+            servers = launch_servers(cluster, env=env, stdout=server_log, stderr=subprocess.STDOUT)
             command = [sys.executable, os.path.abspath(__file__), "--worker", out_path,
                        str(args.rounds), *map(str, args.sizes)]
             job = launch_gloo(cluster, command, env=env, stdout=rank_log, stderr=subprocess.STDOUT)

@@ -55,8 +55,7 @@ def _run_job(cluster, argv: list[str], log: Path, *, servers: bool = False, time
 
     env = _env(cluster)
     with open(log, "a") as out:
-        server_job = (launch_servers(cluster, [sys.executable, "-m", "hybridsync.backends.ps.server"], env=env,
-                                     stdout=out, stderr=subprocess.STDOUT) if servers else None)
+        server_job = (launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT) if servers else None)
         job = launch_gloo(cluster, argv, env=env, stdout=out, stderr=subprocess.STDOUT)
         codes = job.wait(timeout=timeout)
         if server_job is not None:
@@ -161,8 +160,7 @@ def test_failing_job_with_servers_is_stopped_and_leaves_nothing(tmp_path: Path) 
     with open(log, "a") as out, EmulatedCluster(SPEC) as cluster:
         env = _env(cluster)
         # Servers that will never see their workers join: only teardown can end them.
-        servers = launch_servers(cluster, [sys.executable, "-m", "hybridsync.backends.ps.server"], env=env,
-                                 stdout=out, stderr=subprocess.STDOUT)
+        servers = launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT)
         job = launch_gloo(cluster, [sys.executable, str(WORKERS / "collectives_worker.py"), "fail"], env=env,
                           stdout=out, stderr=subprocess.STDOUT)
         start = time.monotonic()
@@ -185,8 +183,7 @@ def test_exception_while_job_runs_tears_everything_down(tmp_path: Path) -> None:
     with open(tmp_path / "job.log", "a") as out, pytest.raises(RuntimeError, match="interrupted"):
         with cluster:
             env = _env(cluster)
-            servers = launch_servers(cluster, [sys.executable, "-m", "hybridsync.backends.ps.server"], env=env,
-                                     stdout=out, stderr=subprocess.STDOUT)
+            servers = launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT)
             job = launch_gloo(cluster, [sys.executable, str(WORKERS / "collectives_worker.py"), "mixed",
                                         str(tmp_path / "never.json")], env=env, stdout=out, stderr=subprocess.STDOUT)
             time.sleep(3)  # the ranks are importing torch/horovod or joining the groups

@@ -187,3 +187,30 @@ def test_config_file_strategy_takes_effect_in_a_real_job(tmp_path):
         assert report["env"] == {"HYBRIDSYNC_STRATEGY": str(tmp_path / "strategies" / "ps.json"),
                                  "DMLC_NUM_SERVER": "2", "BYTEPS_PARTITION_BYTES": "400",
                                  "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024)}
+
+
+def test_every_launcher_writes_the_ps_vocabulary_the_route_reads():
+    """hybridsync-run and the emulated cluster share one writer of the servers' settings; a
+    server and a worker read back what it wrote (a misspelt variable would fail here)."""
+    import types
+
+    from hybridsync.backends.ps.config import PSConfig
+    from hybridsync.run.emulated import ps_env
+    from hybridsync.run.launcher import JobShape, job_environment
+    from hybridsync.run.ps_servers import server_environment
+
+    options = LaunchOptions(num_servers=2, partition_bytes=4000, ps_root_port=9123)
+    launched = job_environment(options, JobShape(num_proc=4, hosts=("localhost",)), 2)
+    server = PSConfig.from_env({**launched, **server_environment(1)})
+    worker = PSConfig.from_env({**launched, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "3"})
+    for config in (server, worker):
+        assert (config.num_workers, config.num_servers, config.root_port, config.partition_bytes) == (4, 2, 9123, 4000)
+        assert config.root_uri == "127.0.0.1"
+    assert (server.role, server.index, worker.role, worker.index) == ("server", 1, "worker", 3)
+
+    spec = types.SimpleNamespace(num_workers=4, num_servers=2)
+    cluster = types.SimpleNamespace(spec=spec, ips=("10.77.0.1", "10.77.0.2"))
+    emulated = ps_env(cluster, root_port=9123)  # type: ignore[arg-type]
+    assert {k: v for k, v in emulated.items() if k.startswith("DMLC_")} == {
+        k: v.replace("127.0.0.1", "10.77.0.1") for k, v in launched.items() if k.startswith("DMLC_")}
+    assert PSConfig.from_env({**emulated, **server_environment(0, host="10.77.0.1")}).root_uri == "10.77.0.1"
