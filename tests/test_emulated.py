@@ -26,12 +26,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from hybridsync.cluster.spec import ClusterSpec
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
 IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 pytestmark = [
+    pytest.mark.emulated,
     pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2"),
     pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed"),
     pytest.mark.timeout(180),  # a backstop; every process below has its own bound
@@ -174,20 +176,30 @@ def test_failing_job_with_servers_is_stopped_and_leaves_nothing(tmp_path: Path) 
     assert all(proc.poll() is not None for proc in [*servers.processes, *job.processes, *job.helpers])
 
 
+def _listening(cluster, node: int, port: int) -> bool:
+    """Whether something listens on TCP ``port`` on host ``node``."""
+    listeners = cluster.exec(node, ["ss", "-Hltn", f"sport = :{port}"], timeout=10).stdout
+    return bool(listeners.strip())
+
+
 def test_exception_while_job_runs_tears_everything_down(tmp_path: Path) -> None:
     """Leaving the ``with`` block by an exception while ranks and servers run kills them all."""
-    from hybridsync.run.emulated import launch_gloo, launch_servers
+    from hybridsync.run.emulated import DEFAULT_PS_ROOT_PORT, launch_gloo, launch_servers
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     cluster = EmulatedCluster(SPEC)
-    with open(tmp_path / "job.log", "a") as out, pytest.raises(RuntimeError, match="interrupted"):
+    log = tmp_path / "job.log"
+    with open(log, "a") as out, pytest.raises(RuntimeError, match="interrupted"):
         with cluster:
             env = _env(cluster)
             servers = launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT)
             job = launch_gloo(cluster, [sys.executable, str(WORKERS / "collectives_worker.py"), "mixed",
                                         str(tmp_path / "never.json")], env=env, stdout=out, stderr=subprocess.STDOUT)
-            time.sleep(3)  # the ranks are importing torch/horovod or joining the groups
-            assert any(proc.poll() is None for proc in job.processes)
+            # Mid-job: server 0 serves the PS rendezvous on host 0 while every rank still runs.
+            wait_for(lambda: _listening(cluster, 0, DEFAULT_PS_ROOT_PORT)
+                     or any(proc.poll() is not None for proc in [*job.processes, *servers.processes]),
+                     60, "PS rendezvous open on host 0")
+            assert all(proc.poll() is None for proc in [*job.processes, *servers.processes]), log.read_text()[-3000:]
             raise RuntimeError("interrupted")
     assert leftovers(cluster.prefix) == []
     assert all(proc.poll() is not None for proc in [*servers.processes, *job.processes, *job.helpers])

@@ -37,12 +37,14 @@ def results(tmp_path_factory, intra_node: str = "shm") -> dict:
 
 
 @pytest.mark.parametrize("intra_node", ["shm", "horovod"])
+@pytest.mark.multiprocess
 def test_two_hosts_of_two(tmp_path_factory, intra_node):
     assert results(tmp_path_factory, intra_node)["_world"] == {"size": 4, "local_size": 2, "cross_size": 2,
                                                                "intra_node": intra_node}
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.multiprocess
 def test_hierarchical_and_ring_equal_horovod(case, tmp_path_factory):
     result = results(tmp_path_factory)[case]
     assert result["moved"] > 1e-3
@@ -51,11 +53,13 @@ def test_hierarchical_and_ring_equal_horovod(case, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", GLOO_INTRA_NODE_CASES)
+@pytest.mark.multiprocess
 def test_hierarchical_with_gloo_intra_node_equals_horovod(case, tmp_path_factory):
     result = results(tmp_path_factory, "horovod")[case]
     assert result["moved"] > 1e-3 and result["max_abs_diff"] <= result["tolerance"], result
 
 
+@pytest.mark.multiprocess
 def test_rank_leaving_during_shared_memory_step_ends_the_job_within_seconds():
     """A rank of a node exits (status 0, so horovodrun does not end the job for it) while its
     node peer waits for its input in shared memory: the job fails in seconds, never hangs.
@@ -73,6 +77,7 @@ def test_rank_leaving_during_shared_memory_step_ends_the_job_within_seconds():
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.unit
 def test_layout_from_launcher_environment():
     assert layout_from_environment({"HOROVOD_SIZE": "4", "HOROVOD_LOCAL_SIZE": "2"}) == NodeLayout(size=4, local_size=2)
     assert layout_from_environment({"OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}).num_nodes == 2

@@ -20,6 +20,8 @@ from conftest import WORKERS, launcher_argv, run_job
 sys.path.insert(0, str(WORKERS))
 from horovod_contract import CASES  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 _cache: dict[str, list[dict]] = {}
 
 

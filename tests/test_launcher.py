@@ -55,6 +55,7 @@ def strategy_file(tmp_path) -> str:
     # the last of a repeated flag wins
     (["--num-servers", "5", "-np", "2", "--num-servers", "2", *TRAIN], ["-np", "2", *TRAIN]),
 ])
+@pytest.mark.unit
 def test_own_flags_anywhere_before_the_command(argv, horovodrun_argv):
     options, rest = split_argv(argv)
     assert options.num_servers == 2
@@ -63,6 +64,7 @@ def test_own_flags_anywhere_before_the_command(argv, horovodrun_argv):
     assert parsed.command == TRAIN and parsed.num_proc == 2
 
 
+@pytest.mark.unit
 def test_all_own_flags_between_horovodrun_flags(strategy_file):
     options, rest = split_argv(["-np", "4", "--strategy", strategy_file, "-H", "localhost:2,127.0.0.1:2",
                                 "--server-hosts=localhost,127.0.0.1", "--gloo", "--partition-bytes", "400",
@@ -77,6 +79,7 @@ def test_all_own_flags_between_horovodrun_flags(strategy_file):
     ["-np", "2", "--", "python", "--num-servers", "5"],  # after "--" everything is the command
     ["-np", "2", "train.sh", "-np", "3", "--num-servers=5"],
 ])
+@pytest.mark.unit
 def test_flags_after_the_command_are_the_commands(argv):
     options, rest = split_argv(argv)
     assert options == LaunchOptions()
@@ -90,11 +93,13 @@ def test_flags_after_the_command_are_the_commands(argv):
     (["-np", "2", "--partition-bytes", "many", *TRAIN], "--partition-bytes must be an integer"),
     (["-np", "2", "--s", "x", *TRAIN], "ambiguous option: --s could match --strategy, --server-hosts"),
 ])
+@pytest.mark.unit
 def test_bad_own_flags_are_clear_errors(argv, message):
     with pytest.raises(ValueError, match=message):
         split_argv(argv)
 
 
+@pytest.mark.unit
 def test_arity_table_matches_horovodrun():
     """Which horovodrun flags take values (and how many) is read from its own parser."""
     launch = pytest.importorskip("horovod.runner.launch")
@@ -121,6 +126,7 @@ def write_config(tmp_path: Path, section: str) -> Path:
     return path
 
 
+@pytest.mark.unit
 def test_run_config_fills_what_the_command_line_left_unset(tmp_path, capsys):
     (tmp_path / "strategies").mkdir()
     Strategy().save(tmp_path / "strategies" / "s.json")
@@ -142,11 +148,13 @@ def test_run_config_fills_what_the_command_line_left_unset(tmp_path, capsys):
     ("  strategy: {default: {route: ps}}\n", "hybridsync.strategy must be the path of a strategy file"),
     ("  strategy: absent.json\n", "cannot read strategy file"),
 ])
+@pytest.mark.unit
 def test_bad_run_config_sections_are_clear_errors(tmp_path, section, message):
     with pytest.raises(ValueError, match=message):
         with_run_config(LaunchOptions(), str(write_config(tmp_path, section)))
 
 
+@pytest.mark.unit
 def test_config_without_servers_for_a_ps_strategy_is_refused(tmp_path):
     pytest.importorskip("horovod.runner")
     from hybridsync.run.launcher import run
@@ -156,6 +164,7 @@ def test_config_without_servers_for_a_ps_strategy_is_refused(tmp_path):
         run(LaunchOptions(), ["-np", "2", "--config-file", str(config), *TRAIN])
 
 
+@pytest.mark.unit
 def test_missing_config_file_is_a_clear_error(tmp_path):
     pytest.importorskip("horovod.runner")
     from hybridsync.run.launcher import horovodrun_job
@@ -163,6 +172,7 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
         horovodrun_job(["-np", "2", "--config-file", str(tmp_path / "absent.yaml"), *TRAIN])
 
 
+@pytest.mark.multiprocess
 def test_config_file_strategy_takes_effect_in_a_real_job(tmp_path):
     """The config's strategy sends emb.weight through 2 parameter servers (which must start);
     ``--partition-bytes`` between horovodrun's flags overrides the config's; horovodrun still
@@ -189,6 +199,7 @@ def test_config_file_strategy_takes_effect_in_a_real_job(tmp_path):
                                  "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024)}
 
 
+@pytest.mark.unit
 def test_every_launcher_writes_the_ps_vocabulary_the_route_reads():
     """hybridsync-run and the emulated cluster share one writer of the servers' settings; a
     server and a worker read back what it wrote (a misspelt variable would fail here)."""
