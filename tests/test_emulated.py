@@ -198,7 +198,7 @@ def test_exception_while_job_runs_tears_everything_down(tmp_path: Path) -> None:
             # Mid-job: server 0 serves the PS rendezvous on host 0 while every rank still runs.
             wait_for(lambda: _listening(cluster, 0, DEFAULT_PS_ROOT_PORT)
                      or any(proc.poll() is not None for proc in [*job.processes, *servers.processes]),
-                     60, "PS rendezvous open on host 0")
+                     60, "PS rendezvous open on host 0", poll_s=0.2)
             assert all(proc.poll() is None for proc in [*job.processes, *servers.processes]), log.read_text()[-3000:]
             raise RuntimeError("interrupted")
     assert leftovers(cluster.prefix) == []
