@@ -13,7 +13,7 @@ setup(
     entry_points={
         "console_scripts": [
             "hybridsync = hybridsync.cli:main",
-            "hybridsync-run = hybridsync.launcher:main",
+            "hybridsync-run = hybridsync.run.launcher:main",
             "hybridsync-server = hybridsync.backends.ps.server:main",
         ]
     },

@@ -136,11 +136,11 @@ def _hier_stages(hvd, groups, numel: int, reps: int = 3) -> dict[str, float]:
     hier's time less that step is what its shared-memory steps cost.
     """
     import torch
-    from hybridsync.backends import flat_buffers, hierarchical
+    from hybridsync.backends.hierarchical import allreduce, flat_buffers
     flat = torch.ones(numel)  # values grow with each in-place rep; only the time matters here
     shard = flat_buffers.node_slice(flat, groups.local_size, groups.local_rank)
     stages = {
-        "intra all-reduce (hier-gloo)": lambda: hierarchical.start_first_step(flat, groups, "st.iar").wait(),
+        "intra all-reduce (hier-gloo)": lambda: allreduce.start_first_step(flat, groups, "st.iar").wait(),
         "cross all-reduce of slice": lambda: groups.cross_node.allreduce_async(shard, "st.ar").wait(),
         "intra all-gather (hier-gloo)": lambda: groups.intra_node.allgather(shard, "st.ag"),
     }
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
     from hybridsync.cluster import ClusterSpec, EmulatedCluster
-    from hybridsync.cluster.launch import launch_gloo, launch_servers, ps_env
+    from hybridsync.run.emulated import launch_gloo, launch_servers, ps_env
     from hybridsync.cluster.linkrate import measure_tcp_rate
 
     print("command:", f"cd {shlex.quote(os.getcwd())} &&", shlex.join([sys.executable, *sys.argv]))
@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         server_log = open(os.path.join(logs, "servers.log"), "a")
         rank_log = open(os.path.join(logs, "ranks.log"), "a")
         try:
-            servers = launch_servers(cluster, [sys.executable, "-m", "hybridsync.backends.ps.server"], env=env,
-                                     stdout=server_log, stderr=subprocess.STDOUT)
+            servers = launch_servers(cluster, env=env, stdout=server_log, stderr=subprocess.STDOUT)
             command = [sys.executable, os.path.abspath(__file__), "--worker", out_path,
                        str(args.rounds), *map(str, args.sizes)]
             job = launch_gloo(cluster, command, env=env, stdout=rank_log, stderr=subprocess.STDOUT)

@@ -113,7 +113,7 @@ def worker(variant: str, model_kind: str, out_path: str) -> None:
 # -- controller (root, outside the namespaces) ----------------------------------------------------
 def run_job(cluster, variant: str, model_kind: str, wait: str, logs: str, timeout: float) -> float:
     """One job of ``variant``; its median step time in seconds."""
-    from hybridsync.cluster.launch import launch_gloo
+    from hybridsync.run.emulated import launch_gloo
     out_path = os.path.join(logs, f"{variant}-{model_kind}-{wait}-{time.monotonic_ns()}.json")
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HYBRIDSYNC_WAIT": wait}
     if variant == "horovod-dynamic":

@@ -87,7 +87,7 @@ def main() -> None:
         worker()
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from hybridsync.procs import run_bounded
+    from hybridsync.run.procs import run_bounded
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     proc = run_bounded([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
                         os.path.abspath(__file__)], timeout=900)

@@ -100,7 +100,7 @@ def main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, repo)
     import socket
-    from hybridsync.procs import run_bounded, start, stop
+    from hybridsync.run.procs import run_bounded, start, stop
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

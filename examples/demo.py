@@ -9,7 +9,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from hybridsync.explain import explain  # noqa: E402
-from hybridsync.procs import run_bounded  # noqa: E402
+from hybridsync.run.procs import run_bounded  # noqa: E402
 from hybridsync.strategy import Strategy  # noqa: E402
 from hybridsync.variables import variables_from_model  # noqa: E402
 

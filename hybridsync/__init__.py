@@ -19,7 +19,7 @@ from hybridsync.strategy import Strategy, VarConfig
 __version__ = "0.1.0"
 
 _HOROVOD_FUNCTIONS = frozenset({
-    "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "broadcast_parameters", "broadcast_object",
     "allgather_object", "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join",
     "barrier", "mpi_enabled", "gloo_enabled", "mpi_built", "gloo_built", "ProcessSet",
@@ -27,7 +27,6 @@ _HOROVOD_FUNCTIONS = frozenset({
     "HorovodInternalError",
 })
 _LAZY = {
-    "init": "hybridsync.topology",
     "DistributedOptimizer": "hybridsync.optimizer",
     "Average": "hybridsync.optimizer",
     "Sum": "hybridsync.optimizer",

@@ -5,11 +5,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from hybridsync.procs import run_bounded
+from hybridsync.run.procs import run_bounded
+
+TIERS = ("unit", "multiprocess", "emulated")
+"""Every test has exactly one of these markers (registered in pytest.ini)."""
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
@@ -51,6 +56,40 @@ def rank_results(launcher: str, worker: str, tmp_path_factory, timeout: float = 
     return _rank_results[launcher, worker]
 
 
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.05) -> None:
+    """Return as soon as ``condition()`` holds; fail the test naming ``what`` if it does not
+    within ``timeout`` seconds. For waits on a state of the world, never a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout} s")
+        time.sleep(poll_s)
+
+
 @pytest.fixture(params=["horovodrun", "mpirun"])
 def launcher(request) -> str:
     return request.param
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a collection in which a test has no tier marker, or more than one, so that
+    ``pytest -m unit`` (or ``multiprocess``, ``emulated``) always selects a whole tier."""
+    wrong = [f"{item.nodeid}: {tiers or 'none'}" for item in items
+             if len(tiers := sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})) != 1]
+    if wrong:
+        raise pytest.UsageError(f"every test needs exactly one of the markers {', '.join(TIERS)}:\n  "
+                                + "\n  ".join(wrong))
+
+
+def _refuse_process(*args, **kwargs):
+    raise AssertionError("a test marked 'unit' started a process: mark it 'multiprocess'")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holds the ``unit`` tier to its promise: starting a process there fails the test."""
+    if request.node.get_closest_marker("unit") is not None:
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse_process)
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve"):
+            if hasattr(os, name):
+                monkeypatch.setattr(os, name, _refuse_process)

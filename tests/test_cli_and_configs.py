@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 
 from hybridsync.cli import main
-from hybridsync.runconfig import load_run_config
+from hybridsync.run.config import load_run_config
 from hybridsync.strategy import Strategy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,6 +18,7 @@ MODEL = '{"variables": [{"name": "emb.weight", "shape": [1000, 16], "sparse": tr
         '{"name": "fc.weight", "shape": [64, 16]}, {"name": "fc.bias", "shape": [64]}]}'
 
 
+@pytest.mark.unit
 def test_explain_with_model(tmp_path, capsys):
     (tmp_path / "m.json").write_text(MODEL)
     Strategy.from_dict({"variables": {"emb.weight": {"route": "ps", "partitions": 4},
@@ -30,6 +31,7 @@ def test_explain_with_model(tmp_path, capsys):
     assert "allreduce    2 variables     1 messages" in out
 
 
+@pytest.mark.unit
 def test_explain_reports_bad_files(tmp_path, capsys):
     (tmp_path / "m.json").write_text(MODEL)
     (tmp_path / "s.json").write_text('{"variables": {"ghost": {"route": "allreduce"}}}')
@@ -37,6 +39,7 @@ def test_explain_reports_bad_files(tmp_path, capsys):
     assert "'ghost' is not in the model" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_baseline_writes_a_loadable_strategy(tmp_path):
     (tmp_path / "m.json").write_text(MODEL)
     out = tmp_path / "p.json"
@@ -45,6 +48,7 @@ def test_baseline_writes_a_loadable_strategy(tmp_path):
     assert Strategy.load(out).config_for("emb.weight").route == "ps"
 
 
+@pytest.mark.multiprocess
 def test_console_script_runs():
     proc = subprocess.run([str(Path(sys.executable).parent / "hybridsync"), "--help"], capture_output=True,
                           text=True, timeout=60)
@@ -52,6 +56,7 @@ def test_console_script_runs():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+@pytest.mark.unit
 def test_run_config_loads_in_horovodrun_and_hybridsync(path):
     from horovod.runner import launch
     argv = ["horovodrun", "-np", "2", "--config-file", str(path), "python", "train.py"]
@@ -63,6 +68,7 @@ def test_run_config_loads_in_horovodrun_and_hybridsync(path):
     assert config.strategy_path is None or config.load_strategy() is not None
 
 
+@pytest.mark.unit
 def test_run_config_rejects_unknown_keys(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("hybridsync:\n  strategy: s.json\n  stratgey: typo\n")
@@ -70,6 +76,7 @@ def test_run_config_rejects_unknown_keys(tmp_path):
         load_run_config(path)
 
 
+@pytest.mark.multiprocess
 def test_import_works_without_horovod():
     code = ("import sys; sys.modules['horovod'] = None; sys.modules['horovod.torch'] = None\n"
             "import hybridsync as hs, hybridsync.baselines, hybridsync.explain\n"
@@ -80,14 +87,16 @@ def test_import_works_without_horovod():
     assert "hybridsync.init needs horovod.torch" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_cluster_subcommand_is_wired():
     proc = subprocess.run([str(Path(sys.executable).parent / "hybridsync"), "cluster", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "up" in proc.stdout and "down" in proc.stdout
 
 
+@pytest.mark.unit
 def test_hybridsync_run_splits_its_own_flags(tmp_path):
-    from hybridsync.launcher import split_argv
+    from hybridsync.run.launcher import split_argv
     Strategy().save(tmp_path / "s.json")
     options, rest = split_argv(["--strategy", str(tmp_path / "s.json"), "--num-servers=2", "-np", "2",
                                 "python", "train.py", "--strategy", "not-ours"])
@@ -99,9 +108,10 @@ def test_hybridsync_run_splits_its_own_flags(tmp_path):
         split_argv(["--strategy", str(tmp_path / "absent.json"), "-np", "2", "python"])
 
 
+@pytest.mark.unit
 def test_hybridsync_run_reads_the_job_shape_and_picks_a_reachable_rendezvous():
     pytest.importorskip("horovod.runner")
-    from hybridsync.launcher import horovodrun_job, rendezvous_address
+    from hybridsync.run.launcher import horovodrun_job, rendezvous_address
     job = horovodrun_job(["-np", "4", "-H", "localhost:2,127.0.0.1:2", "python", "train.py"])
     assert (job.num_proc, job.hosts) == (4, ("localhost", "127.0.0.1"))
     assert horovodrun_job(["-np", "2", "python", "train.py"]).hosts == ()
@@ -112,9 +122,10 @@ def test_hybridsync_run_reads_the_job_shape_and_picks_a_reachable_rendezvous():
         horovodrun_job(["-np", "2"])
 
 
+@pytest.mark.unit
 def test_hybridsync_run_places_servers_with_the_workers_or_where_told():
     pytest.importorskip("horovod.runner")
-    from hybridsync.launcher import JobShape, LaunchOptions, job_environment, server_placement, split_argv
+    from hybridsync.run.launcher import JobShape, LaunchOptions, job_environment, server_placement, split_argv
     local = JobShape(num_proc=2, hosts=("localhost",))
     assert server_placement(LaunchOptions(), local, 2) is None  # all here: plain child processes
     spread = JobShape(num_proc=4, hosts=("localhost", "192.0.2.7"))

@@ -13,30 +13,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from hybridsync.cluster.spec import ClusterSpec, parse_bandwidth
 
 REPO = Path(__file__).resolve().parent.parent
+PROBE = REPO / "tests" / "workers" / "probe.py"
 IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")
 needs_horovod = pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed")
-
-PROBE = textwrap.dedent(
-    """
-    import json, socket, torch, horovod.torch as hvd
-    hvd.init()
-    total = hvd.allreduce(torch.full((1000,), float(hvd.rank() + 1)), op=hvd.Sum, name="probe")
-    print(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-                      "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
-                      "cross_size": hvd.cross_size(), "host": socket.gethostname(),
-                      "sum_min": total.min().item(), "sum_max": total.max().item()}), flush=True)
-    """
-)
 
 
 pytestmark = pytest.mark.timeout(180)  # a backstop; every process below has its own bound
@@ -48,6 +37,7 @@ def small_spec(**overrides) -> ClusterSpec:
 
 
 # -- spec -------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_spec_from_yaml_and_properties(tmp_path: Path) -> None:
     path = tmp_path / "cluster.yaml"
     path.write_text("cluster:\n  nodes: 3\n  workers_per_node: 2\n  inter_node_bandwidth: 10Gbit\n"
@@ -61,6 +51,7 @@ def test_spec_from_yaml_and_properties(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "horovodrun_configs").glob("cluster_*.yaml")), ids=lambda p: p.name)
+@pytest.mark.unit
 def test_cluster_run_configs_load(path: Path) -> None:
     import yaml
 
@@ -76,6 +67,7 @@ def test_cluster_run_configs_load(path: Path) -> None:
         assert args.use_gloo
 
 
+@pytest.mark.unit
 def test_spec_reports_every_bad_field_at_once(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("nodes: 0\nworkers_per_node: 1.5\ninter_node_bandwidth: 1000\n"
@@ -88,6 +80,7 @@ def test_spec_reports_every_bad_field_at_once(tmp_path: Path) -> None:
         assert culprit in message
 
 
+@pytest.mark.unit
 def test_spec_missing_keys_and_direct_construction() -> None:
     with pytest.raises(ValueError, match="missing required key 'inter_node_bandwidth'"):
         ClusterSpec.from_dict({"nodes": 2, "workers_per_node": 1})
@@ -99,16 +92,19 @@ def test_spec_missing_keys_and_direct_construction() -> None:
 
 @pytest.mark.parametrize("text,bits", [("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8),
                                        ("500kbit", 5 * 10**5)])
+@pytest.mark.unit
 def test_parse_bandwidth(text: str, bits: int) -> None:
     assert parse_bandwidth(text) == bits
 
 
 @pytest.mark.parametrize("text", ["1gbps", "fast", "1 gb", "", "0.1kbit"])
+@pytest.mark.unit
 def test_parse_bandwidth_refuses(text: str) -> None:
     with pytest.raises(ValueError):
         parse_bandwidth(text)
 
 
+@pytest.mark.unit
 def test_without_root_the_error_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     from hybridsync.cluster.netns import EmulatedCluster
 
@@ -119,6 +115,7 @@ def test_without_root_the_error_says_why(monkeypatch: pytest.MonkeyPatch) -> Non
 
 # -- lifecycle --------------------------------------------------------------------------------
 @needs_root
+@pytest.mark.emulated
 def test_teardown_leaves_nothing_and_kills_processes() -> None:
     from hybridsync.cluster.netns import EmulatedCluster, leftovers, list_namespaces
 
@@ -135,6 +132,7 @@ def test_teardown_leaves_nothing_and_kills_processes() -> None:
 
 
 @needs_root
+@pytest.mark.emulated
 def test_teardown_after_exception_inside_with() -> None:
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
@@ -147,8 +145,9 @@ def test_teardown_after_exception_inside_with() -> None:
 
 
 @needs_root
+@pytest.mark.emulated
 def test_failing_job_is_stopped_and_torn_down() -> None:
-    from hybridsync.cluster.launch import Job
+    from hybridsync.run.emulated import Job
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     with EmulatedCluster(small_spec()) as cluster:
@@ -161,8 +160,9 @@ def test_failing_job_is_stopped_and_torn_down() -> None:
 
 
 @needs_root
+@pytest.mark.emulated
 def test_cli_run_torn_down_on_sigterm(tmp_path: Path) -> None:
-    from hybridsync.cluster.netns import leftovers, list_namespaces
+    from hybridsync.cluster.netns import leftovers, list_namespaces, namespace_pids
 
     spec_path = tmp_path / "c.yaml"
     spec_path.write_text("nodes: 2\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
@@ -172,11 +172,9 @@ def test_cli_run_torn_down_on_sigterm(tmp_path: Path) -> None:
             "--all-nodes", "--", "sleep", "60"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 15
-        while len(list_namespaces(prefix)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.3)  # let it reach the job's wait loop
-        assert list_namespaces(prefix), "cluster never came up"
+        # Up, and the job's command running on both hosts: only a teardown can end it now.
+        wait_for(lambda: len(list_namespaces(prefix)) == 3
+                 and all(namespace_pids(f"{prefix}n{i}") for i in range(2)), 20, "cluster up with the job running")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) != 0
     finally:
@@ -187,6 +185,7 @@ def test_cli_run_torn_down_on_sigterm(tmp_path: Path) -> None:
 
 
 @needs_root
+@pytest.mark.emulated
 def test_detached_cluster_removed_by_down() -> None:
     from hybridsync.cluster.cli import main
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
@@ -201,6 +200,7 @@ def test_detached_cluster_removed_by_down() -> None:
 
 # -- shaping ----------------------------------------------------------------------------------
 @needs_root
+@pytest.mark.emulated
 def test_shaped_link_delivers_its_rate_both_ways() -> None:
     from hybridsync.cluster.linkrate import measure_tcp_rate
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
@@ -214,26 +214,41 @@ def test_shaped_link_delivers_its_rate_both_ways() -> None:
     assert leftovers(cluster.prefix) == []
 
 
+def kernel_has_netem() -> bool:
+    """Whether this kernel takes a netem qdisc, asked in a scratch namespace of our own."""
+    namespace = f"hsprobe-netem-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", namespace], check=True, timeout=30)
+    try:
+        probe = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                               capture_output=True, text=True, timeout=30)
+        return probe.returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "delete", namespace], check=True, timeout=30)
+
+
 @needs_root
-def test_latency_without_netem_is_a_clear_error() -> None:
-    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+@pytest.mark.emulated
+def test_latency_is_shaped_where_the_kernel_has_netem_and_a_clear_error_where_not() -> None:
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers, sh
 
     cluster = EmulatedCluster(small_spec(inter_node_latency_ms=1.0))
-    try:
-        cluster.up()
-    except RuntimeError as error:  # this kernel has no sch_netem
-        assert "netem" in str(error)
+    if kernel_has_netem():
+        with cluster:
+            uplink = sh(["tc", "-n", cluster.namespaces[0], "qdisc", "show", "dev", "eth0"])
+        assert "netem" in uplink and "delay" in uplink, uplink
     else:
-        cluster.teardown()
+        with pytest.raises(RuntimeError, match="netem qdisc"):
+            cluster.up()
     assert leftovers(cluster.prefix) == []
 
 
 # -- Horovod across hosts ---------------------------------------------------------------------
-def _check_probe_output(outputs: list[str], spec: ClusterSpec) -> None:
-    records = sorted((json.loads(line) for out in outputs for line in out.splitlines()
-                      if line.startswith("{")), key=lambda r: r["rank"])
+def _check_probe_output(out_dir: Path, spec: ClusterSpec, log: str) -> None:
+    """Every rank's record (``tests/workers/probe.py`` writes one file per rank): all ranks,
+    the true sum, and each rank on the host and in the layout it should be."""
+    records = sorted((json.loads(path.read_text()) for path in out_dir.glob("rank*.json")), key=lambda r: r["rank"])
     n = spec.num_workers
-    assert [r["rank"] for r in records] == list(range(n))
+    assert [r["rank"] for r in records] == list(range(n)), log[-3000:]
     expected_sum = n * (n + 1) / 2
     for record in records:
         assert record["sum_min"] == record["sum_max"] == expected_sum
@@ -251,18 +266,19 @@ def _uplink_bytes(cluster, node: int) -> int:
 
 @needs_root
 @needs_horovod
-def test_gloo_allreduce_across_two_hosts() -> None:
-    from hybridsync.cluster.launch import launch_gloo
+@pytest.mark.emulated
+def test_gloo_allreduce_across_two_hosts(tmp_path: Path) -> None:
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
+    from hybridsync.run.emulated import launch_gloo
 
     spec = small_spec()
-    with EmulatedCluster(spec) as cluster:
+    log = tmp_path / "job.log"
+    with open(log, "w") as out, EmulatedCluster(spec) as cluster:
         before = _uplink_bytes(cluster, 1)
-        job = launch_gloo(cluster, [sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
+        job = launch_gloo(cluster, [sys.executable, str(PROBE), str(tmp_path)], stdout=out, stderr=subprocess.STDOUT)
         codes = job.wait(timeout=90)
-        outputs = [proc.stdout.read() for proc in job.processes]
-        assert codes == [0] * spec.num_workers, outputs
-        _check_probe_output(outputs, spec)
+        assert codes == [0] * spec.num_workers, log.read_text()[-3000:]
+        _check_probe_output(tmp_path, spec, log.read_text())
         assert _uplink_bytes(cluster, 1) - before > 4000  # the sum really crossed the shaped link
     assert leftovers(cluster.prefix) == []
 
@@ -270,26 +286,27 @@ def test_gloo_allreduce_across_two_hosts() -> None:
 @needs_root
 @needs_horovod
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
-def test_one_launcher_places_ranks_on_both_hosts(launcher: str) -> None:
+@pytest.mark.emulated
+def test_one_launcher_places_ranks_on_both_hosts(launcher: str, tmp_path: Path) -> None:
     """mpirun and horovodrun, started once (on host 0), run every rank on its own host."""
-    from hybridsync.cluster import launch
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
+    from hybridsync.run import emulated
 
     if launcher == "mpirun" and shutil.which("mpirun") is None:
         pytest.skip("mpirun not installed")
     spec = small_spec()
-    with EmulatedCluster(spec) as cluster:
-        job = getattr(launch, f"launch_{launcher}")(cluster, [sys.executable, "-c", PROBE],
-                                                    stdout=subprocess.PIPE, text=True)
+    log = tmp_path / "job.log"
+    with open(log, "w") as out, EmulatedCluster(spec) as cluster:
+        launch = getattr(emulated, f"launch_{launcher}")
+        job = launch(cluster, [sys.executable, str(PROBE), str(tmp_path)], stdout=out, stderr=subprocess.STDOUT)
         codes = job.wait(timeout=120)
-        output = job.processes[0].stdout.read()
-        assert codes == [0], output
-        # horovodrun prefixes each rank's lines with "[rank]<stdout>:"
-        _check_probe_output([line.split(">:", 1)[-1] for line in output.splitlines()], spec)
+        assert codes == [0], log.read_text()[-3000:]
+        _check_probe_output(tmp_path, spec, log.read_text())
     assert leftovers(cluster.prefix) == []
 
 
 @needs_root
+@pytest.mark.emulated
 def test_cli_run_starts_servers_on_every_host(tmp_path: Path) -> None:
     from hybridsync.cluster.cli import main
 

@@ -26,12 +26,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from hybridsync.cluster.spec import ClusterSpec
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
 IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 pytestmark = [
+    pytest.mark.emulated,
     pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2"),
     pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed"),
     pytest.mark.timeout(180),  # a backstop; every process below has its own bound
@@ -43,7 +45,7 @@ JOB_TIMEOUT_S = 120.0
 
 
 def _env(cluster, extra: dict | None = None) -> dict[str, str]:
-    from hybridsync.cluster.launch import ps_env
+    from hybridsync.run.emulated import ps_env
     # 300 kB keys: the mixed test's 1 MB PS message becomes 4 keys spread over both servers.
     return {**os.environ, **ps_env(cluster), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1", "BYTEPS_PARTITION_BYTES": "300000", **(extra or {})}
@@ -51,12 +53,11 @@ def _env(cluster, extra: dict | None = None) -> dict[str, str]:
 
 def _run_job(cluster, argv: list[str], log: Path, *, servers: bool = False, timeout: float = JOB_TIMEOUT_S) -> list[int]:
     """Runs ``argv`` on every slot (launch_gloo), PS servers beside it if asked; exit codes in rank order."""
-    from hybridsync.cluster.launch import launch_gloo, launch_servers
+    from hybridsync.run.emulated import launch_gloo, launch_servers
 
     env = _env(cluster)
     with open(log, "a") as out:
-        server_job = (launch_servers(cluster, [sys.executable, "-m", "hybridsync.backends.ps.server"], env=env,
-                                     stdout=out, stderr=subprocess.STDOUT) if servers else None)
+        server_job = (launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT) if servers else None)
         job = launch_gloo(cluster, argv, env=env, stdout=out, stderr=subprocess.STDOUT)
         codes = job.wait(timeout=timeout)
         if server_job is not None:
@@ -95,7 +96,7 @@ def test_hierarchical_equals_ring_across_emulated_hosts(equivalence, case: str) 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 def test_hierarchical_equals_ring_under_mpirun(tmp_path: Path) -> None:
     """The same under Open MPI (Horovod's MPI controller, layout from OMPI_COMM_WORLD_LOCAL_SIZE)."""
-    from hybridsync.cluster.launch import launch_mpirun
+    from hybridsync.run.emulated import launch_mpirun
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     cases = ["hierarchical", "hierarchical_mixed_with_ring"]
@@ -154,15 +155,14 @@ def test_hierarchical_large_message_exact_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_failing_job_with_servers_is_stopped_and_leaves_nothing(tmp_path: Path) -> None:
-    from hybridsync.cluster.launch import launch_gloo, launch_servers
+    from hybridsync.run.emulated import launch_gloo, launch_servers
     from hybridsync.cluster.netns import EmulatedCluster, leftovers, namespace_pids
 
     log = tmp_path / "job.log"
     with open(log, "a") as out, EmulatedCluster(SPEC) as cluster:
         env = _env(cluster)
         # Servers that will never see their workers join: only teardown can end them.
-        servers = launch_servers(cluster, [sys.executable, "-m", "hybridsync.backends.ps.server"], env=env,
-                                 stdout=out, stderr=subprocess.STDOUT)
+        servers = launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT)
         job = launch_gloo(cluster, [sys.executable, str(WORKERS / "collectives_worker.py"), "fail"], env=env,
                           stdout=out, stderr=subprocess.STDOUT)
         start = time.monotonic()
@@ -176,21 +176,30 @@ def test_failing_job_with_servers_is_stopped_and_leaves_nothing(tmp_path: Path) 
     assert all(proc.poll() is not None for proc in [*servers.processes, *job.processes, *job.helpers])
 
 
+def _listening(cluster, node: int, port: int) -> bool:
+    """Whether something listens on TCP ``port`` on host ``node``."""
+    listeners = cluster.exec(node, ["ss", "-Hltn", f"sport = :{port}"], timeout=10).stdout
+    return bool(listeners.strip())
+
+
 def test_exception_while_job_runs_tears_everything_down(tmp_path: Path) -> None:
     """Leaving the ``with`` block by an exception while ranks and servers run kills them all."""
-    from hybridsync.cluster.launch import launch_gloo, launch_servers
+    from hybridsync.run.emulated import DEFAULT_PS_ROOT_PORT, launch_gloo, launch_servers
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     cluster = EmulatedCluster(SPEC)
-    with open(tmp_path / "job.log", "a") as out, pytest.raises(RuntimeError, match="interrupted"):
+    log = tmp_path / "job.log"
+    with open(log, "a") as out, pytest.raises(RuntimeError, match="interrupted"):
         with cluster:
             env = _env(cluster)
-            servers = launch_servers(cluster, [sys.executable, "-m", "hybridsync.backends.ps.server"], env=env,
-                                     stdout=out, stderr=subprocess.STDOUT)
+            servers = launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT)
             job = launch_gloo(cluster, [sys.executable, str(WORKERS / "collectives_worker.py"), "mixed",
                                         str(tmp_path / "never.json")], env=env, stdout=out, stderr=subprocess.STDOUT)
-            time.sleep(3)  # the ranks are importing torch/horovod or joining the groups
-            assert any(proc.poll() is None for proc in job.processes)
+            # Mid-job: server 0 serves the PS rendezvous on host 0 while every rank still runs.
+            wait_for(lambda: _listening(cluster, 0, DEFAULT_PS_ROOT_PORT)
+                     or any(proc.poll() is not None for proc in [*job.processes, *servers.processes]),
+                     60, "PS rendezvous open on host 0", poll_s=0.2)
+            assert all(proc.poll() is None for proc in [*job.processes, *servers.processes]), log.read_text()[-3000:]
             raise RuntimeError("interrupted")
     assert leftovers(cluster.prefix) == []
     assert all(proc.poll() is not None for proc in [*servers.processes, *job.processes, *job.helpers])

@@ -10,16 +10,21 @@ import gc
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from hybridsync.backends.flat_buffers import copy_into, copy_out, flatten_padded, node_slice, padded_length, slice_range
-from hybridsync.backends.node_memory import NodeSegment, PeerExitedError
+from hybridsync.backends.hierarchical.flat_buffers import (copy_into, copy_out, flatten_padded, node_slice,
+                                                          padded_length, slice_range)
+from hybridsync.backends.hierarchical.node_memory import NodeSegment, PeerExitedError
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = REPO / "tests" / "workers"
 
 
 @pytest.mark.parametrize("local_size", [1, 2, 3, 4])
+@pytest.mark.unit
 def test_slices_of_a_node_tile_the_padded_buffer(local_size: int) -> None:
     tensors = [torch.arange(6.0).reshape(2, 3), torch.arange(5.0) + 100]
     flat, numel = flatten_padded(tensors, local_size)
@@ -34,6 +39,7 @@ def test_slices_of_a_node_tile_the_padded_buffer(local_size: int) -> None:
     assert len({s.numel() for s in slices}) == 1  # all-gather needs equal lengths
 
 
+@pytest.mark.unit
 def test_flat_buffer_is_a_copy_and_slices_are_views() -> None:
     tensor = torch.ones(4, dtype=torch.float16)
     flat, _ = flatten_padded([tensor], 2)
@@ -43,6 +49,7 @@ def test_flat_buffer_is_a_copy_and_slices_are_views() -> None:
     assert flat.tolist() == [3.0, 3.0, 0.0, 0.0]
 
 
+@pytest.mark.unit
 def test_copy_into_and_out_round_trip_with_scaling() -> None:
     tensors = [torch.arange(6.0).reshape(2, 3), torch.arange(3.0) + 10]
     flat = torch.zeros(10)
@@ -53,6 +60,7 @@ def test_copy_into_and_out_round_trip_with_scaling() -> None:
     assert all(torch.equal(a, b) for a, b in zip(out, tensors))
 
 
+@pytest.mark.multiprocess
 def test_node_segment_is_shared_between_processes_and_leaves_no_file(tmp_path) -> None:
     """Two processes map one segment: each sees the other's writes; after unlink the file is
     gone and the mapping still works; a segment never unlinked is removed when collected."""
@@ -60,16 +68,8 @@ def test_node_segment_is_shared_between_processes_and_leaves_no_file(tmp_path) -
     mine = NodeSegment(path, local_size=2, padded=4, dtype=torch.float32, local_rank=0)
     assert mine.inputs[0].numel() == mine.inputs[1].numel() == mine.output.numel() == 4
     mine.inputs[0].fill_(1.0)
-    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        import torch
-        from hybridsync.backends.node_memory import NodeSegment
-        theirs = NodeSegment({path!r}, local_size=2, padded=4, dtype=torch.float32, local_rank=1)
-        assert theirs.inputs[0].tolist() == [1.0] * 4
-        theirs.inputs[1].fill_(2.0)
-        theirs.unlink()
-        import os
-        print(os.getpid())
-        """)], capture_output=True, text=True, timeout=60)
+    child = subprocess.run([sys.executable, str(WORKERS / "segment_peer.py"), path], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert child.returncode == 0, child.stderr
     assert not os.path.exists(path)
     # The child has exited: waiting for it is an error naming it, not a hang.
@@ -92,6 +92,7 @@ def child_pid(child: subprocess.CompletedProcess) -> int:
     return int(child.stdout.split()[-1])
 
 
+@pytest.mark.unit
 def test_copy_out_by_ranges_covers_each_element_once() -> None:
     """The shared-memory handle copies its own slice early and the rest later: together, all."""
     tensors = [torch.zeros(2, 3), torch.zeros(4)]
@@ -106,6 +107,7 @@ def test_copy_out_by_ranges_covers_each_element_once() -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+@pytest.mark.multiprocess
 def test_segment_larger_than_its_tmpfs_is_a_clear_error_at_once(tmp_path) -> None:
     """Allocated at creation: a small /dev/shm fails here with advice, not with SIGBUS later."""
     mount = tmp_path / "small_shm"

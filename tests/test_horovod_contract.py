@@ -18,6 +18,8 @@ from conftest import WORKERS, rank_results
 sys.path.insert(0, str(WORKERS))
 from horovod_contract import CASES  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 
 def contract_results(launcher: str, tmp_path_factory) -> list[dict]:
     """One job per launcher runs every case (each bounded inside the job); tests read its results."""

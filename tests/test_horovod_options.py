@@ -10,6 +10,8 @@ from hybridsync.router.plan import build_plan
 from hybridsync.strategy import Strategy
 from hybridsync.variables import variables_from_parameters
 
+pytestmark = pytest.mark.unit
+
 
 def model() -> nn.Module:
     m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 1))

@@ -22,20 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "hybridsync"
 
-# Run inside the fresh venv: import each named module, report where it came from, and list
-# what pkgutil finds installed (so a module present in the wheel but not the tree shows too).
-_IMPORT_ALL = """
-import importlib, json, pkgutil, sys
-import hybridsync
-found = {}
-for name in json.loads(sys.argv[1]):
-    try:
-        found[name] = importlib.import_module(name).__file__
-    except Exception as e:
-        found[name] = f"ERROR {type(e).__name__}: {e}"
-installed = ["hybridsync"] + [m.name for m in pkgutil.walk_packages(hybridsync.__path__, "hybridsync.")]
-print(json.dumps({"found": found, "installed": installed}))
-"""
+IMPORT_ALL = REPO / "tests" / "workers" / "import_all.py"
+"""Run inside the fresh venv: imports each module and reports where it came from."""
 
 
 def source_modules() -> list[str]:
@@ -47,6 +35,7 @@ def source_modules() -> list[str]:
     return names
 
 
+@pytest.mark.unit
 def test_every_package_directory_has_an_init():
     """find_packages() skips a directory without __init__.py, and so does the wheel."""
     missing = [str(d.relative_to(REPO)) for d in [PACKAGE, *PACKAGE.rglob("*")]
@@ -113,10 +102,11 @@ def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
     return wheel, venv, outside
 
 
+@pytest.mark.multiprocess
 def test_wheel_has_every_module_of_the_tree(installed):
     wheel, venv, outside = installed
     expected = source_modules()
-    proc = _run([str(venv / "bin" / "python"), "-c", _IMPORT_ALL, json.dumps(expected)], cwd=outside)
+    proc = _run([str(venv / "bin" / "python"), str(IMPORT_ALL), json.dumps(expected)], cwd=outside)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = {name: where for name, where in report["found"].items()
               if where is None or where.startswith("ERROR") or not Path(where).is_relative_to(venv)}
@@ -124,6 +114,7 @@ def test_wheel_has_every_module_of_the_tree(installed):
     assert sorted(report["installed"]) == sorted(expected)
 
 
+@pytest.mark.multiprocess
 def test_wheel_console_scripts_run(installed):
     wheel, venv, outside = installed
     scripts = console_scripts(wheel)

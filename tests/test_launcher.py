@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 
 from conftest import BIN, WORKERS, run_job
-from hybridsync.launcher import _HOROVODRUN_ARITY, LaunchOptions, split_argv, with_run_config
+from hybridsync.run.launcher import _HOROVODRUN_ARITY, LaunchOptions, split_argv, with_run_config
 from hybridsync.strategy import Strategy
 
 TRAIN = ["python", "train.py"]
@@ -55,6 +55,7 @@ def strategy_file(tmp_path) -> str:
     # the last of a repeated flag wins
     (["--num-servers", "5", "-np", "2", "--num-servers", "2", *TRAIN], ["-np", "2", *TRAIN]),
 ])
+@pytest.mark.unit
 def test_own_flags_anywhere_before_the_command(argv, horovodrun_argv):
     options, rest = split_argv(argv)
     assert options.num_servers == 2
@@ -63,6 +64,7 @@ def test_own_flags_anywhere_before_the_command(argv, horovodrun_argv):
     assert parsed.command == TRAIN and parsed.num_proc == 2
 
 
+@pytest.mark.unit
 def test_all_own_flags_between_horovodrun_flags(strategy_file):
     options, rest = split_argv(["-np", "4", "--strategy", strategy_file, "-H", "localhost:2,127.0.0.1:2",
                                 "--server-hosts=localhost,127.0.0.1", "--gloo", "--partition-bytes", "400",
@@ -77,6 +79,7 @@ def test_all_own_flags_between_horovodrun_flags(strategy_file):
     ["-np", "2", "--", "python", "--num-servers", "5"],  # after "--" everything is the command
     ["-np", "2", "train.sh", "-np", "3", "--num-servers=5"],
 ])
+@pytest.mark.unit
 def test_flags_after_the_command_are_the_commands(argv):
     options, rest = split_argv(argv)
     assert options == LaunchOptions()
@@ -90,11 +93,13 @@ def test_flags_after_the_command_are_the_commands(argv):
     (["-np", "2", "--partition-bytes", "many", *TRAIN], "--partition-bytes must be an integer"),
     (["-np", "2", "--s", "x", *TRAIN], "ambiguous option: --s could match --strategy, --server-hosts"),
 ])
+@pytest.mark.unit
 def test_bad_own_flags_are_clear_errors(argv, message):
     with pytest.raises(ValueError, match=message):
         split_argv(argv)
 
 
+@pytest.mark.unit
 def test_arity_table_matches_horovodrun():
     """Which horovodrun flags take values (and how many) is read from its own parser."""
     launch = pytest.importorskip("horovod.runner.launch")
@@ -121,6 +126,7 @@ def write_config(tmp_path: Path, section: str) -> Path:
     return path
 
 
+@pytest.mark.unit
 def test_run_config_fills_what_the_command_line_left_unset(tmp_path, capsys):
     (tmp_path / "strategies").mkdir()
     Strategy().save(tmp_path / "strategies" / "s.json")
@@ -142,27 +148,31 @@ def test_run_config_fills_what_the_command_line_left_unset(tmp_path, capsys):
     ("  strategy: {default: {route: ps}}\n", "hybridsync.strategy must be the path of a strategy file"),
     ("  strategy: absent.json\n", "cannot read strategy file"),
 ])
+@pytest.mark.unit
 def test_bad_run_config_sections_are_clear_errors(tmp_path, section, message):
     with pytest.raises(ValueError, match=message):
         with_run_config(LaunchOptions(), str(write_config(tmp_path, section)))
 
 
+@pytest.mark.unit
 def test_config_without_servers_for_a_ps_strategy_is_refused(tmp_path):
     pytest.importorskip("horovod.runner")
-    from hybridsync.launcher import run
+    from hybridsync.run.launcher import run
     Strategy.from_dict({"variables": {"emb.weight": {"route": "ps"}}}).save(tmp_path / "cfg.json")
     config = write_config(tmp_path, "  strategy: ../cfg.json\n  num_servers: 0\n")
     with pytest.raises(ValueError, match="routes variables through the parameter server"):
         run(LaunchOptions(), ["-np", "2", "--config-file", str(config), *TRAIN])
 
 
+@pytest.mark.unit
 def test_missing_config_file_is_a_clear_error(tmp_path):
     pytest.importorskip("horovod.runner")
-    from hybridsync.launcher import horovodrun_job
+    from hybridsync.run.launcher import horovodrun_job
     with pytest.raises(ValueError, match="cannot read --config-file"):
         horovodrun_job(["-np", "2", "--config-file", str(tmp_path / "absent.yaml"), *TRAIN])
 
 
+@pytest.mark.multiprocess
 def test_config_file_strategy_takes_effect_in_a_real_job(tmp_path):
     """The config's strategy sends emb.weight through 2 parameter servers (which must start);
     ``--partition-bytes`` between horovodrun's flags overrides the config's; horovodrun still
@@ -187,3 +197,31 @@ def test_config_file_strategy_takes_effect_in_a_real_job(tmp_path):
         assert report["env"] == {"HYBRIDSYNC_STRATEGY": str(tmp_path / "strategies" / "ps.json"),
                                  "DMLC_NUM_SERVER": "2", "BYTEPS_PARTITION_BYTES": "400",
                                  "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024)}
+
+
+@pytest.mark.unit
+def test_every_launcher_writes_the_ps_vocabulary_the_route_reads():
+    """hybridsync-run and the emulated cluster share one writer of the servers' settings; a
+    server and a worker read back what it wrote (a misspelt variable would fail here)."""
+    import types
+
+    from hybridsync.backends.ps.config import PSConfig
+    from hybridsync.run.emulated import ps_env
+    from hybridsync.run.launcher import JobShape, job_environment
+    from hybridsync.run.ps_servers import server_environment
+
+    options = LaunchOptions(num_servers=2, partition_bytes=4000, ps_root_port=9123)
+    launched = job_environment(options, JobShape(num_proc=4, hosts=("localhost",)), 2)
+    server = PSConfig.from_env({**launched, **server_environment(1)})
+    worker = PSConfig.from_env({**launched, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "3"})
+    for config in (server, worker):
+        assert (config.num_workers, config.num_servers, config.root_port, config.partition_bytes) == (4, 2, 9123, 4000)
+        assert config.root_uri == "127.0.0.1"
+    assert (server.role, server.index, worker.role, worker.index) == ("server", 1, "worker", 3)
+
+    spec = types.SimpleNamespace(num_workers=4, num_servers=2)
+    cluster = types.SimpleNamespace(spec=spec, ips=("10.77.0.1", "10.77.0.2"))
+    emulated = ps_env(cluster, root_port=9123)  # type: ignore[arg-type]
+    assert {k: v for k, v in emulated.items() if k.startswith("DMLC_")} == {
+        k: v.replace("127.0.0.1", "10.77.0.1") for k, v in launched.items() if k.startswith("DMLC_")}
+    assert PSConfig.from_env({**emulated, **server_environment(0, host="10.77.0.1")}).root_uri == "10.77.0.1"

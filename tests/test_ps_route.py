@@ -16,10 +16,12 @@ import sys
 import pytest
 
 from conftest import BIN, REPO, WORKERS, launcher_argv, run_job
-from hybridsync.procs import start, stop
+from hybridsync.run.procs import start, stop
 
 sys.path.insert(0, str(WORKERS))
 from equivalence import PS_CASES  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
 
 TWO_RANK_CASES = sorted(name for name in PS_CASES if "hierarchical" not in name)
 _cache: dict[str, dict] = {}

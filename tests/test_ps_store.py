@@ -6,6 +6,8 @@ import torch
 
 from hybridsync.backends.ps.store import KeyStore
 
+pytestmark = pytest.mark.unit
+
 
 def test_bsp_answers_only_when_every_worker_pushed():
     store = KeyStore(num_workers=3)
@@ -23,11 +25,19 @@ def test_bsp_rejects_a_step_from_the_wrong_round():
         store.push_pull("k", 1, 1, torch.ones(2)).wait()
 
 
-def test_half_precision_is_summed_in_float32():
-    store = KeyStore(num_workers=2)
-    big, small = torch.tensor([2048.0], dtype=torch.float16), torch.tensor([1.0], dtype=torch.float16)
-    futures = [store.push_pull("h", 0, 0, big), store.push_pull("h", 1, 0, small)]
-    assert futures[0].wait().dtype == torch.float16
+@pytest.mark.parametrize("dtype, big", [(torch.float16, 2048.0), (torch.bfloat16, 256.0)])
+def test_half_precision_is_summed_in_float32(dtype, big):
+    """At ``big`` the type's spacing is 2: ``big + 1`` rounds back to ``big``, so a sum kept in
+    the half type (in worker order) loses both ones; summed in float32 it is ``big + 2``,
+    which the half type holds exactly."""
+    assert float(torch.tensor(big, dtype=dtype) + torch.tensor(1.0, dtype=dtype)) == big  # the trap is real
+    store = KeyStore(num_workers=3)
+    pushes = [torch.tensor([big], dtype=dtype), torch.tensor([1.0], dtype=dtype), torch.tensor([1.0], dtype=dtype)]
+    futures = [store.push_pull("h", worker, 0, tensor) for worker, tensor in enumerate(pushes)]
+    for future in futures:
+        total = future.wait()
+        assert total.dtype == dtype
+        assert total.tolist() == [big + 2]
 
 
 def test_sparse_sum_covers_the_union_of_rows():

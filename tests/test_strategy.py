@@ -10,6 +10,8 @@ from hybridsync.router.plan import build_plan, shard_bounds
 from hybridsync.strategy import Strategy, VarConfig, resolve_strategy
 from hybridsync.variables import VariableInfo, parse_model_description
 
+pytestmark = pytest.mark.unit
+
 EXAMPLE = {"version": 1,
            "default": {"route": "allreduce", "algorithm": "ring"},
            "variables": {

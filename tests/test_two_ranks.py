@@ -27,12 +27,14 @@ def equivalence_results(launcher: str, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.multiprocess
 def test_parameters_equal_horovod(launcher, case, tmp_path_factory):
     result = equivalence_results(launcher, tmp_path_factory)[case]
     assert result["moved"] > 1e-3, "training did not change the parameters; the comparison would be vacuous"
     assert result["max_abs_diff"] <= result["tolerance"], result
 
 
+@pytest.mark.multiprocess
 def test_world_has_two_ranks(launcher, tmp_path_factory):
     assert equivalence_results(launcher, tmp_path_factory)["_world"]["size"] == 2
 
@@ -58,11 +60,13 @@ EXPECTED_ERRORS = {
 }
 
 
+@pytest.mark.unit
 def test_every_error_case_is_checked():
     assert set(EXPECTED_ERRORS) == set(ERROR_CASES)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))
+@pytest.mark.multiprocess
 def test_clear_error_on_every_rank(launcher, case, tmp_path_factory):
     kind, text = EXPECTED_ERRORS[case]
     for rank, results in enumerate(error_results(launcher, tmp_path_factory)):
@@ -72,6 +76,7 @@ def test_clear_error_on_every_rank(launcher, case, tmp_path_factory):
         assert outcome["seconds"] < 10, f"rank {rank} took {outcome['seconds']}s to fail"
 
 
+@pytest.mark.multiprocess
 def test_bad_value_names_every_culprit(tmp_path_factory):
     message = error_results("horovodrun", tmp_path_factory)[0]["bad_value"]["message"]
     assert "compression 'int3' is not one of none, fp16" in message

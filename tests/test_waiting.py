@@ -5,6 +5,8 @@ import pytest
 
 from hybridsync.backends import waiting
 
+pytestmark = pytest.mark.unit
+
 
 class FakeHorovod:
     """A handle that completes after ``polls_until_done`` polls; ``synchronize`` needs it done."""

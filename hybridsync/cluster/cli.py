@@ -22,7 +22,7 @@ from hybridsync.cluster.netns import NAMESPACE_PREFIX, EmulatedCluster, leftover
 from hybridsync.cluster.spec import ClusterSpec
 
 if TYPE_CHECKING:
-    from hybridsync.cluster.launch import Job
+    from hybridsync.run.emulated import Job
 
 LAUNCHERS = ("none", "gloo", "mpirun", "horovodrun")
 EXIT_TIMEOUT = 124
@@ -92,20 +92,20 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _start(cluster: EmulatedCluster, args: argparse.Namespace, command: list[str]) -> "Job":
     """Starts the job's processes; with ``--servers``, the servers first and PS settings for all."""
-    from hybridsync.cluster import launch
+    from hybridsync.run import emulated
 
     env: dict[str, str] = {}
     if args.servers:
-        launch.launch_servers(cluster, shlex.split(args.servers))  # teardown stops them
-        env = {**launch.ps_env(cluster), "DMLC_ROLE": "worker"}
+        emulated.launch_servers(cluster, shlex.split(args.servers))  # teardown stops them
+        env = {**emulated.ps_env(cluster), "DMLC_ROLE": "worker"}
     if args.launcher == "gloo":
-        return launch.launch_gloo(cluster, command, env=env)
+        return emulated.launch_gloo(cluster, command, env=env)
     if args.launcher == "mpirun":
-        return launch.launch_mpirun(cluster, command, env=env)
+        return emulated.launch_mpirun(cluster, command, env=env)
     if args.launcher == "horovodrun":
-        return launch.launch_horovodrun(cluster, command, env=env)
+        return emulated.launch_horovodrun(cluster, command, env=env)
     nodes = range(cluster.spec.nodes) if args.all_nodes else [args.node]
-    return launch.Job(processes=[cluster.run(node, command, env={**os.environ, **env}) for node in nodes])
+    return emulated.Job(processes=[cluster.run(node, command, env={**os.environ, **env}) for node in nodes])
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import horovod.torch as hvd
 import torch
@@ -37,6 +38,8 @@ STEPS = 3
 NUMEL = {"ring": 1000, "hier": 3001, "ps": 250_000}  # odd sizes: padding; ps: several keys
 LARGE_NUMEL = 64 * 2**20 // 4  # 64 MiB of float32: the size at which reduce-scatter went wrong
 LARGE_REPS = 3
+IDLE_S = 90.0
+"""peer_dies: how long node 1's ranks wait to be stopped; beyond the test's bound on the job."""
 FP16_NUMEL = 100_003  # odd: padding
 STRIDED_ROWS, STRIDED_NUMEL = 7, 7 * 14_287  # odd: padding
 
@@ -134,7 +137,11 @@ def fail() -> None:
 def peer_dies() -> None:
     """Rank 1 exits, with status 0 (so the launcher does not end the job for it), after one
     hierarchical all-reduce through shared memory; rank 0, waiting for rank 1's input in the
-    segment they share, must fail naming it (the test reads the log)."""
+    segment they share, must fail naming it (the test reads the log).
+
+    Only node 0 starts the second all-reduce: on node 1, rank 3 would meet rank 1's closed
+    sockets in their cross-node group and could end the job first. Node 1's ranks wait
+    for the launcher to stop them (or give up after IDLE_S, which the test would notice)."""
     hs.init()
     backend = HierarchicalAllreduce()
     assert backend.intra_node == "shm", backend.intra_node
@@ -144,7 +151,10 @@ def peer_dies() -> None:
     print(f"rank {hvd.rank()}: first all-reduce done", flush=True)
     if hvd.rank() == 1:
         os._exit(0)
-    backend.submit("m.hier", [tensor], Reduction(op="sum")).wait()
+    if hvd.cross_rank() == 0:
+        backend.submit("m.hier", [tensor], Reduction(op="sum")).wait()
+    else:
+        time.sleep(IDLE_S)
     sys.exit(0)
 
 

@@ -22,7 +22,7 @@ import sys
 import horovod.torch as hvd
 import torch
 
-from hybridsync.topology import layout_from_environment
+from hybridsync.backends.hierarchical.layout import layout_from_environment
 
 
 def main() -> int:

@@ -2,9 +2,9 @@
 
 Ranks on one host need not send their gradients to each other through loopback TCP (which
 is what Horovod's Gloo collectives on the node's process set do): they can all map the
-same ``/dev/shm`` file, write their message into it, and read each other's. On the
-emulated 2 x 2 cluster (2 vCPUs) a 64 MiB intra-node all-reduce plus all-gather through
-Gloo took ~0.4 s; through shared memory the same steps are a few copies of ~10-30 ms.
+same ``/dev/shm`` file, write their message into it, and read each other's: a few memory
+copies instead of two collectives over sockets (``benchmarks/RESULTS.md``, ``hier`` vs
+``hier-gloo``, has the times).
 
 One message's segment holds a header of int64 counters, then (in the message's dtype)
 ``local_size`` input regions (rank ``i`` of the node writes its padded message into region

@@ -24,6 +24,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from hybridsync.cluster.netns import NODE_IFACE, EmulatedCluster, kill_pids
+from hybridsync.run.ps_servers import ps_environment, server_command, server_environment
 
 _RENDEZVOUS_START_TIMEOUT_S = 30.0
 DEFAULT_PS_ROOT_PORT = 9000
@@ -104,7 +105,7 @@ def start_rendezvous(cluster: EmulatedCluster, *, num_proc: int, node_index: int
     """Starts Horovod's rendezvous server on a host; returns the process and its port."""
     proc = cluster.run(
         node_index,
-        [sys.executable, "-m", "hybridsync.cluster.rendezvous", cluster.spec.horovod_hosts, str(num_proc)],
+        [sys.executable, "-m", "hybridsync.run.rendezvous", cluster.spec.horovod_hosts, str(num_proc)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
@@ -154,38 +155,32 @@ def ps_env(cluster: EmulatedCluster, *, root_port: int = DEFAULT_PS_ROOT_PORT) -
     Server 0 runs on host 0; any fixed port is safe, since each cluster has its own namespaces.
     PS traffic is kept on TCP, so that it crosses the shaped links like the collectives' does.
     """
-    return {
-        "HYBRIDSYNC_PS_TRANSPORT": "tcp",
-        "DMLC_NUM_SERVER": str(cluster.spec.num_servers),
-        "DMLC_NUM_WORKER": str(cluster.spec.num_workers),
-        "DMLC_PS_ROOT_URI": cluster.ips[0],
-        "DMLC_PS_ROOT_PORT": str(root_port),
-    }
+    return {"HYBRIDSYNC_PS_TRANSPORT": "tcp",
+            **ps_environment(num_workers=cluster.spec.num_workers, num_servers=cluster.spec.num_servers,
+                             root_uri=cluster.ips[0], root_port=root_port)}
 
 
 def launch_servers(
     cluster: EmulatedCluster,
-    command: Sequence[str],
+    command: Sequence[str] | None = None,
     *,
     env: Mapping[str, str] | None = None,
     **popen_kwargs: Any,
 ) -> Job:
-    """Starts ``servers_per_node`` parameter-server processes of ``command`` on every host.
+    """Starts ``servers_per_node`` parameter servers (``command``, default hybridsync's) on every host.
 
     Each gets ``ps_env`` (``env`` may override it, e.g. ``DMLC_PS_ROOT_PORT``), then
     ``DMLC_ROLE=server``, ``DMLC_SERVER_ID`` (host-major: host 0 has servers 0..k-1) and
     ``DMLC_NODE_HOST`` (its own address).
     """
     spec = cluster.spec
+    argv = list(command) if command is not None else server_command()
     job = Job(processes=[])
     for node in range(spec.nodes):
         for slot in range(spec.servers_per_node):
-            server_env = {
-                **os.environ, **ps_env(cluster), **(env or {}),
-                "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(node * spec.servers_per_node + slot),
-                "DMLC_NODE_HOST": cluster.ips[node], "PYTHONUNBUFFERED": "1",
-            }
-            job.processes.append(cluster.run(node, list(command), env=server_env, **popen_kwargs))
+            server_env = {**os.environ, **ps_env(cluster), **(env or {}), "PYTHONUNBUFFERED": "1",
+                          **server_environment(node * spec.servers_per_node + slot, host=cluster.ips[node])}
+            job.processes.append(cluster.run(node, argv, env=server_env, **popen_kwargs))
     return job
 
 

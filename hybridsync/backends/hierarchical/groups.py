@@ -134,7 +134,7 @@ _groups: dict[str, Any] = {}
 
 
 def hierarchical_groups(hvd: Any, layout: Any) -> HierarchicalGroups:
-    """This rank's groups for ``layout`` (``topology.NodeLayout``), built at the first call.
+    """This rank's groups for ``layout`` (``layout.NodeLayout``), built at the first call.
 
     Collective: every rank calls it at the same point (optimizer construction). Ranks must
     be laid out node by node (node k holds ranks ``k*local_size ...``), as horovodrun and

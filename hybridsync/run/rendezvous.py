@@ -1,7 +1,7 @@
 """Horovod's Gloo rendezvous server as a standalone process, run on an emulated host.
 
 horovodrun starts ``RendezvousServer`` inside its own process; ours must listen inside a
-host's namespace, so it runs there as ``python -m hybridsync.cluster.rendezvous HOSTS NP``.
+host's namespace, so it runs there as ``python -m hybridsync.run.rendezvous HOSTS NP``.
 It prints ``port N`` once listening and serves until its stdin closes (the launcher exited
 or finished), so it can never outlive the launcher by more than a teardown.
 """
@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``rendezvous HOSTS NP``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print("usage: python -m hybridsync.cluster.rendezvous HOSTS NP", file=sys.stderr)
+        print("usage: python -m hybridsync.run.rendezvous HOSTS NP", file=sys.stderr)
         return 2
     serve(args[0], int(args[1]))
     return 0

@@ -1,17 +1,14 @@
 """Which ranks share a node: the layout hierarchical all-reduce builds its groups on.
 
-``hs.init`` is ``hvd.init``: nothing is declared for hierarchical all-reduce up front
-(declared Horovod process sets slowed every collective of a job, hierarchical or not;
-``backends/node_groups.py`` says how much). The layout is read from Horovod once it runs,
-so a job started with plain ``hvd.init()`` can route variables hierarchically too.
+Nothing is declared for hierarchical all-reduce at ``hs.init`` (which is ``hvd.init``):
+declared Horovod process sets slowed every collective of a job, hierarchical or not
+(``groups`` says how much). The layout is read from Horovod once it runs, so a job
+started with plain ``hvd.init()`` can route variables hierarchically too.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
-
-from hybridsync.frameworks import horovod_torch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,11 +39,6 @@ def layout_from_environment(env: dict[str, str] | None = None) -> NodeLayout | N
             if local_size >= 1 and size % local_size == 0:
                 return NodeLayout(size=size, local_size=local_size)
     return None
-
-
-def init(*args: Any, **kwargs: Any) -> None:
-    """``hvd.init``, unchanged: hybridsync's routes create what they need when a plan uses them."""
-    horovod_torch("hybridsync.init").init(*args, **kwargs)
 
 
 def node_layout() -> tuple[NodeLayout | None, str | None]:

@@ -3,16 +3,15 @@
 Three steps: reduce within the node, all-reduce across nodes, share within the node.
 Each rank of a node carries its own ``1/local_size`` slice of the node's sum across nodes
 (all-reducing it with the ranks that share its local rank on the other nodes, the
-``cross_node`` group of ``node_groups``, built when a plan first uses this route and never
-a Horovod process set, so a job pays nothing for the route unless it uses it), so every
-rank's uplink is busy at once and each
-carries ``1/local_size`` of the message: the cross-node traffic of the bandwidth-optimal
-form Horovod uses with NCCL.
+``cross_node`` group of ``groups``, built when a plan first uses this route and never a
+Horovod process set, so a job pays nothing for the route unless it uses it), so every
+rank's uplink is busy at once and each carries ``1/local_size`` of the message: the
+cross-node traffic of the bandwidth-optimal form Horovod uses with NCCL.
 
 The intra-node steps go through one of two transports (``HYBRIDSYNC_INTRA_NODE``):
 
 - ``shm`` (default): the node's ranks map one ``/dev/shm`` segment per message
-  (``node_memory``, ``hierarchical_shm``); each writes the parts of its message the others
+  (``node_memory``, ``shm``); each writes the parts of its message the others
   sum, sums its own slice of everyone's, and copies each rank's final slice out the moment
   that rank publishes it. No intra-node bytes on any socket and no intra-node collective.
   Chosen on x86-64 when every node's ranks are seen to share the segment (and each other's
@@ -23,11 +22,8 @@ The intra-node steps go through one of two transports (``HYBRIDSYNC_INTRA_NODE``
   about twice a reduce-scatter's bytes within the node: Horovod 0.28.1's Gloo
   ``reducescatter`` on a process set intermittently returned wrong sums (one contribution
   counted twice) and sometimes hung for 64 MiB buffers on the emulated cluster
-  (``tests/workers/reducescatter_stress.py`` reproduces it; benchmarks/RESULTS.md).
-
-Measured on the emulated 2 x 2 cluster at 1 Gbit/s, 64 MiB (benchmarks/RESULTS.md): the
-two Gloo intra-node steps took ~0.4 s next to the cross-node step's ~0.6 s; the shared
-segment's copies take a few tens of ms.
+  (``tests/workers/reducescatter_stress.py`` reproduces it). The fallback: the shared
+  segment is several times faster (benchmarks/RESULTS.md, collectives.py).
 
 A message's tensors travel as one flat buffer padded to a multiple of the node size, so
 every rank's slice has the same length. Where one level has a single member (one node,
@@ -42,14 +38,14 @@ from typing import Any, Sequence
 
 import torch
 
-from hybridsync.backends import node_memory
+from hybridsync.backends.hierarchical import node_memory
 from hybridsync.backends.base import Reduction, RouteUnavailableError
-from hybridsync.backends.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
-from hybridsync.backends.hierarchical_shm import SharedMemoryHandle
-from hybridsync.backends.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
+from hybridsync.backends.hierarchical.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
+from hybridsync.backends.hierarchical.shm import SharedMemoryHandle
+from hybridsync.backends.hierarchical.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
 from hybridsync.backends.waiting import barrier
-from hybridsync.backends.node_groups import HierarchicalGroups, Work, hierarchical_groups
-from hybridsync.topology import node_layout
+from hybridsync.backends.hierarchical.groups import HierarchicalGroups, Work, hierarchical_groups
+from hybridsync.backends.hierarchical.layout import node_layout
 
 INTRA_NODE_VAR = "HYBRIDSYNC_INTRA_NODE"
 INTRA_NODE_CHOICES = ("shm", "horovod")

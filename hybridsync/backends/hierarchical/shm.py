@@ -22,9 +22,9 @@ from typing import Sequence
 
 import torch
 
-from hybridsync.backends.node_groups import Group
-from hybridsync.backends.flat_buffers import copy_into, copy_out, pieces, slice_range
-from hybridsync.backends.node_memory import NodeSegment
+from hybridsync.backends.hierarchical.groups import Group
+from hybridsync.backends.hierarchical.flat_buffers import copy_into, copy_out, pieces, slice_range
+from hybridsync.backends.hierarchical.node_memory import NodeSegment
 
 
 class SharedMemoryHandle:

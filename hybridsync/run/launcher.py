@@ -29,7 +29,8 @@ import sys
 import time
 from typing import Sequence
 
-from hybridsync import procs
+from hybridsync.run import procs
+from hybridsync.run.ps_servers import ps_environment, server_command, server_environment
 from hybridsync.strategy import Strategy
 
 _OWN_FLAGS = ("--strategy", "--num-servers", "--server-hosts", "--partition-bytes", "--ps-root-port")
@@ -201,7 +202,7 @@ def with_run_config(options: LaunchOptions, config_file: str | None) -> LaunchOp
     section (``strategy``, ``num_servers``, ``partition_bytes``): the command line wins."""
     if config_file is None:
         return options
-    from hybridsync.runconfig import load_run_config
+    from hybridsync.run.config import load_run_config
     config = load_run_config(config_file)
     if options.strategy and config.strategy_path and options.strategy != config.strategy_path:
         print(f"hybridsync-run: --strategy {options.strategy} replaces {config_file}'s strategy "
@@ -276,24 +277,22 @@ def job_environment(options: LaunchOptions, job: JobShape, num_servers: int,
     if num_servers:
         root = (rendezvous_address((*job.hosts, *(placement or ()))) if placement is None
                 or _is_this_host(placement[0]) else placement[0])
-        env.update(DMLC_NUM_WORKER=str(job.num_proc), DMLC_NUM_SERVER=str(num_servers), DMLC_PS_ROOT_URI=root,
-                   DMLC_PS_ROOT_PORT=str(options.ps_root_port or _free_port()))
-        if options.partition_bytes:
-            env["BYTEPS_PARTITION_BYTES"] = str(options.partition_bytes)
+        env.update(ps_environment(num_workers=job.num_proc, num_servers=num_servers, root_uri=root,
+                                  root_port=options.ps_root_port or _free_port(),
+                                  partition_bytes=options.partition_bytes))
     return env
 
 
 def start_servers(num_servers: int, env: dict[str, str], placement: tuple[str, ...] | None = None,
                   ssh_args: Sequence[str] = ()) -> list[subprocess.Popen]:
     """Start the parameter servers (``DMLC_ROLE=server``): here, or where ``placement`` says."""
-    server = [sys.executable, "-m", "hybridsync.backends.ps.server"]
+    server = server_command()
     if placement is None:
-        return [procs.start(server, env={**env, "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(i)}, capture=False)
-                for i in range(num_servers)]
+        return [procs.start(server, env={**env, **server_environment(i)}, capture=False) for i in range(num_servers)]
     slots = ",".join(f"{host}:{placement.count(host)}" for host in dict.fromkeys(placement))
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     argv = [horovodrun, "-np", str(num_servers), "-H", slots, "--gloo", *ssh_args, *server, "--id-from-launcher-rank"]
-    return [procs.start(argv, env={**env, "DMLC_ROLE": "server"}, capture=False)]
+    return [procs.start(argv, env={**env, **server_environment()}, capture=False)]
 
 
 def _raise_on_sigterm(signum, frame) -> None:
