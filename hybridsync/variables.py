@@ -14,6 +14,15 @@ from typing import Any, Iterable, Mapping
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
              "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+FLOATING_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (a name as ``VariableInfo.dtype`` spells it)."""
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(_ITEMSIZE))})") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,7 +42,7 @@ class VariableInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _ITEMSIZE[self.dtype]
+        return self.numel * itemsize(self.dtype)
 
 
 def variables_from_parameters(named_parameters: Iterable[tuple[str, Any]],
