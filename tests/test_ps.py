@@ -179,7 +179,7 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 
 from hybridsync.backends.ps.config import PSConfig  # noqa: E402
-from hybridsync.backends.ps.keys import chunk_message, place_keys  # noqa: E402
+from hybridsync.placement import chunk_message, place_keys  # noqa: E402
 from hybridsync.procs import start, stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(80)
