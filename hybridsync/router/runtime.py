@@ -14,6 +14,10 @@ only (indices re-based to the shard); on the all-reduce routes a partitioned or 
 sparse gradient, and any sparse gradient on the hierarchical route, is made dense for
 the message (as Horovod's ``sparse_as_dense``: correct, at the variable's full bytes).
 The result goes back into ``p.grad`` as a sparse tensor, as the optimizer expects.
+
+Backends are known only by ``backends/base.py``'s protocols: what a backend can do beyond
+``submit`` (sparse gradients, keys declared up front) is asked once, with ``isinstance``,
+when the router is built. Key names, servers and wire sizes come from the plan.
 """
 from __future__ import annotations
 
@@ -109,7 +113,8 @@ class Router:
             if backend is not None:
                 sent = [compressor.compress(self._piece_of(piece, self._params[piece.var_index].detach().to("meta")))[0]
                         for piece in message.pieces]
-                by_backend.setdefault(id(backend), (backend, []))[1].append((message.name, wire_of(sent), message.server))
+                declaration = (message.name, wire_of(sent), message.server)
+                by_backend.setdefault(id(backend), (backend, []))[1].append(declaration)
         for backend, messages in by_backend.values():
             backend.declare_all(messages)
 

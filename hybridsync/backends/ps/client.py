@@ -80,6 +80,11 @@ class PSClient:
         """The server holding ``key``: declared placement, else the hash fallback."""
         return self.keys.server_of(key)
 
+    @property
+    def pushes(self) -> dict[str, int]:
+        """Pushes sent so far, per key (a copy): the keys this worker's traffic used."""
+        return dict(self._steps)
+
     def push_pull_async(self, name: str, tensors: Sequence[torch.Tensor],
                         reduction: Reduction = Reduction()) -> PSHandle:
         """Start a BSP push-pull of message ``name``; after ``wait()`` ``tensors`` hold the result."""
