@@ -190,3 +190,16 @@ def test_baselines_place_with_the_shared_balancer():
     assert partitioned.config_for("emb").servers == (0, 1, 0, 1)
     balanced = baselines.load_balanced_ps(VARIABLES, 2)
     assert [balanced.config_for(n).servers for n in ("emb", "w", "d", "b", "steps")] == [(0,), (1,), (1,), (1,), (1,)]
+
+
+def test_dtype_facts_agree_with_torch():
+    """The torch-free dtype table (item sizes, which dtypes fp16 compression casts) is torch's."""
+    torch = pytest.importorskip("torch")
+    from hybridsync.compression import Compression, compression_name
+    from hybridsync.variables import _ITEMSIZE, FLOATING_DTYPES
+    for name, size in _ITEMSIZE.items():
+        dtype = getattr(torch, name)
+        assert (dtype.itemsize, dtype.is_floating_point) == (size, name in FLOATING_DTYPES), name
+    assert (compression_name(Compression.fp16), compression_name(Compression.none)) == ("fp16", "none")
+    hvd_compression = pytest.importorskip("horovod.torch.compression")
+    assert compression_name(hvd_compression.Compression.fp16) == "fp16"
