@@ -122,6 +122,12 @@ def namespaced(namespace: str, name: str) -> str:
     return f"{namespace}/{name}" if namespace else name
 
 
+def part_key(message: str, part: str, parts: int) -> str:
+    """The key of one of ``parts`` parts of a message sent part by part (sparse shards, merge-group
+    members, ASP/SSP pieces): ``<message>.<part>``, or the message's own key for a lone part."""
+    return message if parts == 1 else f"{message}.{part}"
+
+
 def hashed_server(key: str, num_servers: int) -> int:
     """Fallback placement for an undeclared key: stable across processes (unlike ``hash``)."""
     return zlib.crc32(key.encode()) % num_servers

@@ -27,7 +27,7 @@ import json
 import math
 from typing import Mapping, Sequence
 
-from hybridsync.placement import DEFAULT_PARTITION_BYTES, KeyTable, WireTensor, namespaced
+from hybridsync.placement import DEFAULT_PARTITION_BYTES, KeyTable, WireTensor, namespaced, part_key
 from hybridsync.strategy import COMPRESSIONS, Strategy, VarConfig
 from hybridsync.variables import FLOATING_DTYPES, VariableInfo, itemsize
 
@@ -89,9 +89,7 @@ class Message:
 
     def parameter_keys(self) -> tuple[tuple[str, Piece], ...]:
         """ASP/SSP: the key of each piece's parameter rows on the servers (the message name if alone)."""
-        if len(self.pieces) == 1:
-            return ((self.name, self.pieces[0]),)
-        return tuple((f"{self.name}.{piece.var_name}", piece) for piece in self.pieces)
+        return tuple((part_key(self.name, piece.var_name, len(self.pieces)), piece) for piece in self.pieces)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,7 +167,7 @@ def _sparse_keys(table: KeyTable, home: str, message: Message) -> list[PSKey]:
     pieces = message.pieces
     out = []
     for piece, wire in zip(pieces, message.wire):
-        key = home if len(pieces) == 1 else f"{home}.{piece.var_name}"
+        key = part_key(home, piece.var_name, len(pieces))
         if piece.sparse:
             table.follow(home, key)
             out.append(PSKey(name=key, nbytes=_parameter_wire(piece).nbytes, server=table.server_of(key), sparse=True))

@@ -21,7 +21,7 @@ from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
 from hybridsync.backends.ps.store import WireCounters, payload_bytes
 from hybridsync.backends.ps.watchdog import Watchdog
-from hybridsync.placement import Chunk, Declaration, KeyTable, Layout, WireTensor, namespaced
+from hybridsync.placement import Chunk, Declaration, KeyTable, Layout, WireTensor, namespaced, part_key
 
 
 class PSServerError(RuntimeError):
@@ -315,7 +315,7 @@ class PSBackend(KeyedBackend, SparseBackend):
         home = self.key(name)
         handles: list[Any] = []
         for part, tensor in parts:
-            key = home if len(parts) == 1 else f"{home}.{part}"
+            key = part_key(home, part, len(parts))
             if tensor.is_sparse:
                 handles.append(self.client.push_pull_sparse_async(key, tensor, reduction, home=home))
             else:  # on home's server (its bytes were counted with home's); else by the hash
