@@ -45,8 +45,8 @@ class PSClient:
         self._connect(join_timeout_s, ping_interval_s, ping_timeout_s)
 
     def _connect(self, join_timeout_s: float, ping_interval_s: float, ping_timeout_s: float) -> None:
-        """Join the RPC group and watch every server (an in-process test client replaces this,
-        ``send`` and ``wait_all``: the network, and nothing else)."""
+        """Join the RPC group and watch every server (with ``call``, the client's only network code:
+        an in-process test replaces both, ``tests/test_router_inprocess.py``)."""
         group.join(self.config, timeout_s=join_timeout_s)
         self._watchdog = Watchdog([group.server_name(s) for s in range(self.config.num_servers)], self._fail,
                                   interval_s=ping_interval_s, timeout_s=ping_timeout_s).start()
