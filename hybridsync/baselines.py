@@ -8,10 +8,9 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+from hybridsync.placement import DEFAULT_PARTITION_BYTES, LeastLoaded, place_keys
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.variables import VariableInfo
-
-DEFAULT_PARTITION_BYTES = 4_096_000  # BytePS's BYTEPS_PARTITION_BYTES default
 
 
 def _build(variables: Mapping[str, VariableInfo], configs: Mapping[str, VarConfig]) -> Strategy:
@@ -35,13 +34,8 @@ def all_ps(variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
 def load_balanced_ps(variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
     """Every variable on the PS, largest first onto the least-loaded server (greedy by bytes)."""
     _check_servers(num_servers)
-    load = [0] * num_servers
-    configs = {}
-    for info in sorted(variables.values(), key=lambda v: (-v.nbytes, v.name)):
-        server = min(range(num_servers), key=lambda s: (load[s], s))
-        load[server] += info.nbytes
-        configs[info.name] = VarConfig(route="ps", servers=(server,))
-    return _build(variables, {name: configs[name] for name in variables})
+    placement = place_keys({name: info.nbytes for name, info in variables.items()}, num_servers)
+    return _build(variables, {name: VarConfig(route="ps", servers=(placement[name],)) for name in variables})
 
 
 def partitioned_ps(variables: Mapping[str, VariableInfo], num_servers: int,
@@ -50,17 +44,13 @@ def partitioned_ps(variables: Mapping[str, VariableInfo], num_servers: int,
     _check_servers(num_servers)
     if partition_bytes < 1:
         raise ValueError(f"partition_bytes must be >= 1, got {partition_bytes}")
-    load = [0] * num_servers
+    balancer = LeastLoaded(num_servers)
     configs = {}
     for info in sorted(variables.values(), key=lambda v: (-v.nbytes, v.name)):
         rows = info.shape[0] if info.shape else 1
         partitions = max(1, min(rows, math.ceil(info.nbytes / partition_bytes)))
-        servers = []
-        for _ in range(partitions):
-            server = min(range(num_servers), key=lambda s: (load[s], s))
-            load[server] += info.nbytes // partitions
-            servers.append(server)
-        configs[info.name] = VarConfig(route="ps", partitions=partitions, servers=tuple(servers))
+        servers = tuple(balancer.take(info.nbytes // partitions) for _ in range(partitions))
+        configs[info.name] = VarConfig(route="ps", partitions=partitions, servers=servers)
     return _build(variables, {name: configs[name] for name in variables})
 
 

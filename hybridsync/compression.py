@@ -46,6 +46,15 @@ class Compression:
     fp16 = FP16Compressor
 
 
+def compression_name(compressor: Any) -> str:
+    """The strategy name of a compressor, for the routing plan's wire sizes: ``fp16`` for
+    hybridsync's or Horovod's ``FP16Compressor``, else ``none`` (a custom compressor's sizes
+    are known only when it runs; the router declares parameter-server keys from what it sends)."""
+    if compressor is FP16Compressor or getattr(compressor, "__name__", None) == "FP16Compressor":
+        return "fp16"
+    return "none"
+
+
 def compressor_named(name: str | None, default: Any) -> Any:
     """The compressor a strategy's ``compression`` names; ``None`` keeps the optimizer's."""
     if name is None:

@@ -11,9 +11,7 @@ _BAR_WIDTH = 20
 
 
 def _how(config: VarConfig) -> str:
-    if config.route == "allreduce":
-        return config.algorithm
-    return config.protocol + (f"(s={config.staleness})" if config.staleness is not None else "")
+    return config.variant + (f"(s={config.staleness})" if config.staleness is not None else "")
 
 
 def _human(nbytes: int) -> str:

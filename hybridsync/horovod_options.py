@@ -102,17 +102,13 @@ def check_process_set(hvd: Any, process_set: Any, plan: RoutingPlan) -> Any:
                          f"or add it with hvd.add_process_set() first")
     if process_set.process_set_id == 0:
         return process_set
-    others = sorted({f"{piece.var_name} ({_route_name(m.config)})" for m in plan.messages
-                     if _route_name(m.config) != "allreduce/ring" for piece in m.pieces})
+    others = sorted({f"{piece.var_name} ({m.config.route_name})" for m in plan.messages
+                     if m.config.route_name != "allreduce/ring" for piece in m.pieces})
     if others:
         raise ValueError(f"process_set={process_set} restricts synchronization to ranks {process_set.ranks}, "
                          f"which only the ring all-reduce route supports; the strategy routes "
                          f"{', '.join(others)}. Use the global process set, or route them by ring all-reduce.")
     return process_set
-
-
-def _route_name(config: Any) -> str:
-    return f"{config.route}/{config.algorithm if config.route == 'allreduce' else config.protocol}"
 
 
 def gather_fingerprints(hvd: Any, mine: tuple[str, str, int], process_set: Any) -> list[tuple[str, str, int]]:

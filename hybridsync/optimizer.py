@@ -16,8 +16,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from hybridsync import envvars
 from hybridsync.backends import Reduction
-from hybridsync.compression import Compression
+from hybridsync.compression import Compression, compression_name
 from hybridsync.horovod_options import (called_from_horovod_state_init, check_process_set, gather_fingerprints,
                                         grouped_names, normalize_groups, strategy_with_groups, wrapped_step)
 from hybridsync.router.plan import RoutingPlan, build_plan
@@ -58,7 +59,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self._densified: dict[Any, int] = {}  # parameter -> sparse_dim of the sparse gradient it had
         self.strategy = strategy
-        self.plan = build_plan(variables_from_parameters(named), strategy)
+        self.plan = build_plan(variables_from_parameters(named), strategy, compression=compression_name(compression))
         self.process_set = check_process_set(hvd, process_set, self.plan)
         # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps locally.
         self._synchronizing = hvd.size() > 1 and self.process_set.included()
@@ -204,7 +205,7 @@ def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan, p
         table = "; ".join(f"rank {r}: strategy {s}, plan {p}, optimizer #{i}"
                           for r, (s, p, i) in zip(ranks, everyone))
         raise ValueError(f"ranks disagree on the synchronization strategy ({table}). Every rank must load "
-                         f"the same strategy file (HYBRIDSYNC_STRATEGY={os.environ.get('HYBRIDSYNC_STRATEGY')!r} "
+                         f"the same strategy file ({envvars.STRATEGY}={os.environ.get(envvars.STRATEGY)!r} "
                          f"here), build the same model and create the same DistributedOptimizers in the "
                          f"same order.")
 

@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any, Literal, Mapping
 
+from hybridsync import envvars
 from hybridsync.variables import VariableInfo
 
 STRATEGY_VERSION = 1
@@ -62,6 +63,28 @@ class VarConfig:
     servers: tuple[int, ...] | None = None
     """For ``ps``: the server index of each shard; ``None`` balances shards by bytes."""
 
+    def __post_init__(self) -> None:
+        """Reject a config that no strategy file could express: ``ValueError`` naming the field.
+
+        Fields that do not apply to the route must keep their defaults, so that two configs
+        are equal exactly when their documents are (a search can key sets by them).
+        """
+        if isinstance(self.servers, list):
+            object.__setattr__(self, "servers", tuple(self.servers))
+        errors = _field_errors(self)
+        if errors:
+            raise ValueError("invalid VarConfig: " + "; ".join(errors))
+
+    @property
+    def variant(self) -> str:
+        """How the route runs: the all-reduce ``algorithm``, or the parameter-server ``protocol``."""
+        return self.algorithm if self.route == "allreduce" else self.protocol
+
+    @property
+    def route_name(self) -> str:
+        """``route/variant``, as messages and tables show it (``allreduce/ring``, ``ps/asp``)."""
+        return f"{self.route}/{self.variant}"
+
     def to_dict(self) -> dict[str, Any]:
         """The canonical document form: only the keys meaningful for the route, defaults omitted."""
         out: dict[str, Any] = {"route": self.route}
@@ -84,8 +107,34 @@ class VarConfig:
     @property
     def message_key(self) -> tuple:
         """What two variables must share to be fused into one message."""
-        return (self.route, self.algorithm if self.route == "allreduce" else self.protocol,
-                self.compression, self.staleness, self.group)
+        return (self.route, self.variant, self.compression, self.staleness, self.group)
+
+
+def _field_errors(config: VarConfig) -> list[str]:
+    """What is wrong with a constructed config, one message per field (as ``_config_errors`` for a document)."""
+    errors = []
+    for field, allowed in (("route", ROUTES), ("algorithm", ALGORITHMS), ("protocol", PROTOCOLS)):
+        if getattr(config, field) not in allowed:
+            errors.append(f"{field} {getattr(config, field)!r} is not one of {', '.join(allowed)}")
+    if config.compression is not None and config.compression not in COMPRESSIONS:
+        errors.append(f"compression {config.compression!r} is not one of {', '.join(COMPRESSIONS)} (or None)")
+    for field, minimum, optional in (("partitions", 1, False), ("group", 0, True), ("staleness", 0, True)):
+        value = getattr(config, field)
+        if not (optional and value is None) and (not _is_int(value) or value < minimum):
+            errors.append(f"{field} must be an integer >= {minimum}{' or None' if optional else ''}, got {value!r}")
+    if config.route == "allreduce":
+        errors += [f"{field} only applies to route 'ps' (got {getattr(config, field)!r} with route 'allreduce')"
+                   for field, default in (("protocol", "bsp"), ("staleness", None), ("servers", None))
+                   if getattr(config, field) != default]
+    elif config.algorithm != "ring":
+        errors.append(f"algorithm only applies to route 'allreduce' (got {config.algorithm!r} with route 'ps')")
+    if config.protocol == "ssp" and config.staleness is None:
+        errors.append("protocol 'ssp' needs a staleness (steps a worker may run ahead)")
+    if config.staleness is not None and config.protocol != "ssp":
+        errors.append("staleness only applies to protocol 'ssp'")
+    if config.servers is not None:
+        errors += [e.removeprefix("config: ") for e in _servers_errors("config", config.servers, config.partitions)]
+    return errors
 
 
 def _config_errors(where: str, raw: Any) -> list[str]:
@@ -135,6 +184,18 @@ def _config_from_raw(raw: Mapping[str, Any]) -> VarConfig:
     return VarConfig(**values)
 
 
+class _ReadOnlyDict(dict):
+    """A dict that refuses changes (and still pickles, JSON-dumps and compares as a dict)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a Strategy's variables are read-only: make a new Strategy (e.g. dataclasses.replace)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse  # type: ignore
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (dict(self),))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy:
     """Per-variable synchronization configs, with a default for unlisted variables."""
@@ -142,7 +203,20 @@ class Strategy:
     default: VarConfig = VarConfig()
     """Applies to every variable not listed in ``variables``."""
     variables: Mapping[str, VarConfig] = dataclasses.field(default_factory=dict)
-    """Variable name (as in ``named_parameters``) -> its config."""
+    """Variable name (as in ``named_parameters``) -> its config (kept as a read-only copy)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.default, VarConfig):
+            raise ValueError(f"default must be a VarConfig, got {type(self.default).__name__}")
+        bad = sorted(str(name) for name, config in self.variables.items() if not isinstance(config, VarConfig))
+        if bad:
+            raise ValueError(f"variables must map names to VarConfig; not one: {', '.join(bad)}")
+        # A read-only copy: the strategy is a value (hashable, below), so it must not change after the fact.
+        object.__setattr__(self, "variables", _ReadOnlyDict(self.variables))
+
+    def __hash__(self) -> int:
+        """Strategies key sets and dicts; equal strategies have equal documents, hence equal fingerprints."""
+        return hash(self.fingerprint())
 
     def config_for(self, name: str) -> VarConfig:
         """The config that applies to the variable ``name``."""
@@ -264,7 +338,7 @@ def resolve_strategy(strategy: "Strategy | Mapping[str, Any] | str | os.PathLike
     (plain Horovod behaviour: every variable ring all-reduced).
     """
     if strategy is None:
-        strategy = os.environ.get("HYBRIDSYNC_STRATEGY") or None
+        strategy = os.environ.get(envvars.STRATEGY) or None
         if strategy is None:
             return None
     if isinstance(strategy, Strategy):

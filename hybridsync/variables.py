@@ -12,8 +12,21 @@ import math
 import os
 from typing import Any, Iterable, Mapping
 
+FLOATING_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",
+                             "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"})
+"""What ``torch.dtype.is_floating_point`` says yes to: the dtypes fp16 compression casts."""
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+             "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+             "complex128": 16, "complex64": 8, "complex32": 4,
+             **{name: 1 for name in FLOATING_DTYPES if name.startswith("float8")}}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (a name as ``VariableInfo.dtype`` spells it)."""
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(_ITEMSIZE))})") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,7 +46,7 @@ class VariableInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _ITEMSIZE[self.dtype]
+        return self.numel * itemsize(self.dtype)
 
 
 def variables_from_parameters(named_parameters: Iterable[tuple[str, Any]],

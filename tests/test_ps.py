@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hybridsync.backends.ps.config import PSConfig
-from hybridsync.backends.ps.keys import chunk_message, place_keys
+from hybridsync.placement import chunk_message, place_keys
 from hybridsync.run.procs import start, stop
 
 REPO = Path(__file__).resolve().parent.parent

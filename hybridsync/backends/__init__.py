@@ -5,9 +5,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from hybridsync.backends.base import Backend, Handle, Reduction, RouteUnavailableError
+from hybridsync.backends.base import (Backend, BackendFactory, Handle, KeyedBackend, ParameterSync,
+                                     ParameterSyncFactory, Reduction, RouteUnavailableError, SparseBackend)
 
-__all__ = ["Backend", "Handle", "Reduction", "RouteUnavailableError", "make_backend", "make_parameter_sync"]
+__all__ = ["Backend", "BackendFactory", "Handle", "KeyedBackend", "ParameterSync", "ParameterSyncFactory",
+           "Reduction", "RouteUnavailableError", "SparseBackend", "make_backend", "make_parameter_sync"]
 
 
 def make_backend(route: str, variant: str, variables: Iterable[str] = (), namespace: str = "",
@@ -34,7 +36,7 @@ def make_backend(route: str, variant: str, variables: Iterable[str] = (), namesp
 
 
 def make_parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]], staleness: int | None,
-                        namespace: str = "") -> Any:
+                        namespace: str = "") -> ParameterSync:
     """ASP (``staleness=None``) or SSP on the parameter servers for ``(key name, tensor, server)``
     pieces of parameters; its ``push_pull()`` runs after each local optimizer step."""
     from hybridsync.backends.ps.route import parameter_sync

@@ -5,7 +5,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hybridsync.backends.base import Reduction
+from hybridsync.backends.base import Reduction, SparseBackend
 from hybridsync.backends.waiting import wait
 
 
@@ -23,7 +23,7 @@ class _HorovodHandle:
         wait(self._hvd, self._handle)
 
 
-class RingAllreduce:
+class RingAllreduce(SparseBackend):
     """Ring all-reduce through Horovod; a merged message becomes one grouped all-reduce."""
 
     def __init__(self, process_set: Any = None) -> None:

@@ -16,6 +16,8 @@ import os
 import time
 from typing import Any
 
+from hybridsync import envvars
+
 SPIN_S = 2e-3
 """Poll (yielding the core) this long before sleeping: a step's many small messages finish
 within microseconds of each other, and a sleep's wake-up latency (~60 us) on each of them
@@ -25,7 +27,7 @@ MAX_SLEEP_S = 200e-6
 """Then sleep, backing off to this interval: at most ~0.2 ms late, ~5000 cheap wake-ups a second."""
 
 
-WAIT_VAR = "HYBRIDSYNC_WAIT"
+WAIT_VAR = envvars.WAIT
 
 
 def _sleeping() -> bool:

@@ -14,6 +14,10 @@ only (indices re-based to the shard); on the all-reduce routes a partitioned or 
 sparse gradient, and any sparse gradient on the hierarchical route, is made dense for
 the message (as Horovod's ``sparse_as_dense``: correct, at the variable's full bytes).
 The result goes back into ``p.grad`` as a sparse tensor, as the optimizer expects.
+
+Backends are known only by ``backends/base.py``'s protocols: what a backend can do beyond
+``submit`` (sparse gradients, keys declared up front) is asked once, with ``isinstance``,
+when the router is built. Key names, servers and wire sizes come from the plan.
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hybridsync.backends import Backend, Handle, Reduction, make_backend, make_parameter_sync
+from hybridsync.backends import (Backend, BackendFactory, Handle, KeyedBackend, ParameterSync, ParameterSyncFactory,
+                                 Reduction, SparseBackend, make_backend, make_parameter_sync)
+from hybridsync.backends.base import wire_of
 from hybridsync.compression import compressor_named
 from hybridsync.router.plan import Message, Piece, RoutingPlan
 
@@ -51,7 +57,10 @@ class Router:
     """Submits and completes the messages of one plan over the parameters it was built for."""
 
     def __init__(self, plan: RoutingPlan, params: Sequence[torch.nn.Parameter], *,
-                 compression: Any, reduction: Reduction, process_set: Any = None) -> None:
+                 compression: Any, reduction: Reduction, process_set: Any = None,
+                 backends: BackendFactory = make_backend,
+                 parameter_syncs: ParameterSyncFactory = make_parameter_sync) -> None:
+        """``backends`` and ``parameter_syncs`` make the transports (a test passes fakes)."""
         assert len(params) == len(plan.var_names)
         self.instance = next(_ROUTERS_CREATED)
         """Identical on every rank (the optimizer's fingerprint check covers it)."""
@@ -61,10 +70,14 @@ class Router:
         self._params = list(params)
         self._reduction = reduction
         self._compressors = [compressor_named(m.config.compression, compression) for m in plan.messages]
-        self._async = [_is_async(m) for m in plan.messages]
-        self._backends = self._make_backends(plan, self._async, self.namespace, process_set)
-        self._declare_ps_keys()
-        self._parameter_syncs: list[Any] | None = None
+        self._async = [m.exchanges_parameters for m in plan.messages]
+        self._backends = self._make_backends(plan, self._async, self.namespace, process_set, backends)
+        # What each message's backend can do beyond submit, asked once (base.py's protocols).
+        self._sparse = [b if isinstance(b, SparseBackend) else None for b in self._backends]
+        self._keyed = [b if isinstance(b, KeyedBackend) else None for b in self._backends]
+        self._declare_keys()
+        self._make_parameter_sync = parameter_syncs
+        self._parameter_syncs: list[ParameterSync] | None = None
         self._waiting_on = [len(m.var_indices) for m in plan.messages]
         self._ready: set[int] = set()
         self._all_vars = frozenset(range(len(self._params)))
@@ -77,32 +90,33 @@ class Router:
 
     @staticmethod
     def _make_backends(plan: RoutingPlan, is_async: Sequence[bool], namespace: str,
-                       process_set: Any) -> list[Backend | None]:
+                       process_set: Any, factory: BackendFactory) -> list[Backend | None]:
         """One backend per distinct route (none for ASP/SSP); an unavailable route raises here."""
         users: dict[tuple[str, str], list[str]] = {}
         for message, skip in zip(plan.messages, is_async):
             if not skip:
                 users.setdefault(_backend_key(message), []).extend(p.var_name for p in message.pieces)
-        backends = {key: make_backend(*key, variables=names, namespace=namespace, process_set=process_set)
+        backends = {key: factory(*key, variables=names, namespace=namespace, process_set=process_set)
                     for key, names in users.items()}
         return [None if skip else backends[_backend_key(m)] for m, skip in zip(plan.messages, is_async)]
 
-    def _declare_ps_keys(self) -> None:
-        """Place every parameter-server message's keys at once, in plan order (identical on all ranks).
+    def _declare_keys(self) -> None:
+        """Tell each keyed backend (parameter servers) every message it will get, at once, in plan order
+        (identical on all ranks), with its tensors' sizes on the wire and the strategy's server.
 
-        Shapes and wire dtypes come from meta tensors, so nothing is allocated.
+        The sizes come from this optimizer's compressor applied to meta tensors (nothing is
+        allocated), so a custom compressor is described as it really sends; for ``none`` and
+        ``fp16`` they equal the plan's ``Message.wire``.
         """
-        by_backend: dict[int, tuple[Any, list]] = {}
-        for message, backend, compressor in zip(self.plan.messages, self._backends, self._compressors):
-            declare_all = getattr(backend, "declare_all", None)
-            if declare_all is None:
-                continue
-            sent = [compressor.compress(self._piece_of(piece, self._params[piece.var_index].detach().to("meta")))[0]
-                    for piece in message.pieces]
-            by_backend.setdefault(id(backend), (declare_all, []))[1].append(
-                (message.name, sent, _server_of(message)))
-        for declare_all, messages in by_backend.values():
-            declare_all(messages)
+        by_backend: dict[int, tuple[KeyedBackend, list]] = {}
+        for message, backend, compressor in zip(self.plan.messages, self._keyed, self._compressors):
+            if backend is not None:
+                sent = [compressor.compress(self._piece_of(piece, self._params[piece.var_index].detach().to("meta")))[0]
+                        for piece in message.pieces]
+                declaration = (message.name, wire_of(sent), message.server)
+                by_backend.setdefault(id(backend), (backend, []))[1].append(declaration)
+        for backend, messages in by_backend.values():
+            backend.declare_all(messages)
 
     def before_step(self) -> None:
         """First call: the ASP/SSP variables join the servers, taking the servers' values.
@@ -112,14 +126,10 @@ class Router:
         """
         if self._parameter_syncs is not None or not any(self._async):
             return
-        by_staleness: dict[int | None, list] = {}
-        for message in (m for m, skip in zip(self.plan.messages, self._async) if skip):
-            for piece in message.pieces:
-                key = message.name if len(message.pieces) == 1 else f"{message.name}.{piece.var_name}"
-                view = self._piece_of(piece, self._params[piece.var_index].data)
-                by_staleness.setdefault(message.config.staleness, []).append((key, view, _server_of(message)))
-        self._parameter_syncs = [make_parameter_sync(pieces, staleness, self.namespace)
-                                 for staleness, pieces in by_staleness.items()]
+        self._parameter_syncs = [
+            self._make_parameter_sync([(key, self._piece_of(piece, self._params[piece.var_index].data), server)
+                                       for key, piece, server in pieces], staleness, self.namespace)
+            for staleness, pieces in self.plan.parameter_syncs()]
 
     def after_step(self) -> None:
         """Push the ASP/SSP variables' updates and adopt the servers' current values."""
@@ -200,16 +210,14 @@ class Router:
 
     def _submit_sparse(self, m_index: int, grads: list[torch.Tensor]) -> bool:
         """Send a message holding sparse gradients as sparse where its backend can; False: densify it."""
-        message, backend, compressor = self.plan.messages[m_index], self._backends[m_index], self._compressors[m_index]
-        pieces = message.pieces
-        submit_sparse = getattr(backend, "submit_sparse", None)
-        if len(pieces) == 1 and pieces[0].whole and submit_sparse is not None:
-            result = submit_sparse(message.name, grads[0], self._reduction)
+        message, compressor = self.plan.messages[m_index], self._compressors[m_index]
+        pieces, sparse_backend, keyed_backend = message.pieces, self._sparse[m_index], self._keyed[m_index]
+        if len(pieces) == 1 and pieces[0].whole and sparse_backend is not None:
+            result = sparse_backend.submit_sparse(message.name, grads[0], self._reduction)
             self._in_flight.append(_InFlight(m_index, message, None, lambda: [result()], [], [], [], compressor,
                                              [(pieces[0].var_index, 0)]))
             return True
-        submit_parts = getattr(backend, "submit_parts", None)
-        if submit_parts is None:
+        if keyed_backend is None:
             return False
         parts, rows, views, sent, contexts = [], [], [], [], []
         for piece, grad in zip(pieces, grads):
@@ -222,7 +230,7 @@ class Router:
                 parts.append((piece.var_name, wire))
                 rows.append(None)
                 views.append(view), sent.append(wire), contexts.append(ctx)
-        result = submit_parts(message.name, parts, self._reduction)
+        result = keyed_backend.submit_parts(message.name, parts, self._reduction)
         self._in_flight.append(_InFlight(m_index, message, None, result, views, sent, contexts, compressor, rows))
         return True
 
@@ -279,20 +287,9 @@ class Router:
                 view.copy_(flight.compressor.decompress(sent, ctx))
 
 
-def _is_async(message: Message) -> bool:
-    return message.config.route == "ps" and message.config.protocol in ("asp", "ssp")
-
-
 def _backend_key(message: Message) -> tuple[str, str]:
     """(route, variant): the all-reduce algorithm, or the parameter-server protocol."""
-    config = message.config
-    return (config.route, config.algorithm if config.route == "allreduce" else config.protocol)
-
-
-def _server_of(message: Message) -> int | None:
-    """The strategy's server for this message's shard, if it names one."""
-    servers = message.config.servers
-    return servers[message.pieces[0].shard] if servers else None
+    return (message.config.route, message.config.variant)
 
 
 def _sparse_rows(grad: torch.Tensor, start: int, stop: int) -> torch.Tensor:

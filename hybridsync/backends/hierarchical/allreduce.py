@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from hybridsync.backends.hierarchical import node_memory
+from hybridsync import envvars
 from hybridsync.backends.base import Reduction, RouteUnavailableError
 from hybridsync.backends.hierarchical.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
 from hybridsync.backends.hierarchical.shm import SharedMemoryHandle
@@ -47,7 +48,7 @@ from hybridsync.backends.waiting import barrier
 from hybridsync.backends.hierarchical.groups import HierarchicalGroups, Work, hierarchical_groups
 from hybridsync.backends.hierarchical.layout import node_layout
 
-INTRA_NODE_VAR = "HYBRIDSYNC_INTRA_NODE"
+INTRA_NODE_VAR = envvars.INTRA_NODE
 INTRA_NODE_CHOICES = ("shm", "horovod")
 
 
@@ -91,7 +92,7 @@ class _GlooIntraNodeHandle:
 
 
 class HierarchicalAllreduce:
-    """Per-message hierarchical all-reduce over the node / local-rank groups (``node_groups``)."""
+    """Per-message hierarchical all-reduce over the node / local-rank groups (``groups``)."""
 
     def __init__(self, intra_node: str | None = None) -> None:
         """``intra_node``: ``shm`` or ``horovod``; by default ``HYBRIDSYNC_INTRA_NODE`` (or ``shm``).

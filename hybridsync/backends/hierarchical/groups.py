@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridsync import envvars
 from hybridsync.backends.base import RouteUnavailableError
 from hybridsync.backends.waiting import wait
 
@@ -34,7 +35,7 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=600)
 """Gloo's bound on one collective: a 64 MiB slice at 100 Mbit/s takes ~6 s; a dead peer fails
 at once (its sockets close), so this only bounds a peer that hangs."""
 CONNECT_TIMEOUT_S = 5.0
-INTERFACE_VARS = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
+INTERFACE_VARS = envvars.INTERFACE
 """The interface horovodrun (or the user) chose for Gloo; used for our groups too when set."""
 
 

@@ -19,7 +19,8 @@ ASP/SSP: ``hybridsync.backends.ps.asp.AsyncParameterSync``.
 """
 from __future__ import annotations
 
-from hybridsync.backends.ps.config import DEFAULT_PARTITION_BYTES, PSConfig
+from hybridsync.backends.ps.config import PSConfig
+from hybridsync.placement import DEFAULT_PARTITION_BYTES
 
 __all__ = ["DEFAULT_PARTITION_BYTES", "PSBackend", "PSClient", "PSConfig", "PSServerError", "get_client",
            "init", "shutdown"]

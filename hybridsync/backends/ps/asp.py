@@ -18,11 +18,11 @@ from typing import Iterable, Mapping
 
 import torch
 
-from hybridsync.backends.ps import group
+from hybridsync.backends.base import ParameterSync
 from hybridsync.backends.ps.client import PSClient
 
 
-class AsyncParameterSync:
+class AsyncParameterSync(ParameterSync):
     """The parameters of one model kept on the servers under ASP (``staleness=None``) or SSP."""
 
     def __init__(self, client: PSClient, named_parameters: Iterable[tuple[str, torch.Tensor]], *,
@@ -45,14 +45,11 @@ class AsyncParameterSync:
 
     def _init(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """Create the parameter's keys (first worker's value wins) and adopt the servers' value."""
-        from torch.distributed import rpc
-        from hybridsync.backends.ps import server
         flat = param.data.view(-1)
         for chunk in self.client.layout(name, [param.data]).chunks:
-            index = self.client.server_of(chunk.key)
-            value = rpc.rpc_sync(group.server_name(index), server.rpc_init_async, timeout=60,
-                                 args=(chunk.key, self.client.config.index, flat[chunk.start:chunk.stop].clone(),
-                                       self.staleness))
+            value = self.client.call(self.client.server_of(chunk.key), "rpc_init_async", timeout=60,
+                                     args=(chunk.key, self.client.config.index, flat[chunk.start:chunk.stop].clone(),
+                                           self.staleness)).wait()
             flat[chunk.start:chunk.stop].copy_(value)
         return flat.clone()
 

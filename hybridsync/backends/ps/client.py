@@ -8,7 +8,6 @@ server, so a dead server fails ``wait`` with its name instead of hanging.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import sys
 import threading
@@ -17,25 +16,16 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.futures import Future
 
-from hybridsync.backends.base import Reduction
+from hybridsync.backends.base import KeyedBackend, Reduction, SparseBackend, wire_of
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
-from hybridsync.backends.ps.keys import Chunk, dtype_groups, hashed_server, message_chunks, place_keys
 from hybridsync.backends.ps.store import WireCounters, payload_bytes
 from hybridsync.backends.ps.watchdog import Watchdog
+from hybridsync.placement import Chunk, Declaration, KeyTable, Layout, WireTensor, namespaced, part_key
 
 
 class PSServerError(RuntimeError):
     """A parameter server died, hung, or refused a push; the message names the server."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Layout:
-    """How a message's tensors map onto flat per-dtype buffers and keys."""
-
-    groups: list[list[int]]
-    numels: tuple[int, ...]
-    chunks: list[Chunk]
 
 
 class PSClient:
@@ -47,73 +37,53 @@ class PSClient:
             raise ValueError(f"DMLC_ROLE must be 'worker' for a PS client, got {config.role!r}")
         self.config = config
         self.counters = WireCounters()
-        self._placement: dict[str, int] = {}
-        self._loads = [0] * config.num_servers
-        self._layouts: dict[str, _Layout] = {}
+        self.keys = KeyTable(config.num_servers, config.partition_bytes)
+        """Every key's server: placed by ``hybridsync.placement``, as ``RoutingPlan.ps_keys`` predicts."""
         self._steps: dict[str, int] = {}
         self._failure: str | None = None
         self._closed = False
-        group.join(config, timeout_s=join_timeout_s)
-        self._watchdog = Watchdog([group.server_name(s) for s in range(config.num_servers)], self._fail,
+        self._connect(join_timeout_s, ping_interval_s, ping_timeout_s)
+
+    def _connect(self, join_timeout_s: float, ping_interval_s: float, ping_timeout_s: float) -> None:
+        """Join the RPC group and watch every server (with ``call``, the client's only network code:
+        an in-process test replaces both, ``tests/test_router_inprocess.py``)."""
+        group.join(self.config, timeout_s=join_timeout_s)
+        self._watchdog = Watchdog([group.server_name(s) for s in range(self.config.num_servers)], self._fail,
                                   interval_s=ping_interval_s, timeout_s=ping_timeout_s).start()
 
     @property
     def num_workers(self) -> int:
         return self.config.num_workers
 
-    def declare(self, name: str, tensors: Sequence[torch.Tensor], *, server: int | None = None) -> list[Chunk]:
+    def declare(self, name: str, tensors: Sequence[torch.Tensor | WireTensor], *,
+                server: int | None = None) -> list[Chunk]:
         """Fix the keys of one message and their server(s) before its first push (see ``declare_all``)."""
         self.declare_all([(name, tensors, server)])
         return self.layout(name, tensors).chunks
 
-    def declare_all(self, messages: Sequence[tuple[str, Sequence[torch.Tensor], int | None]]) -> None:
+    def declare_all(self, messages: Sequence[tuple[str, Sequence[torch.Tensor | WireTensor], int | None]]) -> None:
         """Place the keys of ``(name, tensors, server)`` messages: on ``server`` where given, the
         rest balanced by bytes over all of them at once (largest first, least-loaded server).
 
-        Call it on every worker with the same messages in the same order (the routing plan's);
-        messages never declared are placed by a hash of their key names.
+        ``tensors`` may be tensors or their ``WireTensor`` descriptions. Call it on every
+        worker with the same messages in the same order (the routing plan's); messages never
+        declared are placed by a hash of their key names.
         """
-        fresh: dict[str, int] = {}
-        for name, tensors, server in messages:
-            if server is not None and not 0 <= server < self.config.num_servers:
-                raise ValueError(f"message {name!r}: server {server} does not exist "
-                                 f"(DMLC_NUM_SERVER={self.config.num_servers})")
-            for chunk in self.layout(name, tensors).chunks:
-                if chunk.key in self._placement:
-                    continue
-                if server is None:
-                    fresh[chunk.key] = chunk.nbytes
-                else:
-                    self._placement[chunk.key] = server
-                    self._loads[server] += chunk.nbytes
-        for key, index in place_keys(fresh, self.config.num_servers, self._loads).items():
-            self._placement[key] = index
-            self._loads[index] += fresh[key]
+        self.keys.declare_all([(name, wire_of(tensors), server) for name, tensors, server in messages])
 
     @property
     def placement(self) -> dict[str, int]:
         """Server of every key placed so far (a copy)."""
-        return dict(self._placement)
-
-    def place_with(self, key: str, message: str) -> None:
-        """Put ``key`` (if not placed yet) on the server of declared ``message``'s first key.
-
-        Every worker declared the same messages, so every worker places ``key`` alike.
-        """
-        server = self.server_of_message(message)
-        if key not in self._placement and server is not None:
-            self._placement[key] = server
-
-    def server_of_message(self, message: str) -> int | None:
-        """The server of declared ``message``'s first key (``None`` when it was never declared)."""
-        layout = self._layouts.get(message)
-        return self._placement.get(layout.chunks[0].key) if layout is not None else None
+        return self.keys.placement
 
     def server_of(self, key: str) -> int:
         """The server holding ``key``: declared placement, else the hash fallback."""
-        if key not in self._placement:
-            self._placement[key] = hashed_server(key, self.config.num_servers)
-        return self._placement[key]
+        return self.keys.server_of(key)
+
+    @property
+    def pushes(self) -> dict[str, int]:
+        """Pushes sent so far, per key (a copy): the keys this worker's traffic used."""
+        return dict(self._steps)
 
     def push_pull_async(self, name: str, tensors: Sequence[torch.Tensor],
                         reduction: Reduction = Reduction()) -> PSHandle:
@@ -136,7 +106,7 @@ class PSClient:
         """
         self.check_usable()
         if home is not None:
-            self.place_with(name, home)
+            self.keys.follow(home, name)
         grad = grad.coalesce()
         values = grad.values() * reduction.prescale_factor if reduction.prescale_factor != 1 else grad.values()
         payload = (grad.indices(), values, tuple(grad.shape))
@@ -177,28 +147,22 @@ class PSClient:
 
     def send(self, key: str, function: str, payload: Any) -> tuple[int, Future]:
         """Send one push of ``key`` to its server; no RPC timeout (the watchdog bounds waits)."""
-        from torch.distributed import rpc
-        from hybridsync.backends.ps import server
         index = self.server_of(key)
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1
         self.counters.pushed_bytes += payload_bytes(payload)
         self.counters.push_pulls += 1
-        future = rpc.rpc_async(group.server_name(index), getattr(server, function),
-                               args=(key, self.config.index, step, payload), timeout=0)
-        return index, future
+        return index, self.call(index, function, (key, self.config.index, step, payload))
 
-    def layout(self, name: str, tensors: Sequence[torch.Tensor]) -> _Layout:
-        numels = tuple(t.numel() for t in tensors)
-        layout = self._layouts.get(name)
-        if layout is None:
-            layout = _Layout(groups=dtype_groups(tensors), numels=numels,
-                             chunks=message_chunks(name, tensors, self.config.partition_bytes))
-            self._layouts[name] = layout
-        elif layout.numels != numels:
-            raise ValueError(f"message {name!r} changed shape: tensors of {layout.numels} elements "
-                             f"before, {numels} now")
-        return layout
+    def call(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Future:
+        """Call ``function`` (a name in ``server.py``) on server ``index``: the network, and nothing else."""
+        from torch.distributed import rpc
+        from hybridsync.backends.ps import server
+        return rpc.rpc_async(group.server_name(index), getattr(server, function), args=args, timeout=timeout)
+
+    def layout(self, name: str, tensors: Sequence[torch.Tensor | WireTensor]) -> Layout:
+        """The dtype groups and keys of message ``name`` (fixed at its first use)."""
+        return self.keys.layout(name, wire_of(tensors))
 
     def _fail(self, peer: str, error: str) -> None:
         self._failure = (f"parameter server {peer} is unreachable ({error}); it died, hung, or exited "
@@ -267,7 +231,7 @@ def _failed(future: Future) -> bool:
 class PSHandle:
     """An in-flight dense push-pull; ``wait`` writes the reduced values into the tensors."""
 
-    def __init__(self, client: PSClient, tensors: Sequence[torch.Tensor], layout: _Layout,
+    def __init__(self, client: PSClient, tensors: Sequence[torch.Tensor], layout: Layout,
                  flats: list[torch.Tensor], calls: list[tuple[Chunk, tuple[int, Future]]],
                  reduction: Reduction) -> None:
         self._client, self._tensors, self._layout, self._flats = client, tensors, layout, flats
@@ -303,8 +267,11 @@ class SparseHandle:
                                        check_invariants=False)
 
 
-class PSBackend:
-    """The router's ``Backend`` for ``route: "ps"`` (BSP): one push-pull per message.
+class PSBackend(KeyedBackend, SparseBackend):
+    """The router's backend for ``route: "ps"`` (BSP): one push-pull per message.
+
+    A ``KeyedBackend`` (the router declares every message up front, so keys are placed
+    alike on every worker) and a ``SparseBackend`` (touched rows only, both ways).
 
     ``namespace`` prefixes every key name this backend sends (``"<namespace>/<message>"``),
     so the messages of two optimizers in one job (a new training phase, an optimizer
@@ -318,15 +285,15 @@ class PSBackend:
 
     def key(self, name: str) -> str:
         """The server-side name of message ``name``."""
-        return f"{self.namespace}/{name}" if self.namespace else name
+        return namespaced(self.namespace, name)
 
-    def declare(self, name: str, tensors: Sequence[torch.Tensor], server: int | None = None) -> None:
+    def declare(self, name: str, tensors: Sequence[torch.Tensor | WireTensor], server: int | None = None) -> None:
         """Place message ``name``'s keys (balanced by bytes, or on ``server``) before the first step."""
         self.client.declare(self.key(name), tensors, server=server)
 
-    def declare_all(self, messages: Sequence[tuple[str, Sequence[torch.Tensor], int | None]]) -> None:
-        """Place every PS message of a routing plan at once: ``(name, tensors, server or None)``."""
-        self.client.declare_all([(self.key(name), tensors, server) for name, tensors, server in messages])
+    def declare_all(self, messages: Sequence[Declaration]) -> None:
+        """Place every PS message of a routing plan at once: ``(name, wire tensors, server or None)``."""
+        self.client.declare_all([(self.key(name), wire, server) for name, wire, server in messages])
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> PSHandle:
         return self.client.push_pull_async(self.key(name), tensors, reduction)
@@ -348,13 +315,11 @@ class PSBackend:
         home = self.key(name)
         handles: list[Any] = []
         for part, tensor in parts:
-            key = home if len(parts) == 1 else f"{home}.{part}"
+            key = part_key(home, part, len(parts))
             if tensor.is_sparse:
                 handles.append(self.client.push_pull_sparse_async(key, tensor, reduction, home=home))
-            else:
-                server = self.client.server_of_message(home)
-                if server is not None:  # else the hash places it: identical on every worker, in any order
-                    self.client.declare(key, [tensor], server=server)
+            else:  # on home's server (its bytes were counted with home's); else by the hash
+                self.client.keys.follow(home, key, wire_of([tensor]))
                 handles.append(self.client.push_pull_async(key, [tensor], reduction))
         return lambda: [handle.wait() for handle in handles]
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Mapping
 
+from hybridsync import envvars
+from hybridsync.placement import DEFAULT_PARTITION_BYTES
+
 Role = Literal["server", "worker"]
-
-DEFAULT_PARTITION_BYTES = 4_096_000
-"""BytePS's default ``BYTEPS_PARTITION_BYTES``."""
-
-# Ranks that launchers other than BytePS's set per process; used when DMLC_WORKER_ID is absent.
-_RANK_FALLBACKS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,14 +37,14 @@ class PSConfig:
     """Keys are chunks of at most this many bytes (``BYTEPS_PARTITION_BYTES``)."""
 
     def __post_init__(self) -> None:
-        _check(self.role in ("server", "worker"), "DMLC_ROLE", f"must be 'server' or 'worker', got {self.role!r}")
-        _check(self.num_workers >= 1, "DMLC_NUM_WORKER", f"must be >= 1, got {self.num_workers}")
-        _check(self.num_servers >= 1, "DMLC_NUM_SERVER", f"must be >= 1, got {self.num_servers}")
-        _check(bool(self.root_uri), "DMLC_PS_ROOT_URI", "must name the host of server 0")
-        _check(0 < self.root_port < 65536, "DMLC_PS_ROOT_PORT", f"must be a port 1..65535, got {self.root_port}")
-        _check(self.partition_bytes >= 1, "BYTEPS_PARTITION_BYTES", f"must be >= 1, got {self.partition_bytes}")
-        count, var = ((self.num_servers, "DMLC_SERVER_ID") if self.role == "server"
-                      else (self.num_workers, "DMLC_WORKER_ID"))
+        _check(self.role in ("server", "worker"), envvars.DMLC_ROLE, f"must be 'server' or 'worker', got {self.role!r}")
+        _check(self.num_workers >= 1, envvars.DMLC_NUM_WORKER, f"must be >= 1, got {self.num_workers}")
+        _check(self.num_servers >= 1, envvars.DMLC_NUM_SERVER, f"must be >= 1, got {self.num_servers}")
+        _check(bool(self.root_uri), envvars.DMLC_PS_ROOT_URI, "must name the host of server 0")
+        _check(0 < self.root_port < 65536, envvars.DMLC_PS_ROOT_PORT, f"must be a port 1..65535, got {self.root_port}")
+        _check(self.partition_bytes >= 1, envvars.PARTITION_BYTES, f"must be >= 1, got {self.partition_bytes}")
+        count, var = ((self.num_servers, envvars.DMLC_SERVER_ID) if self.role == "server"
+                      else (self.num_workers, envvars.DMLC_WORKER_ID))
         _check(0 <= self.index < count, var, f"must be in 0..{count - 1}, got {self.index}")
 
     @property
@@ -77,25 +74,25 @@ class PSConfig:
         ``role`` overrides ``DMLC_ROLE`` and ``index`` overrides ``DMLC_SERVER_ID`` /
         ``DMLC_WORKER_ID`` (a worker may pass ``hvd.rank()``).
         """
-        role = role or _required(env, "DMLC_ROLE")  # type: ignore[assignment]
-        _check(role in ("server", "worker"), "DMLC_ROLE",
+        role = role or _required(env, envvars.DMLC_ROLE)  # type: ignore[assignment]
+        _check(role in ("server", "worker"), envvars.DMLC_ROLE,
                f"must be 'server' or 'worker' (hybridsync needs no scheduler), got {role!r}")
-        num_servers = _int(env, "DMLC_NUM_SERVER")
-        return cls(role=role, num_workers=_int(env, "DMLC_NUM_WORKER"), num_servers=num_servers,
-                   root_uri=_required(env, "DMLC_PS_ROOT_URI"), root_port=_int(env, "DMLC_PS_ROOT_PORT"),
+        num_servers = _int(env, envvars.DMLC_NUM_SERVER)
+        return cls(role=role, num_workers=_int(env, envvars.DMLC_NUM_WORKER), num_servers=num_servers,
+                   root_uri=_required(env, envvars.DMLC_PS_ROOT_URI), root_port=_int(env, envvars.DMLC_PS_ROOT_PORT),
                    index=index if index is not None else _index(env, role, num_servers),
-                   partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES))
+                   partition_bytes=_int(env, envvars.PARTITION_BYTES, DEFAULT_PARTITION_BYTES))
 
 
 def _index(env: Mapping[str, str], role: str, num_servers: int) -> int:
     """Server id (may be omitted with one server) or worker id (falls back to the launcher's rank)."""
     if role == "server":
-        if num_servers == 1 and "DMLC_SERVER_ID" not in env:
+        if num_servers == 1 and envvars.DMLC_SERVER_ID not in env:
             return 0
-        return _int(env, "DMLC_SERVER_ID")
-    if "DMLC_WORKER_ID" in env:
-        return _int(env, "DMLC_WORKER_ID")
-    for var in _RANK_FALLBACKS:
+        return _int(env, envvars.DMLC_SERVER_ID)
+    if envvars.DMLC_WORKER_ID in env:
+        return _int(env, envvars.DMLC_WORKER_ID)
+    for var in envvars.LAUNCHER_RANKS:  # launchers other than BytePS's
         if var in env:
             return _int(env, var)
     raise ValueError("DMLC_WORKER_ID is not set (nor a launcher rank such as HOROVOD_RANK); "

@@ -5,6 +5,7 @@ import os
 import sys
 import threading
 
+from hybridsync import envvars
 from hybridsync.backends.ps.config import PSConfig
 
 
@@ -45,7 +46,7 @@ def join(config: PSConfig, *, timeout_s: float) -> None:
             f"DMLC_NUM_WORKER and that every server and worker was started")
 
 
-TRANSPORT_VAR = "HYBRIDSYNC_PS_TRANSPORT"
+TRANSPORT_VAR = envvars.PS_TRANSPORT
 
 
 def _transport_options(env) -> dict[str, list[str]]:

@@ -18,6 +18,7 @@ from hybridsync.backends.base import RouteUnavailableError
 from hybridsync.backends.ps import client as ps_client
 from hybridsync.backends.ps.asp import AsyncParameterSync
 from hybridsync.backends.ps.config import PSConfig
+from hybridsync.placement import namespaced
 
 _LAUNCH_HINT = ("start the job with `hybridsync-run --num-servers K ...` (it starts the servers and sets "
                 "DMLC_*), or start `hybridsync-server` processes and set DMLC_NUM_WORKER, DMLC_NUM_SERVER, "
@@ -50,16 +51,17 @@ def joined_client() -> ps_client.PSClient:
     return ps_client.init(worker_id=hvd.rank())
 
 
-def bsp_backend(namespace: str = "") -> ps_client.PSBackend:
-    """The router's backend for ``route: "ps"``, ``protocol: "bsp"``; key names prefixed by ``namespace``."""
-    return ps_client.PSBackend(joined_client(), namespace=namespace)
+def bsp_backend(namespace: str = "", client: ps_client.PSClient | None = None) -> ps_client.PSBackend:
+    """The router's backend for ``route: "ps"``, ``protocol: "bsp"``; key names prefixed by ``namespace``.
+
+    ``client``: this rank's (default: joined now, see ``joined_client``)."""
+    return ps_client.PSBackend(client or joined_client(), namespace=namespace)
 
 
-def parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]],
-                   staleness: int | None, namespace: str = "") -> AsyncParameterSync:
+def parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]], staleness: int | None,
+                   namespace: str = "", client: ps_client.PSClient | None = None) -> AsyncParameterSync:
     """ASP (``staleness=None``) or SSP sync of parameter ``pieces``: ``(key name, tensor, server or None)``,
     key names prefixed by ``namespace`` as ``PSBackend`` does."""
-    key = (lambda name: f"{namespace}/{name}") if namespace else (lambda name: name)
-    return AsyncParameterSync(joined_client(), [(key(name), tensor) for name, tensor, _ in pieces],
-                              staleness=staleness,
-                              servers={key(name): server for name, _, server in pieces if server is not None})
+    return AsyncParameterSync(client or joined_client(), [(namespaced(namespace, name), tensor) for name, tensor, _ in pieces],
+                              staleness=staleness, servers={namespaced(namespace, name): server
+                                                            for name, _, server in pieces if server is not None})

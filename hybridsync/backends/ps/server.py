@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from torch.distributed import rpc
 from torch.futures import Future
 
+from hybridsync import envvars
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
 from hybridsync.backends.ps.store import KeyStore, SparsePayload
@@ -144,15 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     env = dict(os.environ)
     if args.id_from_launcher_rank:
-        if "HOROVOD_RANK" not in env:
+        if envvars.HOROVOD_RANK not in env:
             parser.exit(2, "hybridsync PS server: --id-from-launcher-rank needs HOROVOD_RANK (start it with horovodrun)\n")
-        env["DMLC_SERVER_ID"] = env["HOROVOD_RANK"]
+        env[envvars.DMLC_SERVER_ID] = env[envvars.HOROVOD_RANK]
     try:
         config = PSConfig.from_env(env, role="server")
     except ValueError as e:
         parser.exit(2, f"hybridsync PS server: {e}\n")
-    if os.environ.get("DMLC_ROLE", "server") != "server":
-        parser.exit(2, f"hybridsync PS server: DMLC_ROLE is {os.environ['DMLC_ROLE']!r}, expected 'server'\n")
+    if os.environ.get(envvars.DMLC_ROLE, "server") != "server":
+        parser.exit(2, f"hybridsync PS server: DMLC_ROLE is {os.environ[envvars.DMLC_ROLE]!r}, expected 'server'\n")
     try:
         return serve(config, join_timeout_s=args.join_timeout)
     except RuntimeError as e:

@@ -1,0 +1,37 @@
+"""Every environment variable hybridsync reads or sets, named once.
+
+Code that reads or sets one imports its name from here, so a rename or a search for
+who uses a variable needs one place. Three vocabularies: hybridsync's own settings,
+BytePS's launch variables (the parameter-server route speaks them, so a BytePS job
+script works unchanged) and the variables Horovod's launchers set per rank.
+"""
+from __future__ import annotations
+
+# --- hybridsync's own -----------------------------------------------------------------
+STRATEGY = "HYBRIDSYNC_STRATEGY"
+"""Path of the strategy file every rank loads when the optimizer gets no ``strategy=``."""
+WAIT = "HYBRIDSYNC_WAIT"
+"""``spin`` (Horovod's wait) or ``sleep`` (yield the core while waiting for a handle)."""
+INTRA_NODE = "HYBRIDSYNC_INTRA_NODE"
+"""Hierarchical route within a node: ``shm`` (shared memory) or ``horovod`` (Gloo collectives)."""
+PS_TRANSPORT = "HYBRIDSYNC_PS_TRANSPORT"
+"""TensorPipe transports of the parameter-server route: ``auto`` or ``tcp``."""
+
+# --- BytePS's launch vocabulary (parameter-server route) -------------------------------
+DMLC_ROLE = "DMLC_ROLE"
+DMLC_NUM_WORKER = "DMLC_NUM_WORKER"
+DMLC_NUM_SERVER = "DMLC_NUM_SERVER"
+DMLC_PS_ROOT_URI = "DMLC_PS_ROOT_URI"
+DMLC_PS_ROOT_PORT = "DMLC_PS_ROOT_PORT"
+DMLC_SERVER_ID = "DMLC_SERVER_ID"
+DMLC_WORKER_ID = "DMLC_WORKER_ID"
+DMLC_NODE_HOST = "DMLC_NODE_HOST"
+PARTITION_BYTES = "BYTEPS_PARTITION_BYTES"
+"""The largest parameter-server key, in bytes (``hybridsync.placement.DEFAULT_PARTITION_BYTES``)."""
+
+# --- set per rank by launchers ---------------------------------------------------------
+HOROVOD_RANK = "HOROVOD_RANK"
+LAUNCHER_RANKS = (HOROVOD_RANK, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+"""A process's rank as horovodrun, Open MPI's and PMI launchers set it (a PS worker id fallback)."""
+INTERFACE = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
+"""The network interface Gloo uses, as horovodrun and torch spell it (first one set wins)."""
