@@ -17,7 +17,7 @@ from hybridsync.router.plan import build_plan
 from hybridsync.strategy import Strategy
 from hybridsync.variables import parse_model_description
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 
 
 def test_every_pushed_key_is_where_the_plan_predicted(tmp_path):

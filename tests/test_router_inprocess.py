@@ -37,7 +37,7 @@ from hybridsync.router.runtime import Router
 from hybridsync.strategy import Strategy
 from hybridsync.variables import variables_from_model
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 SIZE = 3
 NUM_SERVERS = 2
