@@ -53,6 +53,11 @@ class Backend(Protocol):
         """Start synchronizing ``tensors`` in place; ``name`` is identical on every rank."""
         ...
 
+    def close(self) -> None:
+        """Release what the backend keeps beyond a step (keys, segments, groups); called by every
+        rank at a step boundary when the plan that uses it is replaced."""
+        ...
+
 
 class RouteUnavailableError(ValueError):
     """A strategy asks for a route or algorithm this installation cannot run."""

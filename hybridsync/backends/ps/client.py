@@ -49,6 +49,9 @@ class PSClient:
         self.counters = WireCounters()
         self._placement: dict[str, int] = {}
         self._loads = [0] * config.num_servers
+        self._load_of: dict[str, int] = {}
+        """Bytes each declared key adds to its server's load (taken off again when it is released)."""
+        self._released: set[str] = set()
         self._layouts: dict[str, _Layout] = {}
         self._steps: dict[str, int] = {}
         self._failure: str | None = None
@@ -86,9 +89,45 @@ class PSClient:
                 else:
                     self._placement[chunk.key] = server
                     self._loads[server] += chunk.nbytes
+                    self._load_of[chunk.key] = chunk.nbytes
         for key, index in place_keys(fresh, self.config.num_servers, self._loads).items():
             self._placement[key] = index
             self._loads[index] += fresh[key]
+            self._load_of[key] = fresh[key]
+
+    def release(self, namespace: str) -> None:
+        """This worker is done with every key of ``namespace`` (``"<namespace>/..."``): forget their
+        placement, load, layouts and step counters here, and tell every server, which drops the
+        keys once every worker has released them. Idempotent; a namespace is never used again."""
+        prefix = f"{namespace}/"
+        if not namespace or prefix in self._released:
+            return
+        self.check_usable()
+        self._released.add(prefix)
+        for key in [k for k in self._placement if k.startswith(prefix)]:
+            server = self._placement.pop(key)
+            self._loads[server] -= self._load_of.pop(key, 0)
+        for table in (self._layouts, self._steps):
+            for key in [k for k in table if k.startswith(prefix)]:
+                del table[key]
+        from torch.distributed import rpc
+        from hybridsync.backends.ps import server
+        releases = [rpc.rpc_async(group.server_name(s), server.rpc_release, args=(prefix, self.config.index),
+                                  timeout=30) for s in range(self.config.num_servers)]
+        for future in releases:
+            future.wait()
+
+    def server_key_names(self) -> list[list[str]]:
+        """Every server's keys (a synchronous RPC to each), by server index."""
+        from torch.distributed import rpc
+        from hybridsync.backends.ps import server
+        return [rpc.rpc_sync(group.server_name(s), server.rpc_key_names, timeout=10)
+                for s in range(self.config.num_servers)]
+
+    @property
+    def loads(self) -> list[int]:
+        """Bytes of declared keys per server (what placement balances); a copy."""
+        return list(self._loads)
 
     @property
     def placement(self) -> dict[str, int]:
@@ -179,6 +218,8 @@ class PSClient:
         """Send one push of ``key`` to its server; no RPC timeout (the watchdog bounds waits)."""
         from torch.distributed import rpc
         from hybridsync.backends.ps import server
+        if self._released and f"{key.split('/', 1)[0]}/" in self._released:
+            raise RuntimeError(f"key {key!r} belongs to a released namespace (a replaced routing plan)")
         index = self.server_of(key)
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1
@@ -330,6 +371,11 @@ class PSBackend:
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> PSHandle:
         return self.client.push_pull_async(self.key(name), tensors, reduction)
+
+    def close(self) -> None:
+        """Release this backend's keys (its namespace) here and, once every worker did, on the servers."""
+        if self.namespace:
+            self.client.release(self.namespace)
 
     def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
         """Touched rows only, both ways; the callable waits and returns the reduced sparse gradient."""

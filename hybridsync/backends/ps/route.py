@@ -62,4 +62,5 @@ def parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]],
     key = (lambda name: f"{namespace}/{name}") if namespace else (lambda name: name)
     return AsyncParameterSync(joined_client(), [(key(name), tensor) for name, tensor, _ in pieces],
                               staleness=staleness,
-                              servers={key(name): server for name, _, server in pieces if server is not None})
+                              servers={key(name): server for name, _, server in pieces if server is not None},
+                              namespace=namespace)
