@@ -136,3 +136,123 @@ def test_hierarchical_groups_go_with_their_last_user(monkeypatch):
     assert node_groups.hierarchical_groups_in_use() == 0 and node_groups._groups == {}
     node_groups.release_hierarchical_groups()  # nothing held: nothing to do
     assert node_groups._groups == {}
+
+
+# --- jobs: exactness, released keys and groups, errors -----------------------------------------------
+
+TOLERANCE = 1e-6
+"""Both copies see the same data and reductions; with 2 ranks the sums are bitwise equal. With 4,
+Horovod may fuse the two copies' tensors into different ring buffers, so a sum's order (not its
+terms) can differ: float32 rounding, a few 1e-8 at these sizes."""
+_cache: dict[str, list[dict]] = {}
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ranks(out, np: int) -> list[dict]:
+    return [json.loads(open(f"{out}.rank{r}.json").read()) for r in range(np)]
+
+
+def _under_hybridsync_run(tmp_path_factory, key: str, np: int, hosts: str, cases: list[str]) -> list[dict]:
+    """The worker under ``hybridsync-run --num-servers 2`` (horovodrun, Gloo), once per key."""
+    if key not in _cache:
+        out = tmp_path_factory.mktemp("switching") / "out"
+        argv = [str(BIN / "hybridsync-run"), "--num-servers", "2", "--partition-bytes", "256",
+                *launcher_argv("horovodrun", np=np, hosts=hosts)[1:],
+                sys.executable, str(WORKERS / "switching.py"), str(out), *cases]
+        proc = run_job(argv, timeout=400, env=_clean_env())
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        assert "stopped answering" not in proc.stdout and "could not leave" not in proc.stdout, proc.stdout[-3000:]
+        _cache[key] = _ranks(out, np)
+    return _cache[key]
+
+
+def _under_mpirun(tmp_path_factory, cases: list[str]) -> list[dict]:
+    """The worker under plain ``mpirun -np 2`` with two ``hybridsync-server`` processes beside it."""
+    if "mpirun" not in _cache:
+        out = tmp_path_factory.mktemp("switching-mpi") / "out"
+        env = {**_clean_env(), "PYTHONPATH": str(REPO), "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "2",
+               "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(_free_port()),
+               "BYTEPS_PARTITION_BYTES": "256"}
+        servers = [start([str(BIN / "hybridsync-server")], env={**env, "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(i)},
+                         cwd=str(REPO)) for i in range(2)]
+        try:
+            argv = launcher_argv("mpirun") + [arg for name in ("DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI",
+                                                               "DMLC_PS_ROOT_PORT", "BYTEPS_PARTITION_BYTES")
+                                              for arg in ("-x", name)]
+            proc = run_job(argv + [sys.executable, str(WORKERS / "switching.py"), str(out), *cases], timeout=400,
+                           env=env)
+            assert proc.returncode == 0, proc.stdout[-4000:]
+            for server in servers:
+                server.wait(timeout=30)  # they leave on their own once both workers said goodbye
+            assert [s.returncode for s in servers] == [0, 0]
+            _cache["mpirun"] = _ranks(out, 2)
+        finally:
+            for server in servers:
+                if server.poll() is None:
+                    stop(server, grace=2.0)
+    return _cache["mpirun"]
+
+
+def _jobs(tmp_path_factory, job: str) -> list[dict]:
+    if job == "horovodrun":
+        return _under_hybridsync_run(tmp_path_factory, "two", 2, "localhost:2", ["all_routes", "errors"])
+    if job == "mpirun":
+        return _under_mpirun(tmp_path_factory, ["all_routes", "errors"])
+    return _under_hybridsync_run(tmp_path_factory, "four", 4, "localhost:2,127.0.0.1:2", ["all_routes"])
+
+
+JOBS = ["horovodrun", "mpirun", "four_ranks"]
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_switched_parameters_equal_a_fresh_optimizer_with_the_new_strategy(job, tmp_path_factory):
+    ranks = _jobs(tmp_path_factory, job)
+    assert ranks[0]["_world"]["size"] == len(ranks)
+    if job == "four_ranks":
+        assert ranks[0]["_world"]["local_size"] == 2  # two "hosts": hierarchical really crosses nodes
+    for rank in ranks:
+        result = rank["all_routes"]
+        assert result["moved"] > 1e-3
+        assert [p["strategy"] for p in result["phases"]] == ["ring", "hier", "ps_bsp", "ring_parts_groups", "asp",
+                                                             "ps_bsp", "hier", "asp", "ring"]
+        for phase in result["phases"]:
+            assert phase["max_abs_diff"] <= TOLERANCE, phase
+            assert phase.get("switch_s", 0) < 30, phase
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_old_keys_leave_the_servers_and_new_ones_arrive(job, tmp_path_factory):
+    for phase in _jobs(tmp_path_factory, job)[0]["all_routes"]["phases"]:
+        if "servers_after_switch" in phase:
+            assert not set(phase["closed_namespaces"]) & set(phase["servers_after_switch"]), phase
+            assert set(phase["servers_after_switch"]) <= set(phase["ps_namespaces"]), phase
+        # ASP keys are made at the first step, seeded with the parameters' current values.
+        assert phase["servers_after_steps"] == phase["ps_namespaces"], phase
+        assert bool(phase["ps_namespaces"]) == (phase["strategy"] in ("ps_bsp", "asp")), phase
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_hierarchical_groups_exist_only_while_a_plan_uses_them(job, tmp_path_factory):
+    for rank in _jobs(tmp_path_factory, job):
+        users = [(p["strategy"], p["hierarchical_group_users"]) for p in rank["all_routes"]["phases"]]
+        assert users == [(name, 2 if name == "hier" else 0) for name, _ in users]  # copies A and B
+
+
+@pytest.mark.parametrize("job", ["horovodrun", "mpirun"])
+def test_switch_errors_reach_every_rank_and_keep_the_plan(job, tmp_path_factory):
+    ranks = [rank["errors"] for rank in _jobs(tmp_path_factory, job)]
+    for errors in ranks:
+        assert "in flight" in errors["in_flight"]
+        assert "ranks disagree on the strategy passed to set_strategy()" in errors["disagree"]
+        assert errors["disagree_s"] < 10
+        assert errors["after_error_step"]
+    assert len({errors["kept_plan"] for errors in ranks}) == 1
