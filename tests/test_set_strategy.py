@@ -222,8 +222,9 @@ def test_switched_parameters_equal_a_fresh_optimizer_with_the_new_strategy(job, 
     for rank in ranks:
         result = rank["all_routes"]
         assert result["moved"] > 1e-3
-        assert [p["strategy"] for p in result["phases"]] == ["ring", "hier", "ps_bsp", "ring_parts_groups", "asp",
-                                                             "ps_bsp", "hier", "asp", "ring"]
+        assert [p["strategy"] for p in result["phases"]] == ["ring", "hier", "ps_bsp", "ring_parts_groups",
+                                                             "ring_regrouped", "asp", "ps_bsp", "hier", "asp",
+                                                             "ring"]
         for phase in result["phases"]:
             assert phase["max_abs_diff"] <= TOLERANCE, phase
             assert phase.get("switch_s", 0) < 30, phase

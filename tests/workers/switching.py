@@ -44,6 +44,9 @@ RING = None
 RING_PARTS_GROUPS = strategy({"route": "allreduce"}, {"emb.weight": {"route": "allreduce", "partitions": 3},
                                                       "fc1.weight": {"route": "allreduce", "group": 1},
                                                       "fc1.bias": {"route": "allreduce", "group": 1}})
+RING_REGROUPED = strategy({"route": "allreduce"}, {"fc2.weight": {"route": "allreduce", "group": 1},
+                                                   "fc2.bias": {"route": "allreduce", "group": 1}})
+"""Message ``hybridsync.group1.shard0`` again, with other variables (another size) than in RING_PARTS_GROUPS."""
 HIER = strategy({"route": "allreduce", "algorithm": "hierarchical"},
                 {"emb.weight": {"route": "allreduce", "algorithm": "hierarchical", "partitions": 2},
                  "fc2.weight": {"route": "allreduce", "algorithm": "hierarchical", "group": 2},
@@ -53,12 +56,13 @@ PS_BSP = strategy({"route": "ps"}, {"emb.weight": {"route": "ps", "partitions": 
                                     "fc2.weight": {"route": "allreduce"}})
 ASP = strategy({"route": "ps", "protocol": "asp"}, {"emb.weight": {"route": "ps", "protocol": "asp",
                                                                    "partitions": 2}})
-NAMED = {"ring": RING, "ring_parts_groups": RING_PARTS_GROUPS, "hier": HIER, "ps_bsp": PS_BSP, "asp": ASP}
+NAMED = {"ring": RING, "ring_parts_groups": RING_PARTS_GROUPS, "ring_regrouped": RING_REGROUPED, "hier": HIER,
+         "ps_bsp": PS_BSP, "asp": ASP}
 
 PHASES = {
     # Every route and shape after every other one it can follow here (PS ones need servers).
-    "all_routes": ["ring", "hier", "ps_bsp", "ring_parts_groups", "asp", "ps_bsp", "hier", "asp", "ring"],
-    "allreduce_only": ["ring", "hier", "ring_parts_groups", "hier", "ring"],
+    "all_routes": ["ring", "hier", "ps_bsp", "ring_parts_groups", "ring_regrouped", "asp", "ps_bsp", "hier", "asp",
+                   "ring"],
 }
 
 
