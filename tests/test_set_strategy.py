@@ -236,6 +236,8 @@ def test_old_keys_leave_the_servers_and_new_ones_arrive(job, tmp_path_factory):
         if "servers_after_switch" in phase:
             assert not set(phase["closed_namespaces"]) & set(phase["servers_after_switch"]), phase
             assert set(phase["servers_after_switch"]) <= set(phase["ps_namespaces"]), phase
+            if not phase["ps_namespaces"]:  # placement starts from empty servers, as in a fresh job
+                assert phase["placed_bytes_after_switch"] == [0, 0], phase
         # ASP keys are made at the first step, seeded with the parameters' current values.
         assert phase["servers_after_steps"] == phase["ps_namespaces"], phase
         assert bool(phase["ps_namespaces"]) == (phase["strategy"] in ("ps_bsp", "asp")), phase

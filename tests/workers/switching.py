@@ -116,6 +116,12 @@ def server_namespaces() -> list[str] | None:
     return sorted({key.split("/", 1)[0] for keys in client.get_client().server_key_names() for key in keys})
 
 
+def placed_bytes() -> list[int] | None:
+    """This worker's bytes of declared keys per server (``None`` without servers)."""
+    from hybridsync.backends.ps import client
+    return client.get_client().loads if client.initialized() else None
+
+
 def uses_ps(opt: Any) -> bool:
     return any(m.config.route == "ps" for m in opt.plan.messages)
 
@@ -146,6 +152,7 @@ def run_phases(names: list[str]) -> dict:
             hvd.barrier()  # every rank released: the servers dropped the old keys
             record["closed_namespaces"] = closed
             record["servers_after_switch"] = server_namespaces()
+            record["placed_bytes_after_switch"] = placed_bytes()
         record["namespaces"] = [opt_a._router.namespace, opt_b._router.namespace]
         record["ps_namespaces"] = sorted(ns for ns, opt in zip(record["namespaces"], (opt_a, opt_b)) if uses_ps(opt))
         record["hierarchical_group_users"] = node_groups.hierarchical_groups_in_use()
