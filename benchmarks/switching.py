@@ -7,7 +7,8 @@ by round (the order rotates each round); after each switch it takes WARMUP steps
 STEPS steps (their median is the round's step time). Then one fresh job per strategy builds
 its optimizer with that strategy and times ROUNDS rounds the same way. Printed per strategy:
 the median over rounds of the step time after a switch and in a fresh job, their ratio, the
-spread of each ((max - min) / median over rounds), the median time of a switch to it, and
+spread of each ((max - min) / median over rounds), the same ratio of the best rounds (less
+sensitive to other processes on a shared machine), the median time of a switch to it, and
 the wall time of launching the fresh job (what a trial would pay without ``set_strategy``).
 """
 from __future__ import annotations
@@ -106,7 +107,9 @@ def launch(out: str, mode: str) -> float:
                         os.path.abspath(__file__), out, mode], timeout=900, env=env)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        print(proc.stdout[-4000:])
+        with open(f"{out}.log", "w") as log:
+            log.write(proc.stdout)
+        print("\n".join(line for line in proc.stdout.splitlines() if "tensorpipe_agent" not in line)[-6000:])
         raise SystemExit(f"job {mode} failed")
     return wall
 
@@ -130,13 +133,15 @@ def main() -> None:
     print(f"2 ranks (horovodrun --gloo, loopback) + 2 PS servers; {ROUNDS} rounds x {STEPS} timed steps "
           f"(after {WARMUP} warm-up steps) per strategy; medians over rounds of each round's median step")
     print(f"{'strategy':<24}{'after switch ms':>16}{'spread':>8}{'fresh job ms':>14}{'spread':>8}"
-          f"{'ratio':>7}{'switch ms':>11}{'fresh launch s':>16}")
+          f"{'ratio':>7}{'best ratio':>11}{'switch ms':>11}{'fresh launch s':>16}")
     for name in STRATEGIES:
         after, alone = switched["steps"][name], fresh[name]
         ratio = statistics.median(after) / statistics.median(alone)
         print(f"{name:<24}{statistics.median(after) * 1e3:>16.2f}{spread(after):>8.2f}"
               f"{statistics.median(alone) * 1e3:>14.2f}{spread(alone):>8.2f}{ratio:>7.3f}"
+              f"{min(after) / min(alone):>11.3f}"
               f"{statistics.median(switched['switches'][name]) * 1e3:>11.1f}{walls[name]:>16.1f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores)")
 
 
 if __name__ == "__main__":
