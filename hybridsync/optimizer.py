@@ -43,9 +43,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         import horovod.torch as hvd
         self._hvd = hvd
         named = _checked_named_parameters(named_parameters, self.param_groups)
-        if groups is not None:
-            names = {p: name for name, p in named}
-            strategy = strategy_with_groups(strategy, grouped_names(groups, self.param_groups, names))
+        self._named = named
+        self._groups = None if groups is None else grouped_names(groups, self.param_groups,
+                                                                 {p: name for name, p in named})
+        """``groups`` as variable names: applied to every strategy this optimizer is given."""
         self._parameter_names = {p: name for name, p in named}
         self._params = [p for _, p in named]
         self.backward_passes_per_step = backward_passes_per_step
@@ -58,18 +59,53 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self.sparse_as_dense = sparse_as_dense
         self._densified: dict[Any, int] = {}  # parameter -> sparse_dim of the sparse gradient it had
-        self.strategy = strategy
-        self.plan = build_plan(variables_from_parameters(named), strategy, compression=compression_name(compression))
-        self.process_set = check_process_set(hvd, process_set, self.plan)
+        self._compression = compression
+        self._process_set_option = process_set
+        self.strategy, self.plan, self.process_set = self._plan_for(strategy)
         # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps locally.
         self._synchronizing = hvd.size() > 1 and self.process_set.included()
-        reduction = _reduction(op, gradient_predivide_factor)
-        self._router = Router(self.plan, self._params, compression=compression, reduction=reduction,
+        self._reduction = _reduction(op, gradient_predivide_factor)
+        self._router = Router(self.plan, self._params, compression=compression, reduction=self._reduction,
                               process_set=self.process_set)
         if self._synchronizing:
             if self.process_set.size() > 1:
-                _check_ranks_agree(hvd, strategy, self.plan, self.process_set, self._router.instance)
+                _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
+
+    def _plan_for(self, strategy: Strategy | None) -> tuple[Strategy | None, RoutingPlan, Any]:
+        """The strategy with this optimizer's ``groups`` applied, its plan, and the process set it runs on."""
+        if self._groups is not None:
+            strategy = strategy_with_groups(strategy, self._groups)
+        plan = build_plan(variables_from_parameters(self._named), strategy,
+                          compression=compression_name(self._compression))
+        return strategy, plan, check_process_set(self._hvd, self._process_set_option, plan)
+
+    def set_strategy(self, strategy: Strategy | Mapping[str, Any] | str | os.PathLike | None) -> None:
+        """Route gradients by ``strategy`` from the next step on (``None``: ``HYBRIDSYNC_STRATEGY``,
+        else every variable ring all-reduced, as at construction; ``groups`` still apply).
+
+        Collective: every rank calls it between steps (after ``step()`` or ``synchronize()``,
+        before the next backward pass) with the same strategy. The ranks compare fingerprints
+        first, so a rank that disagrees is a ``ValueError`` on every rank, and the current plan
+        stays in force. The new plan runs under new names (PS keys, shared-memory segments),
+        so nothing keyed by message name is reused with another shape; the old plan's keys,
+        segments and groups are released once the new plan is ready. ASP/SSP variables join
+        the servers at the next ``step()`` with their current values.
+        """
+        if self._router.pending or self._fired:
+            raise ValueError("set_strategy() was called while gradients of this step are in flight (after "
+                             "loss.backward(), before optimizer.step() or optimizer.synchronize()); call it "
+                             "between steps, on every rank")
+        resolved, plan, process_set = self._plan_for(resolve_strategy(strategy))
+        if self._synchronizing and process_set.size() > 1:
+            # Before building anything: the new router's construction may be collective (hierarchical
+            # groups, joining the servers), and a rank building another plan would leave the rest waiting.
+            _check_ranks_agree(self._hvd, resolved, plan, process_set, self._router.instance, switching=True)
+        router = Router(plan, self._params, compression=self._compression, reduction=self._reduction,
+                        process_set=process_set)
+        previous, self._router = self._router, router  # the hooks read self._router at every gradient
+        self.plan, self.strategy, self.process_set = plan, resolved, process_set
+        previous.close()
 
     def load_state_dict(self, *args, **kwargs):
         self._fired.clear()
@@ -191,12 +227,13 @@ def _reduction(op: int, gradient_predivide_factor: float) -> Reduction:
 
 
 def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan, process_set: Any,
-                       instance: int) -> None:
+                       instance: int, switching: bool = False) -> None:
     """Every rank (of the process set) must route identically; a mismatch fails on all of them now
     instead of hanging later.
 
-    ``instance`` numbers the optimizers built in this process: it names their PS keys, so
-    ranks must also agree on how many optimizers came before this one.
+    ``instance`` numbers the routers built in this process (one per optimizer and per
+    ``set_strategy``): it names their PS keys, so ranks must also agree on how many came
+    before this one. ``switching``: checked by ``set_strategy`` (with the router it replaces).
     """
     mine = ((strategy or Strategy()).fingerprint(), plan.fingerprint(), instance)
     everyone = gather_fingerprints(hvd, mine, process_set)
@@ -204,6 +241,10 @@ def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan, p
     if any(theirs != mine for theirs in everyone):
         table = "; ".join(f"rank {r}: strategy {s}, plan {p}, optimizer #{i}"
                           for r, (s, p, i) in zip(ranks, everyone))
+        if switching:
+            raise ValueError(f"ranks disagree on the strategy passed to set_strategy() ({table}); every rank must "
+                             f"call set_strategy() with the same strategy at the same step. The previous "
+                             f"strategy stays in force.")
         raise ValueError(f"ranks disagree on the synchronization strategy ({table}). Every rank must load "
                          f"the same strategy file ({envvars.STRATEGY}={os.environ.get(envvars.STRATEGY)!r} "
                          f"here), build the same model and create the same DistributedOptimizers in the "

@@ -149,6 +149,8 @@ class KeyTable:
         self._balancer = LeastLoaded(num_servers, loads)
         self._placement: dict[str, int] = {}
         self._layouts: dict[str, Layout] = {}
+        self._load_of: dict[str, int] = {}
+        """Bytes each declared key adds to its server's load (taken off again by ``release``)."""
 
     @property
     def loads(self) -> list[int]:
@@ -189,8 +191,19 @@ class KeyTable:
                 else:
                     self._placement[chunk.key] = server
                     self._balancer.loads[server] += chunk.nbytes
+                    self._load_of[chunk.key] = chunk.nbytes
         for key, nbytes in sorted(fresh.items(), key=lambda item: (-item[1], item[0])):
             self._placement[key] = self._balancer.take(nbytes)
+            self._load_of[key] = nbytes
+
+    def release(self, prefix: str) -> None:
+        """Forget every key and message whose name starts with ``prefix`` (a replaced plan's
+        namespace), taking their bytes off their servers' loads."""
+        for key in [k for k in self._placement if k.startswith(prefix)]:
+            server = self._placement.pop(key)
+            self._balancer.loads[server] -= self._load_of.pop(key, 0)
+        for name in [n for n in self._layouts if n.startswith(prefix)]:
+            del self._layouts[name]
 
     def follow(self, home: str, name: str, wire: Sequence[WireTensor] | None = None) -> None:
         """Put message ``name``'s keys (``wire`` None: the single key ``name``) on the server of

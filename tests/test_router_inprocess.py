@@ -97,6 +97,9 @@ class StoreAllreduce:
                 tensor.copy_(future.wait() * reduction.result_factor(SIZE))
         return _Handle(wait)
 
+    def close(self) -> None:
+        """Nothing outlives a step here."""
+
 
 class SparseStoreAllreduce(StoreAllreduce, SparseBackend):
     """As the ring backend: whole sparse gradients travel sparse."""

@@ -67,6 +67,11 @@ class Backend(Protocol):
         """Start synchronizing ``tensors`` in place; ``name`` is identical on every rank."""
         ...
 
+    def close(self) -> None:
+        """Release what the backend keeps beyond a step (keys, segments, groups); called by every
+        rank at a step boundary when the plan that uses it is replaced."""
+        ...
+
 
 SparseResult = Callable[[], torch.Tensor]
 """Waits; returns the reduced sparse gradient."""
@@ -103,6 +108,10 @@ class ParameterSync(Protocol):
 
     def push_pull(self) -> None:
         """Push the local update since the last pull; adopt the servers' current values."""
+        ...
+
+    def close(self) -> None:
+        """Stop using these parameters' keys (``Router.close``: the plan was replaced)."""
         ...
 
 

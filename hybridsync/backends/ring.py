@@ -45,6 +45,9 @@ class RingAllreduce(SparseBackend):
         self._last = (reduction, self._kwargs[reduction])
         return self._last[1]
 
+    def close(self) -> None:
+        """Nothing to release: Horovod's ring needs no state beyond a step."""
+
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> _HorovodHandle:
         kwargs = self._op_kwargs(reduction)
         if len(tensors) == 1:

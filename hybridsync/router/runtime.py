@@ -67,6 +67,8 @@ class Router:
         self.namespace = f"opt{self.instance}"
         """Prefix of every name kept beyond a step (parameter-server keys): two routers never share one."""
         self.plan = plan
+        self.closed = False
+        """Set by ``close()``: the plan's keys, segments and groups are released."""
         self._params = list(params)
         self._reduction = reduction
         self._compressors = [compressor_named(m.config.compression, compression) for m in plan.messages]
@@ -135,6 +137,22 @@ class Router:
         """Push the ASP/SSP variables' updates and adopt the servers' current values."""
         for sync in self._parameter_syncs or ():
             sync.push_pull()
+
+    def close(self) -> None:
+        """Release what this plan holds beyond a step: its PS keys (here and, once every worker
+        released them, on the servers), its shared-memory segments, its share of the
+        hierarchical groups. Collective: every rank closes the same router at a step boundary
+        (``DistributedOptimizer.set_strategy``). Idempotent; a closed router is never used again.
+        """
+        if self.pending:
+            raise RuntimeError("a router cannot be closed while gradients of this step are in flight")
+        if self.closed:
+            return
+        self.closed = True
+        for backend in {id(b): b for b in self._backends if b is not None}.values():
+            backend.close()
+        for sync in self._parameter_syncs or ():
+            sync.close()
 
     @property
     def pending(self) -> bool:

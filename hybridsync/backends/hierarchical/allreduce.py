@@ -45,7 +45,8 @@ from hybridsync.backends.hierarchical.flat_buffers import copy_out, flatten_padd
 from hybridsync.backends.hierarchical.shm import SharedMemoryHandle
 from hybridsync.backends.hierarchical.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
 from hybridsync.backends.waiting import barrier
-from hybridsync.backends.hierarchical.groups import HierarchicalGroups, Work, hierarchical_groups
+from hybridsync.backends.hierarchical.groups import (HierarchicalGroups, Work, hierarchical_groups,
+                                                     release_hierarchical_groups)
 from hybridsync.backends.hierarchical.layout import node_layout
 
 INTRA_NODE_VAR = envvars.INTRA_NODE
@@ -162,6 +163,20 @@ class HierarchicalAllreduce:
             raise RuntimeError(f"message {name!r} changed size or dtype between steps")
         self._uses[name] = self._uses.get(name, 0) + 1
         return segment, self._uses[name]
+
+    def close(self) -> None:
+        """Drop this backend's shared segments and give its groups back (the last user drops them).
+
+        At a step boundary, on every rank (a router's ``close``): segment files are already
+        unlinked once mapped, so dropping the mappings frees the memory once the node's ranks did.
+        """
+        for segment in self._segments.values():
+            segment.unlink()
+        self._segments.clear()
+        self._uses.clear()
+        if self.groups is not None:
+            self.groups = None
+            release_hierarchical_groups()
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> Any:
         dtypes = {t.dtype for t in tensors}

@@ -15,6 +15,13 @@ So the groups are ``torch.distributed`` Gloo process groups, built directly on a
 variable hierarchically (``hierarchical_groups`` is collective and runs at optimizer
 construction), and Horovod's background loop never sees them. Where one level is the whole
 job (one node, or one rank per node) that level is Horovod's own global all-reduce.
+
+Every backend that took the groups gives them back (``release_hierarchical_groups``) when
+its plan is replaced; when none holds them any more they are dropped (their sockets and
+rank 0's store closed), so switching away from the route stops its cost, and the next plan
+that uses the route builds them afresh. Taking and giving back happen at the same points of
+the program on every rank (optimizer construction, ``set_strategy``), so all ranks drop them
+together.
 """
 from __future__ import annotations
 
@@ -142,6 +149,7 @@ def hierarchical_groups(hvd: Any, layout: Any) -> HierarchicalGroups:
     Open MPI's default mapping place them; otherwise ``RouteUnavailableError`` on every rank.
     """
     if "groups" in _groups:
+        _groups["users"] += 1
         return _groups["groups"]
     rank, size, local_size = hvd.rank(), hvd.size(), layout.local_size
     node, local_rank = rank // local_size, rank % local_size
@@ -157,8 +165,26 @@ def hierarchical_groups(hvd: Any, layout: Any) -> HierarchicalGroups:
     cross = (HorovodGlobal(hvd) if one_per_node else None if one_node else
              GlooGroup(store, f"hybridsync/local{local_rank}", layout.local_rank_peers()[local_rank], rank, address))
     _groups.update(groups=HierarchicalGroups(intra_node=intra, cross_node=cross, local_size=local_size,
-                                             num_nodes=layout.num_nodes, local_rank=local_rank), store=store)
+                                             num_nodes=layout.num_nodes, local_rank=local_rank), store=store,
+                   users=1)
     return _groups["groups"]
+
+
+def hierarchical_groups_in_use() -> int:
+    """How many backends hold this process's hierarchical groups (0: none exist)."""
+    return _groups.get("users", 0)
+
+
+def release_hierarchical_groups() -> None:
+    """Give back groups taken with ``hierarchical_groups``; the last one back drops them.
+
+    Collective in effect: every rank gives them back at the same point of the program.
+    """
+    if not _groups:
+        return
+    _groups["users"] -= 1
+    if _groups["users"] <= 0:
+        _groups.clear()  # the Gloo groups and the store close when their last reference goes
 
 
 def _rendezvous(hvd: Any) -> tuple[Any, str]:

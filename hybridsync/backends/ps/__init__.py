@@ -13,6 +13,7 @@ Worker side::
     backend = ps.PSBackend(client, namespace="opt0")   # the router's Backend; keys "opt0/<message>"
     backend.declare_all([(message_name, tensors, server_or_None), ...])   # once, plan order
     ...
+    backend.close()                    # done with "opt0/..." keys: servers drop them once every worker is
     ps.shutdown()                      # also registered atexit; servers exit after the last worker
 
 ASP/SSP: ``hybridsync.backends.ps.asp.AsyncParameterSync``.

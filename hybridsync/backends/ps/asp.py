@@ -26,13 +26,16 @@ class AsyncParameterSync(ParameterSync):
     """The parameters of one model kept on the servers under ASP (``staleness=None``) or SSP."""
 
     def __init__(self, client: PSClient, named_parameters: Iterable[tuple[str, torch.Tensor]], *,
-                 staleness: int | None = None, servers: Mapping[str, int] | None = None) -> None:
+                 staleness: int | None = None, servers: Mapping[str, int] | None = None,
+                 namespace: str = "") -> None:
         """``named_parameters`` may be parameters or contiguous views of them (shards along dim 0);
-        ``servers`` pins some of them to a server, the rest are balanced by bytes."""
+        ``servers`` pins some of them to a server, the rest are balanced by bytes. ``namespace``:
+        the prefix (``"<namespace>/"``) of every name, released by ``close()``."""
         if staleness is not None and staleness < 0:
             raise ValueError(f"staleness must be >= 0 (steps a worker may run ahead), got {staleness}")
         self.client = client
         self.staleness = staleness
+        self.namespace = namespace
         self.waited_s = 0.0
         """Seconds this worker spent in ``push_pull`` waiting for answers (SSP holds show here)."""
         self._params = [(name, p) for name, p in named_parameters]
@@ -69,3 +72,8 @@ class AsyncParameterSync(ParameterSync):
             flat[chunk.start:chunk.stop].copy_(value)
             pulled[chunk.start:chunk.stop].copy_(value)
         self.waited_s += time.monotonic() - started
+
+    def close(self) -> None:
+        """Stop using these keys: released on the servers once every worker closed them (needs a namespace)."""
+        if self.namespace:
+            self.client.release(self.namespace)

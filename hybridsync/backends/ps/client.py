@@ -39,6 +39,8 @@ class PSClient:
         self.counters = WireCounters()
         self.keys = KeyTable(config.num_servers, config.partition_bytes)
         """Every key's server: placed by ``hybridsync.placement``, as ``RoutingPlan.ps_keys`` predicts."""
+        self._released: set[str] = set()
+        """Namespaces (``"<namespace>/"``) this worker released: their keys are never sent again."""
         self._steps: dict[str, int] = {}
         self._failure: str | None = None
         self._closed = False
@@ -70,6 +72,32 @@ class PSClient:
         declared are placed by a hash of their key names.
         """
         self.keys.declare_all([(name, wire_of(tensors), server) for name, tensors, server in messages])
+
+    def release(self, namespace: str) -> None:
+        """This worker is done with every key of ``namespace`` (``"<namespace>/..."``): forget their
+        placement, load, layouts and step counters here, and tell every server, which drops the
+        keys once every worker has released them. Idempotent; a namespace is never used again."""
+        prefix = f"{namespace}/"
+        if not namespace or prefix in self._released:
+            return
+        self.check_usable()
+        self._released.add(prefix)
+        self.keys.release(prefix)
+        for key in [k for k in self._steps if k.startswith(prefix)]:
+            del self._steps[key]
+        releases = [self.call(s, "rpc_release", (prefix, self.config.index), timeout=30)
+                    for s in range(self.config.num_servers)]
+        for future in releases:
+            future.wait()
+
+    def server_key_names(self) -> list[list[str]]:
+        """Every server's keys (one call to each), by server index."""
+        return [self.call(s, "rpc_key_names", (), timeout=10).wait() for s in range(self.config.num_servers)]
+
+    @property
+    def loads(self) -> list[int]:
+        """Bytes of declared keys per server (what placement balances); a copy."""
+        return self.keys.loads
 
     @property
     def placement(self) -> dict[str, int]:
@@ -147,6 +175,8 @@ class PSClient:
 
     def send(self, key: str, function: str, payload: Any) -> tuple[int, Future]:
         """Send one push of ``key`` to its server; no RPC timeout (the watchdog bounds waits)."""
+        if self._released and f"{key.split('/', 1)[0]}/" in self._released:
+            raise RuntimeError(f"key {key!r} belongs to a released namespace (a replaced routing plan)")
         index = self.server_of(key)
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1
@@ -297,6 +327,11 @@ class PSBackend(KeyedBackend, SparseBackend):
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> PSHandle:
         return self.client.push_pull_async(self.key(name), tensors, reduction)
+
+    def close(self) -> None:
+        """Release this backend's keys (its namespace) here and, once every worker did, on the servers."""
+        if self.namespace:
+            self.client.release(self.namespace)
 
     def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
         """Touched rows only, both ways; the callable waits and returns the reduced sparse gradient."""

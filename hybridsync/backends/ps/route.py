@@ -62,6 +62,7 @@ def parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]], stale
                    namespace: str = "", client: ps_client.PSClient | None = None) -> AsyncParameterSync:
     """ASP (``staleness=None``) or SSP sync of parameter ``pieces``: ``(key name, tensor, server or None)``,
     key names prefixed by ``namespace`` as ``PSBackend`` does."""
-    return AsyncParameterSync(client or joined_client(), [(namespaced(namespace, name), tensor) for name, tensor, _ in pieces],
-                              staleness=staleness, servers={namespaced(namespace, name): server
-                                                            for name, _, server in pieces if server is not None})
+    named = [(namespaced(namespace, name), tensor, server) for name, tensor, server in pieces]
+    return AsyncParameterSync(client or joined_client(), [(key, tensor) for key, tensor, _ in named],
+                              staleness=staleness, namespace=namespace,
+                              servers={key: server for key, _, server in named if server is not None})

@@ -110,6 +110,17 @@ def rpc_goodbye(worker: int) -> dict[str, int]:
     return _server().goodbye(worker)
 
 
+def rpc_release(prefix: str, worker: int) -> int:
+    """``worker`` is done with the keys under ``prefix``; they are dropped once every worker is.
+    Returns how many keys this call dropped."""
+    return _server().store.release(prefix, worker)
+
+
+def rpc_key_names() -> list[str]:
+    """Every key this server holds (for tests and diagnostics)."""
+    return _server().store.key_names()
+
+
 def rpc_counters() -> dict[str, Any]:
     """This server's byte counters and SSP counters."""
     store = _server().store

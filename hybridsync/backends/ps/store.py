@@ -16,6 +16,11 @@ ASP/SSP (``AsyncKey``): the server holds the parameter itself. A worker pushes t
 its local optimizer step; the server adds it and answers with the current parameter. ASP
 answers at once; SSP holds the answer while the pusher is more than ``staleness`` pushes
 ahead of the slowest worker still attached, so no worker runs further ahead than that.
+
+Release: keys live until the workers release their prefix (a router's namespace, when
+its plan is replaced or its optimizer closed). A worker releases once it is done with
+them; the keys go once every worker has released them or left, so a slower worker's last
+pushes of a replaced plan are still answered. The prefix is never reused afterwards.
 """
 from __future__ import annotations
 
@@ -257,7 +262,39 @@ class KeyStore:
         """Per mode: ``asp`` or ``ssp<k>``; keys of one mode share counters."""
         self._keys: dict[str, BspKey] = {}
         self._async_keys: dict[str, AsyncKey] = {}
+        self._releases: dict[str, set[int]] = {}
+        """Per released prefix, the workers that released it so far (until its keys are dropped)."""
+        self._gone: set[int] = set()
+        """Workers that said goodbye: they count as having released every prefix."""
         self._lock = threading.Lock()
+
+    def key_names(self) -> list[str]:
+        """Every key this store holds, BSP and ASP/SSP, sorted."""
+        with self._lock:
+            return sorted([*self._keys, *self._async_keys])
+
+    def release(self, prefix: str, worker: int) -> int:
+        """``worker`` is done with every key starting with ``prefix``; once all workers are (or
+        left), those keys are dropped. Returns how many keys were dropped by this call."""
+        if not prefix:
+            raise ValueError("a release needs a non-empty key prefix (a router's namespace)")
+        with self._lock:
+            released = self._releases.setdefault(prefix, set())
+            released.add(worker)
+            async_states = [state for key, state in self._async_keys.items() if key.startswith(prefix)]
+            done = len(released | self._gone) >= self.num_workers
+            dropped: list[Any] = []
+            if done:
+                del self._releases[prefix]
+                for keys in (self._keys, self._async_keys):
+                    for key in [k for k in keys if k.startswith(prefix)]:
+                        dropped.append(keys.pop(key))
+        for state in async_states:
+            state.detach(worker)  # it pushes these keys no more: it must not hold SSP answers back
+        for state in dropped:
+            if isinstance(state, BspKey):
+                state.fail(f"key {state.key!r} was released by every worker with an open round")
+        return len(dropped)
 
     def init_async(self, key: str, value: torch.Tensor, staleness: int | None) -> torch.Tensor:
         """Create an ASP/SSP key (the first worker's value wins); returns the current value."""
@@ -301,6 +338,7 @@ class KeyStore:
     def detach(self, worker: int) -> None:
         """``worker`` said goodbye: release SSP answers it was holding back."""
         with self._lock:
+            self._gone.add(worker)
             states = list(self._async_keys.values())
         for state in states:
             state.detach(worker)
