@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 
+from steps import timed_steps
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "horovodrun_configs", "cluster_2x2_1gbit.yaml")
 WARMUP_STEPS, TIMED_STEPS = 10, 30
@@ -94,14 +96,7 @@ def worker(variant: str, model_kind: str, out_path: str) -> None:
     gen = torch.Generator().manual_seed(hvd.rank())
     data = [(torch.randint(0, 100_000, (64, 26), generator=gen), torch.randn(64, generator=gen))
             for _ in range(8)]
-    times = []
-    for step in range(WARMUP_STEPS + TIMED_STEPS):
-        ids, target = data[step % len(data)]
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(ids), target).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
+    times = timed_steps(optimizer, model, data, WARMUP_STEPS + TIMED_STEPS)
     everyone = hvd.allgather_object(times[WARMUP_STEPS:], name="dropin.times")
     if hvd.rank() == 0:
         slowest = [max(rank_times[i] for rank_times in everyone) for i in range(TIMED_STEPS)]

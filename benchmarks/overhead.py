@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
+
+from steps import timed_steps
 
 ROUNDS = int(os.environ.get("OVERHEAD_ROUNDS", "15"))
 ROUND_STEPS = int(os.environ.get("OVERHEAD_STEPS", "20"))
@@ -32,18 +33,6 @@ def build_model():
     for i in range(25):  # 25 Linear layers = 50 parameter tensors, 256x256 each (~6.6 MB in all)
         layers += [nn.Linear(256, 256), nn.ReLU()]
     return nn.Sequential(*layers)
-
-
-def timed_round(opt, model, data) -> list[float]:
-    import torch
-    times = []
-    for x, y in data:
-        start = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def worker() -> None:
@@ -66,12 +55,12 @@ def worker() -> None:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = make_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4), named_parameters=model.named_parameters())
         runs[name] = (opt, model)
-        timed_round(opt, model, data)  # warm-up: threads, caches, fusion buffers
+        timed_steps(opt, model, data)  # warm-up: threads, caches, fusion buffers
     names = [name for name, _ in builders]
     per_step: dict[str, list[float]] = {name: [] for name in names}
     for r in range(ROUNDS):
         for name in names[r % 3:] + names[:r % 3]:
-            per_step[name].append(statistics.median(timed_round(*runs[name], data)))
+            per_step[name].append(statistics.median(timed_steps(*runs[name], data)))
     if hvd.rank() == 0:
         median = {name: statistics.median(times) for name, times in per_step.items()}
         hv = statistics.median(per_step["horovod"] + per_step["horovod-2"])

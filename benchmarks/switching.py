@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from steps import timed_steps
+
 ROUNDS = int(os.environ.get("SWITCH_ROUNDS", "6"))
 STEPS = int(os.environ.get("SWITCH_STEPS", "15"))
 WARMUP = int(os.environ.get("SWITCH_WARMUP", "3"))
@@ -49,19 +51,6 @@ def build_model():
             return self.body(self.emb(ids).mean(dim=1))
 
     return Model()
-
-
-def timed_steps(opt, model, data, count: int) -> list[float]:
-    import torch
-    times = []
-    for i in range(count):
-        ids, target = data[i % len(data)]
-        start = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(ids), target).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def worker(out: str, mode: str) -> None:
