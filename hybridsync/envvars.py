@@ -15,7 +15,7 @@ WAIT = "HYBRIDSYNC_WAIT"
 INTRA_NODE = "HYBRIDSYNC_INTRA_NODE"
 """Hierarchical route within a node: ``shm`` (shared memory) or ``horovod`` (Gloo collectives)."""
 PS_TRANSPORT = "HYBRIDSYNC_PS_TRANSPORT"
-"""TensorPipe transports of the parameter-server route: ``auto`` or ``tcp``."""
+"""TensorPipe transports of the parameter-server route: ``tcp`` (default) or ``auto``."""
 
 # --- BytePS's launch vocabulary (parameter-server route) -------------------------------
 DMLC_ROLE = "DMLC_ROLE"

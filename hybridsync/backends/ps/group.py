@@ -50,19 +50,23 @@ TRANSPORT_VAR = envvars.PS_TRANSPORT
 
 
 def _transport_options(env) -> dict[str, list[str]]:
-    """TensorPipe transports from ``HYBRIDSYNC_PS_TRANSPORT``: ``auto`` (default) or ``tcp``.
+    """TensorPipe transports from ``HYBRIDSYNC_PS_TRANSPORT``: ``tcp`` (default) or ``auto``.
 
     ``tcp`` keeps every byte on TCP (TensorPipe's ``uv`` transport, ``basic`` channel).
-    The emulated cluster needs it: its hosts share one kernel, so by default TensorPipe
-    moves tensors between "hosts" with CMA (``process_vm_readv``) and not a byte crosses
-    the shaped links (measured: ~0 bytes on the uplink per push-pull).
+    ``auto`` lets TensorPipe pick, which between processes of one machine means its shared
+    memory transport and CMA channel. Two reasons for the default: on the emulated cluster,
+    whose hosts share one kernel, ``auto`` moved tensors between "hosts" with CMA
+    (``process_vm_readv``), so not a byte crossed the shaped links; and with ``auto`` a process
+    that had joined the servers kept paying for it on a 2-core machine: ring steps after a
+    switch away from the PS took 2-2.8x as long as in a fresh job, and BSP push-pulls 3.5-6x
+    as long as on TCP (benchmarks/switching.py, benchmarks/RESULTS.md).
     """
-    choice = env.get(TRANSPORT_VAR, "auto").strip().lower() or "auto"
+    choice = env.get(TRANSPORT_VAR, "tcp").strip().lower() or "tcp"
     if choice == "auto":
         return {}
     if choice == "tcp":
         return {"_transports": ["uv"], "_channels": ["basic"]}
-    raise ValueError(f"{TRANSPORT_VAR} must be 'auto' or 'tcp', got {choice!r}")
+    raise ValueError(f"{TRANSPORT_VAR} must be 'tcp' or 'auto', got {choice!r}")
 
 
 def leave(*, timeout_s: float) -> None:
