@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hybridsync.router.plan import RoutingPlan
+from hybridsync.router.plan import RoutingPlan, shard_bounds
 from hybridsync.strategy import Strategy
 
 _INSTANCE_DIGITS = 8
@@ -56,12 +56,10 @@ def grouped_names(groups: Any, param_groups: Sequence[dict], names: dict[Any, st
     """
     trainable = [p for group in param_groups for p in group["params"] if p.requires_grad]
     if isinstance(groups, int):
-        base, extra = divmod(len(trainable), groups)
-        chunks, start = [], 0
-        for k in range(groups):
-            stop = start + base + (1 if k < extra else 0)
-            chunks.append(trainable[start:stop])
-            start = stop
+        # Horovod's split_list: the first len % groups chunks one longer; more groups than
+        # parameters leaves the extra ones empty, i.e. one parameter per group.
+        count = min(groups, len(trainable))
+        chunks = [trainable[start:stop] for start, stop in shard_bounds(len(trainable), count)] if count else []
     else:
         ids = {id(p) for p in trainable}
         chunks = [[p for p in group if id(p) in ids] for group in groups]

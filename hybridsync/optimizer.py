@@ -58,7 +58,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self.sparse_as_dense = sparse_as_dense
-        self._densified: dict[Any, int] = {}  # parameter -> sparse_dim of the sparse gradient it had
         self._compression = compression
         self._process_set_option = process_set
         self.strategy, self.plan, self.process_set = self._plan_for(strategy)
@@ -66,7 +65,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronizing = hvd.size() > 1 and self.process_set.included()
         self._reduction = _reduction(op, gradient_predivide_factor)
         self._router = Router(self.plan, self._params, compression=compression, reduction=self._reduction,
-                              process_set=self.process_set)
+                              process_set=self.process_set, sparse_as_dense=sparse_as_dense)
         if self._synchronizing:
             if self.process_set.size() > 1:
                 _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
@@ -102,7 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # groups, joining the servers), and a rank building another plan would leave the rest waiting.
             _check_ranks_agree(self._hvd, resolved, plan, process_set, self._router.instance, switching=True)
         router = Router(plan, self._params, compression=self._compression, reduction=self._reduction,
-                        process_set=process_set)
+                        process_set=process_set, sparse_as_dense=self.sparse_as_dense)
         previous, self._router = self._router, router  # the hooks read self._router at every gradient
         self.plan, self.strategy, self.process_set = plan, resolved, process_set
         previous.close()
@@ -137,9 +136,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "Gradients were computed more than backward_passes_per_step times before call "
                     "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
             assert not p.grad.requires_grad
-            if self.sparse_as_dense and p.grad.is_sparse:
-                self._densified.setdefault(p, p.grad.sparse_dim())
-                p.grad = p.grad.to_dense()
             self._allreduce_delay[p] -= 1
             self._fired.add(p)
             if self._allreduce_delay[p] == 0:
@@ -155,9 +151,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._router.finish()
         finally:
             self._fired.clear()
-            for p, sparse_dim in self._densified.items():  # the update a sparse optimizer expects
-                p.grad = p.grad.to_sparse(sparse_dim)
-            self._densified.clear()
             for p in self._allreduce_delay:
                 self._allreduce_delay[p] = self.backward_passes_per_step
         self._synchronized = True

@@ -106,6 +106,11 @@ class LeastLoaded:
         self.loads[server] += nbytes
         return server
 
+    def place(self, sizes: Mapping[str, int]) -> dict[str, int]:
+        """Server of every key of ``sizes`` (bytes by key name), largest key first; the result
+        depends on the mapping's contents, not on its order."""
+        return {key: self.take(nbytes) for key, nbytes in sorted(sizes.items(), key=lambda item: (-item[1], item[0]))}
+
 
 def place_keys(sizes: Mapping[str, int], num_servers: int, loads: Sequence[int] | None = None) -> dict[str, int]:
     """Server of every key: largest key first onto the least-loaded server (ties: lowest index).
@@ -113,8 +118,7 @@ def place_keys(sizes: Mapping[str, int], num_servers: int, loads: Sequence[int] 
     ``loads`` are bytes already on each server (keys placed earlier or explicitly); the
     result does not depend on the mapping's order, only on its contents.
     """
-    balancer = LeastLoaded(num_servers, loads)
-    return {key: balancer.take(nbytes) for key, nbytes in sorted(sizes.items(), key=lambda item: (-item[1], item[0]))}
+    return LeastLoaded(num_servers, loads).place(sizes)
 
 
 def namespaced(namespace: str, name: str) -> str:
@@ -192,9 +196,9 @@ class KeyTable:
                     self._placement[chunk.key] = server
                     self._balancer.loads[server] += chunk.nbytes
                     self._load_of[chunk.key] = chunk.nbytes
-        for key, nbytes in sorted(fresh.items(), key=lambda item: (-item[1], item[0])):
-            self._placement[key] = self._balancer.take(nbytes)
-            self._load_of[key] = nbytes
+        for key, server in self._balancer.place(fresh).items():
+            self._placement[key] = server
+            self._load_of[key] = fresh[key]
 
     def release(self, prefix: str) -> None:
         """Forget every key and message whose name starts with ``prefix`` (a replaced plan's

@@ -86,7 +86,7 @@ class _FakeBackend:
         self.closed += 1
 
 
-def _router(monkeypatch, strategy: dict) -> tuple[runtime.Router, list[_FakeBackend]]:
+def _router(strategy: dict) -> tuple[runtime.Router, list[_FakeBackend]]:
     made: list[_FakeBackend] = []
 
     def make_backend(route, variant, **_):
@@ -109,8 +109,8 @@ TWO_ROUTES = {"version": 1, "default": {"route": "allreduce", "algorithm": "ring
 
 
 @pytest.mark.unit
-def test_close_closes_every_backend_once_and_is_idempotent(monkeypatch):
-    router, made = _router(monkeypatch, TWO_ROUTES)
+def test_close_closes_every_backend_once_and_is_idempotent():
+    router, made = _router(TWO_ROUTES)
     assert len(made) == 2  # ring and hierarchical, shared by their messages
     router.close()
     router.close()
@@ -118,8 +118,8 @@ def test_close_closes_every_backend_once_and_is_idempotent(monkeypatch):
 
 
 @pytest.mark.unit
-def test_close_refuses_while_gradients_are_in_flight(monkeypatch):
-    router, made = _router(monkeypatch, TWO_ROUTES)
+def test_close_refuses_while_gradients_are_in_flight():
+    router, made = _router(TWO_ROUTES)
     router.mark_ready(0)
     with pytest.raises(RuntimeError, match="in flight"):
         router.close()
@@ -127,9 +127,9 @@ def test_close_refuses_while_gradients_are_in_flight(monkeypatch):
 
 
 @pytest.mark.unit
-def test_each_router_has_its_own_namespace(monkeypatch):
-    first, _ = _router(monkeypatch, TWO_ROUTES)
-    second, _ = _router(monkeypatch, TWO_ROUTES)
+def test_each_router_has_its_own_namespace():
+    first, _ = _router(TWO_ROUTES)
+    second, _ = _router(TWO_ROUTES)
     assert second.instance == first.instance + 1 and first.namespace != second.namespace
 
 

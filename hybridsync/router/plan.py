@@ -209,7 +209,7 @@ def build_plan(variables: Mapping[str, VariableInfo], strategy: Strategy | None,
         row_numel = math.prod(info.shape[1:])
         for shard, (start, stop) in enumerate(shard_bounds(rows, config.partitions)):
             piece = Piece(var_index=index, var_name=name, shard=shard, start=start, stop=stop,
-                          whole=config.partitions == 1, numel=info.numel if not info.shape else (stop - start) * row_numel,
+                          whole=config.partitions == 1, numel=(stop - start) * row_numel,
                           dtype=info.dtype, sparse=info.sparse)
             key = ("group", config.group, shard) if config.group is not None else ("var", name, shard)
             buckets.setdefault(key, []).append(piece)
@@ -240,7 +240,7 @@ def _wire(pieces: Sequence[Piece], compression: str) -> tuple[WireTensor, ...]:
 
 def _parameter_wire(piece: Piece) -> WireTensor:
     """An ASP/SSP piece on the wire: parameter rows (deltas and values), never compressed."""
-    return WireTensor(numel=piece.numel, dtype=piece.dtype, itemsize=itemsize(piece.dtype))
+    return _wire((piece,), "none")[0]
 
 
 def _message_name(key: tuple, config: VarConfig, pieces: list[Piece]) -> str:

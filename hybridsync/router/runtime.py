@@ -57,10 +57,12 @@ class Router:
     """Submits and completes the messages of one plan over the parameters it was built for."""
 
     def __init__(self, plan: RoutingPlan, params: Sequence[torch.nn.Parameter], *,
-                 compression: Any, reduction: Reduction, process_set: Any = None,
+                 compression: Any, reduction: Reduction, process_set: Any = None, sparse_as_dense: bool = False,
                  backends: BackendFactory = make_backend,
                  parameter_syncs: ParameterSyncFactory = make_parameter_sync) -> None:
-        """``backends`` and ``parameter_syncs`` make the transports (a test passes fakes)."""
+        """``sparse_as_dense``: every sparse gradient is made dense for its message, whatever the
+        backend could send (Horovod's option). ``backends`` and ``parameter_syncs`` make the
+        transports (a test passes fakes)."""
         assert len(params) == len(plan.var_names)
         self.instance = next(_ROUTERS_CREATED)
         """Identical on every rank (the optimizer's fingerprint check covers it)."""
@@ -71,6 +73,7 @@ class Router:
         """Set by ``close()``: the plan's keys, segments and groups are released."""
         self._params = list(params)
         self._reduction = reduction
+        self._sparse_as_dense = sparse_as_dense
         self._compressors = [compressor_named(m.config.compression, compression) for m in plan.messages]
         self._async = [m.exchanges_parameters for m in plan.messages]
         self._backends = self._make_backends(plan, self._async, self.namespace, process_set, backends)
@@ -217,7 +220,7 @@ class Router:
         grads = [self._gradient(piece) for piece in pieces]
         if any(grad.is_sparse for grad in grads):
             self._sparse_vars.update(p.var_index for p, g in zip(pieces, grads) if g.is_sparse)
-            if self._submit_sparse(m_index, grads):
+            if not self._sparse_as_dense and self._submit_sparse(m_index, grads):
                 return
             grads = [self._densify(piece.var_index, grad) if grad.is_sparse else grad
                      for piece, grad in zip(pieces, grads)]

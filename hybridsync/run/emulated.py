@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any, Mapping, Sequence
 
+from hybridsync import envvars
 from hybridsync.cluster.netns import NODE_IFACE, EmulatedCluster, kill_pids
 from hybridsync.run.ps_servers import ps_environment, server_command, server_environment
 
@@ -155,7 +156,7 @@ def ps_env(cluster: EmulatedCluster, *, root_port: int = DEFAULT_PS_ROOT_PORT) -
     Server 0 runs on host 0; any fixed port is safe, since each cluster has its own namespaces.
     PS traffic is kept on TCP, so that it crosses the shaped links like the collectives' does.
     """
-    return {"HYBRIDSYNC_PS_TRANSPORT": "tcp",
+    return {envvars.PS_TRANSPORT: "tcp",
             **ps_environment(num_workers=cluster.spec.num_workers, num_servers=cluster.spec.num_servers,
                              root_uri=cluster.ips[0], root_port=root_port)}
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from hybridsync import envvars
+
 SERVER_MODULE = "hybridsync.backends.ps.server"
 """Also the ``hybridsync-server`` console script; run as a module so that it is the
 interpreter (and ``PYTHONPATH``) of the launcher that serves."""
@@ -23,19 +25,19 @@ def ps_environment(*, num_workers: int, num_servers: int, root_uri: str, root_po
                    partition_bytes: int | None = None) -> dict[str, str]:
     """What servers and workers share: the counts, server 0's address (it hosts the rendezvous)
     and, when given, the key size (``BYTEPS_PARTITION_BYTES``; unset: the route's default)."""
-    env = {"DMLC_NUM_WORKER": str(num_workers), "DMLC_NUM_SERVER": str(num_servers),
-           "DMLC_PS_ROOT_URI": root_uri, "DMLC_PS_ROOT_PORT": str(root_port)}
+    env = {envvars.DMLC_NUM_WORKER: str(num_workers), envvars.DMLC_NUM_SERVER: str(num_servers),
+           envvars.DMLC_PS_ROOT_URI: root_uri, envvars.DMLC_PS_ROOT_PORT: str(root_port)}
     if partition_bytes:
-        env["BYTEPS_PARTITION_BYTES"] = str(partition_bytes)
+        env[envvars.PARTITION_BYTES] = str(partition_bytes)
     return env
 
 
 def server_environment(server_id: int | None = None, *, host: str | None = None) -> dict[str, str]:
     """What one server adds to ``ps_environment``: its role, its id (``None``: the server takes
     it from its launcher's rank, ``--id-from-launcher-rank``) and its own address, if known."""
-    env = {"DMLC_ROLE": "server"}
+    env = {envvars.DMLC_ROLE: "server"}
     if server_id is not None:
-        env["DMLC_SERVER_ID"] = str(server_id)
+        env[envvars.DMLC_SERVER_ID] = str(server_id)
     if host is not None:
-        env["DMLC_NODE_HOST"] = host
+        env[envvars.DMLC_NODE_HOST] = host
     return env

@@ -151,7 +151,7 @@ def hierarchical_groups(hvd: Any, layout: Any) -> HierarchicalGroups:
     if "groups" in _groups:
         _groups["users"] += 1
         return _groups["groups"]
-    rank, size, local_size = hvd.rank(), hvd.size(), layout.local_size
+    rank, local_size = hvd.rank(), layout.local_size
     node, local_rank = rank // local_size, rank % local_size
     placed = (hvd.local_rank(), hvd.cross_rank()) == (local_rank, node)
     misplaced = [r for r, ok in enumerate(hvd.allgather_object(placed, name="hybridsync.groups.layout")) if not ok]
@@ -192,11 +192,17 @@ def _rendezvous(hvd: Any) -> tuple[Any, str]:
     address of its own it reaches it from (its Gloo device's address). Rank 0's own device
     address is the one of its addresses the other ranks reached most."""
     import torch.distributed as dist
-    store = None
+    store, offer = None, None
     if hvd.rank() == 0:
-        store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
-        offer = (_own_addresses(), store.port)
-    offer = hvd.broadcast_object(offer if hvd.rank() == 0 else None, root_rank=0, name="hybridsync.groups.offer")
+        try:
+            addresses = _own_addresses()
+            store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+            offer = (addresses, store.port)
+        except RouteUnavailableError as e:
+            offer = str(e)  # every rank raises it: the others are waiting for this broadcast
+    offer = hvd.broadcast_object(offer, root_rank=0, name="hybridsync.groups.offer")
+    if isinstance(offer, str):
+        raise RouteUnavailableError(offer)
     candidates, port = offer
     reached = _reach(candidates, port) if hvd.rank() != 0 else None
     everyone = hvd.allgather_object(reached, name="hybridsync.groups.reached")
