@@ -76,12 +76,8 @@ def _init(variant: str):
         hvd.init(process_sets=[hvd.ProcessSet(ranks) for ranks in sets])
     else:  # horovod, horovod-dynamic (its environment variable is set by the controller)
         hvd.init()
-    if os.environ.get("HYBRIDSYNC_WAIT") == "sleep":
-        import horovod.torch.optimizer as horovod_optimizer
-        import horovod.torch.mpi_ops as mpi_ops
-        from hybridsync.backends import waiting
-        # Horovod's optimizer (and its sparse all-gather closure) wait through this module-level name.
-        horovod_optimizer.synchronize = mpi_ops.synchronize = lambda handle: waiting.wait(hvd, handle)
+    from hybridsync.backends import waiting
+    waiting.use_for_horovod(hvd)  # with HYBRIDSYNC_WAIT=sleep, Horovod waits as hybridsync does
     return hvd, hvd.DistributedOptimizer
 
 

@@ -24,6 +24,38 @@ def all_allreduce(variables: Mapping[str, VariableInfo]) -> Strategy:
     return _build(variables, {name: VarConfig(route="allreduce") for name in variables})
 
 
+def all_hierarchical(variables: Mapping[str, VariableInfo]) -> Strategy:
+    """Every variable hierarchically all-reduced (within each node first), each its own message."""
+    return _build(variables, {name: VarConfig(route="allreduce", algorithm="hierarchical") for name in variables})
+
+
+HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
+"""Horovod's default fusion buffer (``HOROVOD_FUSION_THRESHOLD``): tensors ready together share one."""
+
+
+def horovod_hierarchical(variables: Mapping[str, VariableInfo], fusion_bytes: int = HOROVOD_FUSION_BYTES) -> Strategy:
+    """Horovod's global ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``, written per variable.
+
+    Horovod fuses the dense gradients ready in one cycle into buffers of up to
+    ``fusion_bytes`` and all-reduces each buffer hierarchically; here consecutive dense
+    variables (backward order: last parameter first) fill merge groups of up to
+    ``fusion_bytes``. Sparse gradients keep Horovod's all-gather (ring route, no group).
+    """
+    if fusion_bytes < 1:
+        raise ValueError(f"fusion_bytes must be >= 1, got {fusion_bytes}")
+    configs, group, filled = {}, 0, 0
+    for name in reversed(list(variables)):
+        info = variables[name]
+        if info.sparse:
+            configs[name] = VarConfig(route="allreduce")
+            continue
+        if filled and filled + info.nbytes > fusion_bytes:
+            group, filled = group + 1, 0
+        filled += info.nbytes
+        configs[name] = VarConfig(route="allreduce", algorithm="hierarchical", group=group)
+    return _build(variables, {name: configs[name] for name in variables})
+
+
 def all_ps(variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
     """Every variable on the parameter servers, placed round-robin (BytePS/TF PS default)."""
     _check_servers(num_servers)
@@ -70,6 +102,16 @@ def _check_servers(num_servers: int) -> None:
         raise ValueError(f"num_servers must be an integer >= 1, got {num_servers!r}")
 
 
-BUILDERS = {"allreduce": all_allreduce, "ps": all_ps, "ps-lb": load_balanced_ps,
+BUILDERS = {"allreduce": all_allreduce, "hierarchical": all_hierarchical,
+            "horovod-hierarchical": horovod_hierarchical, "ps": all_ps, "ps-lb": load_balanced_ps,
             "ps-partitioned": partitioned_ps, "parallax": parallax}
 """Builder name -> function, for the command line."""
+NEEDS_SERVERS = frozenset({"ps", "ps-lb", "ps-partitioned", "parallax"})
+"""Builders that take ``num_servers`` (their strategies route variables to parameter servers)."""
+
+
+def build_baseline(name: str, variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
+    """The baseline ``name`` for ``variables``; ``num_servers`` is used only by the PS builders."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown baseline {name!r} (known: {', '.join(BUILDERS)})")
+    return BUILDERS[name](variables, num_servers=num_servers) if name in NEEDS_SERVERS else BUILDERS[name](variables)

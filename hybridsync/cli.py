@@ -18,9 +18,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _baseline(args: argparse.Namespace) -> int:
     variables = load_model_description(args.model)
-    builder = baselines.BUILDERS[args.name]
-    kwargs = {} if args.name == "allreduce" else {"num_servers": args.num_servers}
-    strategy = builder(variables, **kwargs)
+    strategy = baselines.build_baseline(args.name, variables, args.num_servers)
     strategy.save(args.output)
     print(f"wrote {args.output} ({args.name}, fingerprint {strategy.fingerprint()})")
     return 0

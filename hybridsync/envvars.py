@@ -16,6 +16,9 @@ INTRA_NODE = "HYBRIDSYNC_INTRA_NODE"
 """Hierarchical route within a node: ``shm`` (shared memory) or ``horovod`` (Gloo collectives)."""
 PS_TRANSPORT = "HYBRIDSYNC_PS_TRANSPORT"
 """TensorPipe transports of the parameter-server route: ``tcp`` (default) or ``auto``."""
+TRIAL_FAULT = "HYBRIDSYNC_TRIAL_FAULT"
+"""Fault injection for the trial runner's tests (``hybridsync.trials.worker``): comma-separated
+``KIND:crash`` / ``KIND:hang`` make the last rank exit (or stop responding) at a candidate of that kind."""
 
 # --- BytePS's launch vocabulary (parameter-server route) -------------------------------
 DMLC_ROLE = "DMLC_ROLE"

@@ -62,3 +62,18 @@ def barrier(hvd: Any, name: str = "hybridsync.barrier") -> None:
     """``hvd.barrier()`` that sleeps while it waits (a one-element all-reduce, waited with ``wait``)."""
     import torch
     wait(hvd, hvd.allreduce_async_(torch.zeros(1), name=name, op=hvd.Sum))
+
+
+def use_for_horovod(hvd: Any) -> None:
+    """Make Horovod's own ``DistributedOptimizer`` (and its sparse all-gather) wait through ``wait``.
+
+    For measuring plain Horovod beside hybridsync under the same ``HYBRIDSYNC_WAIT``: with
+    ``sleep`` on shared cores, Horovod's spinning wait would otherwise slow its own job, so a
+    comparison would show the wait, not the routes. No-op with ``spin`` (Horovod's default).
+    """
+    if not _SLEEPING:
+        return
+    import horovod.torch.mpi_ops as mpi_ops
+    import horovod.torch.optimizer as horovod_optimizer
+    # Both modules wait through their module-level name ``synchronize``.
+    horovod_optimizer.synchronize = mpi_ops.synchronize = lambda handle: wait(hvd, handle)

@@ -1,0 +1,109 @@
+"""The strategy space: random valid strategies for trials (and, later, the search's seeds).
+
+A strategy is drawn in two levels, so that the samples cover pure strategies, mixes that
+lean one way, and even mixes alike (a flat per-variable draw would make every sample an
+even mix of everything):
+
+1. strategy-level knobs: route weights (a Dirichlet draw over ring, hierarchical and PS),
+   the PS protocol, how often fp16 is used, the number of merge groups and the partition size;
+2. per variable: a route drawn from those weights, then its partitions, compression and
+   (for the PS) an explicit server placement or none (balanced by bytes).
+
+Merge groups are formed afterwards in backward order (last variable first, as gradients
+become ready) among the variables that can share a message (same route, variant,
+compression). Every result is a validated ``Strategy``. Torch-free; randomness only from
+the ``numpy.random.Generator`` passed in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import numpy as np
+
+from hybridsync.strategy import Strategy, VarConfig
+from hybridsync.variables import VariableInfo
+
+ROUTE_CHOICES: tuple[tuple[str, str], ...] = (("allreduce", "ring"), ("allreduce", "hierarchical"), ("ps", "bsp"))
+"""What a variable's route is drawn from; the PS entry's protocol is then the strategy's."""
+PARTITION_BYTES_CHOICES: tuple[int | None, ...] = (None, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+"""Split variables larger than this into shards of about this size (None: never split)."""
+GROUP_COUNT_CHOICES: tuple[int, ...] = (0, 1, 2, 4, 8)
+"""Merge groups per message class (0: every variable its own message)."""
+MAX_PARTITIONS = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpaceBounds:
+    """What the sampler may use."""
+
+    num_servers: int = 0
+    """Parameter servers available; 0 leaves the PS route out."""
+    hierarchical: bool = True
+    """Whether hierarchical all-reduce may be drawn (pointless with one rank per node)."""
+    max_partitions: int = MAX_PARTITIONS
+    """Upper bound on a variable's shards."""
+
+
+def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
+                    rng: np.random.Generator) -> Strategy:
+    """One random valid strategy for ``variables`` within ``bounds``."""
+    routes = [c for c in ROUTE_CHOICES
+              if (c[0] != "ps" or bounds.num_servers > 0) and (c[1] != "hierarchical" or bounds.hierarchical)]
+    weights = rng.dirichlet([0.6] * len(routes))
+    protocol, staleness = _protocol(rng)
+    fp16_share = float(rng.choice([0.0, 0.0, 0.5, 1.0]))
+    partition_bytes = PARTITION_BYTES_CHOICES[rng.integers(len(PARTITION_BYTES_CHOICES))]
+    num_groups = int(rng.choice(GROUP_COUNT_CHOICES))
+    explicit_servers = bool(rng.random() < 0.3)
+    configs = {}
+    for name, info in variables.items():
+        route, algorithm = routes[rng.choice(len(routes), p=weights)]
+        partitions = _partitions(info, partition_bytes, bounds.max_partitions)
+        compression = "fp16" if info.dtype == "float32" and rng.random() < fp16_share else None
+        if route == "ps":
+            servers = (tuple(int(s) for s in rng.integers(bounds.num_servers, size=partitions))
+                       if explicit_servers else None)
+            configs[name] = VarConfig(route="ps", protocol=protocol, staleness=staleness, partitions=partitions,
+                                      compression=compression, servers=servers)
+        else:
+            configs[name] = VarConfig(route="allreduce", algorithm=algorithm, partitions=partitions,
+                                      compression=compression)
+    strategy = Strategy(variables=_with_groups(configs, num_groups))
+    strategy.validate_for(variables)
+    return strategy
+
+
+def _protocol(rng: np.random.Generator) -> tuple[str, int | None]:
+    """Mostly BSP; sometimes ASP, or SSP with a staleness of 1-3 steps."""
+    draw = rng.random()
+    if draw < 0.7:
+        return "bsp", None
+    if draw < 0.85:
+        return "asp", None
+    return "ssp", int(rng.integers(1, 4))
+
+
+def _partitions(info: VariableInfo, partition_bytes: int | None, max_partitions: int) -> int:
+    rows = info.shape[0] if info.shape else 1
+    if partition_bytes is None or info.nbytes <= partition_bytes:
+        return 1
+    return max(1, min(rows, max_partitions, math.ceil(info.nbytes / partition_bytes)))
+
+
+def _with_groups(configs: dict[str, VarConfig], num_groups: int) -> dict[str, VarConfig]:
+    """Split each message class (backward order) into ``num_groups`` contiguous runs, one group each."""
+    if num_groups == 0:
+        return configs
+    classes: dict[tuple, list[str]] = {}
+    for name in reversed(list(configs)):
+        classes.setdefault(configs[name].message_key, []).append(name)
+    grouped, next_group = dict(configs), 0
+    for names in classes.values():
+        run = math.ceil(len(names) / num_groups)
+        for start in range(0, len(names), run):
+            for name in names[start:start + run]:
+                grouped[name] = dataclasses.replace(configs[name], group=next_group)
+            next_group += 1
+    return grouped

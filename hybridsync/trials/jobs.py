@@ -1,0 +1,121 @@
+"""Where trial jobs run: the emulated cluster, or real hosts through ``hybridsync-run``.
+
+A target starts one job (workers plus, if the cluster has them, parameter servers) from
+a worker command and stops it, whole, by pid. The trial runner sees only this interface.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from typing import IO, Any, Protocol, Sequence
+
+from hybridsync.cluster.spec import ClusterSpec
+
+
+class RunningJob(Protocol):
+    def exit_codes(self) -> list[int | None]:
+        """Each worker process's exit code, ``None`` while it runs."""
+
+    def stop(self) -> None:
+        """Stops every process of the job (workers, servers, helpers); safe to call twice."""
+
+
+class JobTarget(Protocol):
+    spec: ClusterSpec
+
+    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str]) -> RunningJob:
+        """Starts ``command`` on every worker slot (and the servers), output to ``log``."""
+
+
+@dataclasses.dataclass
+class _EmulatedJob:
+    workers: Any
+    servers: Any | None
+
+    def exit_codes(self) -> list[int | None]:
+        return [proc.poll() for proc in self.workers.processes]
+
+    def stop(self) -> None:
+        for job in (self.workers, self.servers):
+            if job is not None:
+                job.kill()
+                job.stop_helpers()
+
+
+class EmulatedTarget:
+    """Jobs on an emulated cluster (namespaces + shaped links) that lives as long as the target.
+
+    Use as a context manager; needs root. Workers start the way horovodrun's Gloo mode
+    starts them, servers on every host (``servers_per_node``).
+    """
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self._cluster: Any = None
+
+    def __enter__(self) -> "EmulatedTarget":
+        from hybridsync.cluster import EmulatedCluster
+        self._cluster = EmulatedCluster(self.spec).up()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._cluster.teardown()
+
+    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str]) -> RunningJob:
+        from hybridsync.run.emulated import launch_gloo, launch_servers, ps_env
+        cluster = self._cluster
+        servers = (launch_servers(cluster, env=env, stdout=log, stderr=subprocess.STDOUT)
+                   if self.spec.servers_per_node else None)
+        try:
+            workers = launch_gloo(cluster, command, env={**ps_env(cluster), **env}, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        except BaseException:
+            if servers is not None:
+                servers.kill()
+            raise
+        return _EmulatedJob(workers=workers, servers=servers)
+
+
+@dataclasses.dataclass
+class _LauncherJob:
+    process: subprocess.Popen[Any]
+
+    def exit_codes(self) -> list[int | None]:
+        return [self.process.poll()]
+
+    def stop(self) -> None:
+        from hybridsync.run import procs
+        if self.process.poll() is None:
+            procs.stop(self.process)
+
+
+class HostsTarget:
+    """Jobs on real hosts: ``hybridsync-run -np N (-H HOSTS | --hostfile F) --gloo --num-servers S``.
+
+    ``spec`` describes those hosts (for the trial store and the simulator); its worker
+    and server counts size the job. ``hybridsync-run`` places the servers beside the workers.
+    """
+
+    def __init__(self, spec: ClusterSpec, *, hosts: str | None = None, hostfile: str | None = None,
+                 launcher_args: Sequence[str] = ()) -> None:
+        if (hosts is None) == (hostfile is None):
+            raise ValueError("give exactly one of hosts (-H) and hostfile (--hostfile)")
+        self.spec = spec
+        self.placement = ["-H", hosts] if hosts is not None else ["--hostfile", str(hostfile)]
+        self.launcher_args = list(launcher_args)
+
+    def __enter__(self) -> "HostsTarget":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str]) -> RunningJob:
+        launcher = os.path.join(os.path.dirname(sys.executable), "hybridsync-run")
+        argv = [launcher, "-np", str(self.spec.num_workers), *self.placement, "--gloo",
+                "--num-servers", str(self.spec.num_servers), *self.launcher_args, *command]
+        process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True)
+        return _LauncherJob(process=process)

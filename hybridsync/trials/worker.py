@@ -1,0 +1,186 @@
+"""The ranks of a trial job: one zoo model, many strategies, measured one after the other.
+
+    python -m hybridsync.trials.worker --model ncf --schedule S.jsonl --results R.jsonl
+
+Started on every rank by the trial runner (``hybridsync.trials.runner``), under any
+launcher. Rank 0 reads the schedule (one candidate per line: ``index``, ``kind``,
+``strategy`` document or null for plain Horovod) and broadcasts it. For each candidate,
+every rank switches its ``hybridsync.DistributedOptimizer`` to the strategy with
+``set_strategy`` (so one job serves every trial), trains ``warmup + timed`` steps and times
+each; the slowest rank's time of each step is the trial's. The reference row ("horovod")
+trains a copy of the model under ``horovod.torch.DistributedOptimizer`` itself.
+
+Results are appended to the results file (JSON lines, flushed and fsynced) as they come:
+``ready`` (versions, host), one ``trial`` per candidate (``status`` ok or failed), ``done``.
+A strategy the optimizer refuses (``ValueError`` on every rank) is a failed trial and the
+job goes on. Any other error is written as an ``error`` line by the rank that saw it, which
+then exits at once: the runner records the trial as failed and starts a new job for the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from hybridsync import envvars
+
+BATCHES_PER_RANK = 4
+"""Batches made before the first step and cycled, so that no data generation is timed."""
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+class ResultsFile:
+    """Appends JSON lines that survive this process dying right after ``write`` returns."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def write(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def versions() -> dict[str, str]:
+    """Versions of what a step time depends on, for the trial store."""
+    import horovod
+    import torch
+
+    import hybridsync
+    return {"torch": torch.__version__, "horovod": horovod.__version__, "hybridsync": hybridsync.__version__}
+
+
+def timed_steps(zoo_model: Any, model: Any, optimizer: Any, batches: list, count: int) -> list[float]:
+    """Seconds of each of ``count`` training steps of this rank, cycling through ``batches``."""
+    from hybridsync.zoo import train_step
+    times = []
+    for step in range(count):
+        start = time.perf_counter()
+        train_step(zoo_model, model, optimizer, batches[step % len(batches)])
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def slowest_rank_times(hvd: Any, times: list[float], name: str) -> list[float]:
+    """Per step, the slowest rank's time (a step ends for the job when its last rank ends it)."""
+    everyone = hvd.allgather_object(times, name=name)
+    return [max(rank_times[i] for rank_times in everyone) for i in range(len(times))]
+
+
+class TrialWorker:
+    """One rank's state across the trials of a job."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import horovod.torch as hvd
+        import torch
+
+        import hybridsync as hs
+        from hybridsync.backends import waiting
+        from hybridsync.zoo import get
+        hs.init()
+        waiting.use_for_horovod(hvd)  # the reference row waits as hybridsync does (HYBRIDSYNC_WAIT)
+        torch.set_num_threads(1)  # ranks share the cores; intra-op threads would only fight over them
+        torch.manual_seed(args.seed)
+        self.hvd, self.args = hvd, args
+        self.zoo_model = get(args.model)
+        self.model = self.zoo_model.build()
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
+        self.batches = [self.zoo_model.make_batch(generator) for _ in range(BATCHES_PER_RANK)]
+        self.optimizer = hs.DistributedOptimizer(
+            torch.optim.SGD(self.model.parameters(), lr=self.zoo_model.learning_rate),
+            named_parameters=self.model.named_parameters())
+        self._horovod: tuple[Any, Any] | None = None
+
+    def horovod_reference(self) -> tuple[Any, Any]:
+        """A copy of the model under plain ``horovod.torch.DistributedOptimizer`` (made once)."""
+        if self._horovod is None:
+            import torch
+            model = copy.deepcopy(self.model)
+            optimizer = self.hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=self.zoo_model.learning_rate),
+                named_parameters=model.named_parameters())
+            self._horovod = (model, optimizer)
+        return self._horovod
+
+    def measure(self, entry: dict[str, Any]) -> list[float]:
+        """Switch to the entry's strategy, then time warm-up + timed steps (slowest rank per step)."""
+        steps = self.args.warmup_steps + self.args.timed_steps
+        self._inject_fault(entry["kind"])
+        if entry["strategy"] is None:
+            model, optimizer = self.horovod_reference()
+        else:
+            model, optimizer = self.model, self.optimizer
+            optimizer.set_strategy(entry["strategy"])
+        self.hvd.barrier()
+        times = timed_steps(self.zoo_model, model, optimizer, self.batches, steps)
+        return slowest_rank_times(self.hvd, times, name=f"trial.{entry['index']}.times")
+
+
+    def _inject_fault(self, kind: str) -> None:
+        faults = dict(item.rpartition(":")[::2] for item in os.environ.get(envvars.TRIAL_FAULT, "").split(",") if item)
+        fault = faults.get(kind)
+        if fault is None or self.hvd.rank() != self.hvd.size() - 1:
+            return
+        if fault == "crash":
+            os._exit(9)
+        if fault == "hang":
+            time.sleep(24 * 3600)
+
+
+def run(args: argparse.Namespace) -> None:
+    worker = TrialWorker(args)
+    hvd = worker.hvd
+    results = ResultsFile(args.results)
+    schedule = None
+    if hvd.rank() == 0:
+        with open(args.schedule, encoding="utf-8") as handle:
+            schedule = [json.loads(line) for line in handle if line.strip()]
+    schedule = hvd.broadcast_object(schedule, root_rank=0, name="trial.schedule")
+    if hvd.rank() == 0:
+        results.write({"event": "ready", "time": utc_now(), "host": socket.gethostname(), "size": hvd.size(),
+                       "versions": versions()})
+    for entry in schedule:
+        started = utc_now()
+        try:
+            times, status, reason = worker.measure(entry), "ok", None
+        except ValueError as error:  # refused by set_strategy on every rank; the old plan stays in force
+            times, status, reason = [], "failed", f"refused: {error}"
+        except Exception as error:  # noqa: BLE001 - reported, then this rank leaves the job
+            results.write({"event": "error", "index": entry["index"], "rank": hvd.rank(), "time": utc_now(),
+                           "reason": f"{type(error).__name__}: {error}"})
+            sys.stderr.write(f"trial worker rank {hvd.rank()}: {type(error).__name__}: {error}\n")
+            sys.stderr.flush()
+            os._exit(3)  # peers may be blocked in a collective: no clean shutdown is possible
+        if hvd.rank() == 0:
+            results.write({"event": "trial", "index": entry["index"], "status": status, "reason": reason,
+                           "step_times": times, "started": started, "finished": utc_now()})
+    if hvd.rank() == 0:
+        results.write({"event": "done", "time": utc_now()})
+    hvd.barrier()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hybridsync.trials.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="zoo model name (hybridsync.zoo.ZOO_MODELS)")
+    parser.add_argument("--schedule", required=True, help="JSON lines: index, kind, strategy (null: plain Horovod)")
+    parser.add_argument("--results", required=True, help="JSON lines appended by the ranks")
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--timed-steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    run(parse_args())

@@ -1,0 +1,114 @@
+"""The strategy space's random sampler, the trial candidates and the added baselines (unit tier)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hybridsync import baselines
+from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.router.plan import build_plan
+from hybridsync.search.space import SpaceBounds, random_strategy
+from hybridsync.trials.candidates import (HOROVOD_KIND, Candidate, load_candidates, random_candidates,
+                                          trial_candidates)
+from hybridsync.trials.runner import _Follower
+from hybridsync.variables import VariableInfo
+
+pytestmark = pytest.mark.unit
+
+VARIABLES = {f"layer{i}.weight": VariableInfo(name=f"layer{i}.weight", shape=(128 * (i + 1), 64)) for i in range(12)}
+VARIABLES["emb.weight"] = VariableInfo(name="emb.weight", shape=(20000, 32), sparse=True)
+CLUSTER = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="1gbit", servers_per_node=1)
+
+
+def test_random_strategies_are_valid_varied_and_reproducible():
+    draws = [random_strategy(VARIABLES, SpaceBounds(num_servers=2), np.random.default_rng(7)) for _ in range(2)]
+    assert draws[0] == draws[1]
+    rng = np.random.default_rng(0)
+    strategies = [random_strategy(VARIABLES, SpaceBounds(num_servers=2), rng) for _ in range(200)]
+    assert len({s.fingerprint() for s in strategies}) == 200
+    routes = {strategy.config_for(name).route_name for strategy in strategies for name in VARIABLES}
+    assert routes >= {"allreduce/ring", "allreduce/hierarchical", "ps/bsp", "ps/asp", "ps/ssp"}
+    configs = [strategy.config_for(name) for strategy in strategies for name in VARIABLES]
+    assert any(c.partitions > 1 for c in configs) and any(c.group is not None for c in configs)
+    assert any(c.compression == "fp16" for c in configs) and any(c.servers is not None for c in configs)
+    for strategy in strategies:  # every one builds a routing plan
+        assert build_plan(VARIABLES, strategy).messages
+
+
+def test_random_strategies_respect_the_bounds():
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        strategy = random_strategy(VARIABLES, SpaceBounds(num_servers=0, hierarchical=False, max_partitions=3), rng)
+        for name in VARIABLES:
+            config = strategy.config_for(name)
+            assert config.route_name == "allreduce/ring" and config.partitions <= 3
+
+
+def test_trial_candidates_start_with_horovod_and_every_baseline_without_duplicates():
+    candidates = trial_candidates(VARIABLES, CLUSTER, sample=20, seed=3)
+    assert candidates[0].kind == HOROVOD_KIND and candidates[0].strategy is None
+    names = {name for c in candidates if c.kind.startswith("baseline:")
+             for name in c.kind.removeprefix("baseline:").split("+")}
+    assert names == set(baselines.BUILDERS)
+    assert sum(c.kind == "random" for c in candidates) == 20
+    assert len({c.fingerprint for c in candidates}) == len(candidates)
+    assert [c.fingerprint for c in trial_candidates(VARIABLES, CLUSTER, sample=20, seed=3)] == \
+        [c.fingerprint for c in candidates]
+
+
+def test_without_servers_no_candidate_uses_the_ps():
+    spec = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="1gbit")
+    for candidate in trial_candidates(VARIABLES, spec, sample=30):
+        if candidate.strategy is not None:
+            assert all(candidate.strategy.config_for(n).route == "allreduce" for n in VARIABLES), candidate.kind
+
+
+def test_random_candidates_exclude_what_is_already_listed():
+    first = random_candidates(VARIABLES, CLUSTER, 5, seed=0)
+    again = random_candidates(VARIABLES, CLUSTER, 5, seed=0, exclude={first[0].fingerprint})
+    assert first[0].fingerprint not in {c.fingerprint for c in again}
+
+
+def test_horovod_hierarchical_fuses_dense_variables_in_backward_order_and_keeps_sparse_on_ring():
+    fusion = VARIABLES["layer11.weight"].nbytes + VARIABLES["layer10.weight"].nbytes
+    strategy = baselines.horovod_hierarchical(VARIABLES, fusion_bytes=fusion)
+    assert strategy.config_for("emb.weight").route_name == "allreduce/ring"
+    assert strategy.config_for("emb.weight").group is None
+    assert strategy.config_for("layer11.weight").group == strategy.config_for("layer10.weight").group == 0
+    assert strategy.config_for("layer9.weight").group == 1
+    assert {strategy.config_for(f"layer{i}.weight").algorithm for i in range(12)} == {"hierarchical"}
+    whole = baselines.horovod_hierarchical(VARIABLES)  # 64 MB fusion buffer: one group
+    assert {whole.config_for(f"layer{i}.weight").group for i in range(12)} == {0}
+
+
+def test_build_baseline_names_the_known_builders():
+    with pytest.raises(ValueError, match="unknown baseline 'nope'.*horovod-hierarchical"):
+        baselines.build_baseline("nope", VARIABLES, 1)
+    assert baselines.build_baseline("hierarchical", VARIABLES, 0).default.route == "allreduce"
+
+
+def test_load_candidates_reads_a_strategy_a_list_and_kind_entries(tmp_path):
+    one = {"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    (tmp_path / "many.json").write_text(json.dumps([one, {"kind": "horovod", "strategy": None}]))
+    assert [c.kind for c in load_candidates(str(tmp_path / "one.json"))] == ["file"]
+    many = load_candidates(str(tmp_path / "many.json"))
+    assert [c.kind for c in many] == ["file", "horovod"] and many[1].strategy is None
+    (tmp_path / "bad.json").write_text(json.dumps([one, {"default": {"route": "carrier-pigeon"}}]))
+    with pytest.raises(ValueError, match="(?s)entry 1.*carrier-pigeon"):
+        load_candidates(str(tmp_path / "bad.json"))
+    assert Candidate.from_dict(many[0].to_dict()) == many[0]
+
+
+def test_results_follower_returns_only_complete_lines(tmp_path):
+    path = tmp_path / "results.jsonl"
+    follower = _Follower(str(path))
+    assert follower.new_events() == []
+    path.write_text('{"event": "ready"}\n{"event": "tri')
+    assert follower.new_events() == [{"event": "ready"}]
+    with open(path, "a") as handle:
+        handle.write('al", "index": 0}\n')
+    assert follower.new_events() == [{"event": "trial", "index": 0}]
+    assert follower.new_events() == []
