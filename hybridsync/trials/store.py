@@ -266,6 +266,8 @@ class TrialStore:
         if mode != "wal":
             warnings.warn(f"trial store {self.path}: journal mode {mode}, not WAL (writers will block readers)")
         self._db.execute("PRAGMA synchronous=FULL")  # a returned add() survives a power cut too
+        if self._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+            return  # the schema is there: opening a store to read it takes no write lock
         with self._transaction() as db:
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
