@@ -38,3 +38,8 @@ LAUNCHER_RANKS = (HOROVOD_RANK, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 """A process's rank as horovodrun, Open MPI's and PMI launchers set it (a PS worker id fallback)."""
 INTERFACE = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
 """The network interface Gloo uses, as horovodrun and torch spell it (first one set wins)."""
+
+# --- test hooks ------------------------------------------------------------------------
+STORE_HOLD_S = "HYBRIDSYNC_STORE_HOLD_S"
+"""Seconds ``TrialStore.add`` sleeps inside its transaction, before the commit (a test hook:
+lets a test kill a writer mid-transaction, or make writers contend for the lock)."""

@@ -1,0 +1,285 @@
+"""The trial store (``hybridsync.trials.store``) and ``hybridsync dataset`` commands.
+
+Unit: records round trip, median/spread math, the stats table and plots of a hand-made
+store, JSONL export -> import, URL forms and errors. Multiprocess: a writer killed with
+SIGKILL mid-transaction loses only its in-flight trial; two writers at once lose nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sqlite3
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, WORKERS, wait_for
+from hybridsync import envvars
+from hybridsync.cli import main as cli_main
+from hybridsync.run import procs
+from hybridsync.trials.dataset import format_table, summarize
+from hybridsync.trials.store import (SCHEMA_VERSION, TrialRecord, TrialStore, cluster_id, quantile,
+                                     store_path)
+
+C1G = {"nodes": 2, "workers_per_node": 2, "inter_node_bandwidth": "1gbit", "servers_per_node": 1}
+C200M = {**C1G, "inter_node_bandwidth": "200mbit"}
+WARMUP = 2
+DESCRIPTION = {"variables": [{"name": "w", "shape": [4, 4]}]}
+
+
+def trial(median_ms: float, *, kind: str = "random", model: str = "ncf", cluster: dict = C1G,
+          status: str = "ok", started: str = "2026-11-23T10:00:00.000+00:00") -> TrialRecord:
+    """A trial whose timed steps have exactly the given median (warm-up steps much slower)."""
+    ms = median_ms / 1000
+    timed = [ms * 0.9, ms, ms * 1.2] if status == "ok" else [ms]
+    uid = uuid.uuid4().hex
+    return TrialRecord(uid=uid, model=model, description_id="ab" * 8, cluster=dict(cluster), kind=kind,
+                       strategy=None if kind == "horovod" else {"version": 1, "default": {}, "variables": {}},
+                       fingerprint="horovod" if kind == "horovod" else uid[:16], status=status,
+                       reason=None if status == "ok" else "rank 1 exited with code 1",
+                       warmup_steps=WARMUP, step_times=[5.0, 3.0] + timed,
+                       versions={"torch": "2.13.0", "horovod": "0.28.1", "hybridsync": "0.1.0"},
+                       started=started, finished=started, host="h1", job="job1")
+
+
+def hand_made(url: str) -> list[TrialRecord]:
+    """ncf on 1 Gbit: horovod 100 ms, baselines 120 (allreduce) and 90 (ps), best random 70."""
+    records = [trial(100, kind="horovod"), trial(120, kind="baseline:allreduce"), trial(90, kind="baseline:ps"),
+               trial(70), trial(200), trial(50, status="failed"),
+               trial(80, cluster=C200M, kind="baseline:allreduce"), trial(85, cluster=C200M),
+               trial(40, model="vgg", kind="horovod"), trial(60, model="vgg")]
+    with TrialStore(url) as store:
+        store.add_description("ab" * 8, "ncf", DESCRIPTION)
+        for record in records:
+            store.add(record)
+    return records
+
+
+def sql(db: Path, query: str) -> list[tuple]:
+    """The rows of one statement on a connection of its own (closed after)."""
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        return connection.execute(query).fetchall()
+
+
+def in_store_order(records: list[TrialRecord]) -> list[TrialRecord]:
+    return sorted(records, key=lambda r: (r.model, r.cluster_id, r.started, r.uid))
+
+
+@pytest.mark.unit
+def test_records_round_trip_and_filters(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"  # sqlite:/// + an absolute path: the four-slash form
+    records = hand_made(url)
+    with TrialStore(url) as store:  # a new connection: what was committed, not a cache
+        assert store.trials() == in_store_order(records)
+        assert len(store.trials(model="ncf", cluster=C1G)) == 6
+        assert store.trials(model="ncf", cluster="2x2@200mbit+1ps") == in_store_order(records[6:8])
+        assert store.trials(cluster=records[6].cluster_id, status="ok") == in_store_order(records[6:8])
+        assert [r.status for r in store.trials(status="failed")] == ["failed"]
+        assert store.done_fingerprints("ncf", C1G) == {r.fingerprint for r in records[:6]}
+        assert store.descriptions() == {"ab" * 8: {"model": "ncf", "doc": DESCRIPTION}}
+        store.add_description("ab" * 8, "ncf", {"other": 1})  # stored once: the first stays
+        assert store.descriptions()["ab" * 8]["doc"] == DESCRIPTION
+        with pytest.raises(ValueError, match=records[0].uid):
+            store.add(records[0])
+        assert store.count() == len(records)
+        rows = sql(store.path, f"SELECT median_s, spread FROM trials WHERE uid = '{records[0].uid}'")
+        assert rows == [(pytest.approx(0.1), pytest.approx(records[0].spread))]
+        assert sql(store.path, "PRAGMA journal_mode") == [("wal",)]
+
+
+@pytest.mark.unit
+def test_median_and_spread_of_the_timed_steps() -> None:
+    record = dataclasses.replace(trial(1), step_times=[9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    assert record.timed_steps == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert record.median_s == 3.0
+    assert record.spread == pytest.approx((4.6 - 1.4) / 3.0)  # p90 - p10 over the median
+    assert dataclasses.replace(record, step_times=[9.0, 9.0]).median_s is None
+    assert dataclasses.replace(record, step_times=[9.0]).spread is None
+    values = list(np.random.default_rng(0).uniform(0, 1, 37))
+    for q in (0.0, 0.1, 0.5, 0.9, 1.0):
+        assert quantile(values, q) == pytest.approx(np.quantile(values, q))
+    with pytest.raises(ValueError, match="status"):
+        dataclasses.replace(record, status="crashed")
+
+
+@pytest.mark.unit
+def test_stats_table_names_best_baseline_and_best_trial(tmp_path: Path, capsys) -> None:
+    url = str(tmp_path / "t.db")
+    hand_made(url)
+    with TrialStore(url) as store:
+        summaries = summarize(store.trials())
+    assert [(s.model, s.cluster) for s in summaries] == [("ncf", "2x2@1gbit+1ps"), ("ncf", "2x2@200mbit+1ps"),
+                                                         ("vgg", "2x2@1gbit+1ps")]
+    ncf = summaries[0]
+    assert (ncf.ok, ncf.failed) == (5, 1)
+    assert ncf.best_baseline == ("ps", pytest.approx(0.09))
+    assert (ncf.best_kind, ncf.best_s, ncf.horovod_s) == ("random", pytest.approx(0.07), pytest.approx(0.1))
+    assert ncf.speedup_over_baseline == pytest.approx(90 / 70)
+    assert ncf.speedup_over_horovod == pytest.approx(100 / 70)
+    assert ncf.medians_p90_p10 == pytest.approx(quantile([70, 90, 100, 120, 200], 0.9)
+                                                / quantile([70, 90, 100, 120, 200], 0.1))
+    assert summaries[2].best_baseline is None and summaries[2].best_kind == "horovod"
+    assert cli_main(["dataset", "stats", "--store", url]) == 0
+    table = capsys.readouterr().out
+    assert table == format_table(summaries) + "\n"
+    row = next(line.split() for line in table.splitlines() if "2x2@1gbit" in line and "ncf" in line)
+    assert row == ["ncf", "2x2@1gbit+1ps", "5", "1", "ps", "90.0", "100.0", "random", "70.0", "1.29x", "1.43x",
+                   f"{ncf.medians_p90_p10:.2f}x"]
+
+
+@pytest.mark.unit
+def test_plot_writes_one_png_per_model_and_cluster(tmp_path: Path, capsys) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    hand_made(url)
+    assert cli_main(["dataset", "plot", "--store", url, "-o", str(tmp_path / "plots")]) == 0
+    pngs = sorted((tmp_path / "plots").iterdir())
+    assert [p.name for p in pngs] == ["ncf_2x2-1gbit+1ps.png", "ncf_2x2-200mbit+1ps.png", "vgg_2x2-1gbit+1ps.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000 for p in pngs)
+    assert capsys.readouterr().out.count("wrote ") == 3
+
+
+@pytest.mark.unit
+def test_export_import_round_trip_is_idempotent_and_deterministic(tmp_path: Path, capsys) -> None:
+    first, second = f"sqlite:///{tmp_path}/a.db", str(tmp_path / "b.db")
+    records = hand_made(first)
+    export = tmp_path / "a.jsonl"
+    assert cli_main(["dataset", "export", "--store", first, "-o", str(export)]) == 0
+    assert len(export.read_text().splitlines()) == len(records) + 1  # + the description
+    assert cli_main(["dataset", "import", str(export), "--store", second]) == 0
+    assert f"{len(records)} trials added, 0 already" in capsys.readouterr().out
+    with TrialStore(second) as store, TrialStore(first) as original:
+        assert store.import_jsonl(export) == (0, len(records))  # a second import adds nothing
+        assert store.trials() == original.trials() == in_store_order(records)
+        store.export_jsonl(tmp_path / "b.jsonl")
+    assert (tmp_path / "b.jsonl").read_bytes() == export.read_bytes()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(export.read_text().splitlines()[0] + "\n" + '{"type": "trial", "uid": "x"}\n')
+    with TrialStore(second) as store, pytest.raises(ValueError, match=r"bad\.jsonl:2: .*missing keys"):
+        store.import_jsonl(bad)
+
+
+@pytest.mark.unit
+def test_urls_and_store_errors(tmp_path: Path, capsys) -> None:
+    assert store_path("sqlite:///runs/t.db") == Path("runs/t.db")
+    assert store_path("sqlite:////data/t.db") == Path("/data/t.db")
+    assert store_path("t.db") == Path("t.db")
+    for url in ("postgresql://user@db/trials", "mysql://db/trials", "file:///t.db"):
+        with pytest.raises(ValueError, match=r"only SQLite.*sqlite:///relative.*NFS is unsafe.*dataset import"):
+            store_path(url)
+    for url in ("sqlite://", "sqlite:///", "sqlite:///:memory:", "sqlite:///t.db?timeout=3", ""):
+        with pytest.raises(ValueError, match="trial store URL"):
+            store_path(url)
+    with pytest.raises(ValueError, match="no trial store at"):
+        TrialStore(str(tmp_path / "missing.db"), create=False)
+    with pytest.raises(ValueError, match="does not exist"):
+        TrialStore(str(tmp_path / "no-such-dir" / "t.db"))
+    (tmp_path / "text.db").write_text("not a database, " * 100)
+    with pytest.raises(ValueError, match="cannot be used"):
+        TrialStore(str(tmp_path / "text.db"))
+    newer = tmp_path / "newer.db"
+    TrialStore(str(newer)).close()
+    sql(newer, f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    with pytest.raises(ValueError, match="schema version"):
+        TrialStore(str(newer))
+    TrialStore(str(tmp_path / "empty.db")).close()
+    assert cli_main(["dataset", "stats", "--store", str(tmp_path / "empty.db")]) == 2
+    assert "holds no trials" in capsys.readouterr().err
+    assert cli_main(["dataset", "export", "--store", str(tmp_path / "missing.db"), "-o", "x.jsonl"]) == 2
+    assert "no trial store at" in capsys.readouterr().err
+    assert not (tmp_path / "missing.db").exists()
+
+
+@pytest.mark.unit
+def test_cluster_id_is_stable_across_spellings() -> None:
+    spelled = {"nodes": 2, "workers_per_node": 2, "inter_node_bandwidth": "1000Mbit", "inter_node_latency_ms": 0}
+    assert cluster_id(spelled) == cluster_id({"nodes": 2, "workers_per_node": 2, "inter_node_bandwidth": "1gbit"})
+    assert cluster_id(spelled).startswith("2x2@1gbit:")
+    assert cluster_id(C1G) != cluster_id(C200M) != cluster_id({**C200M, "inter_node_latency_ms": 5})
+    assert cluster_id({**C200M, "inter_node_latency_ms": 5}).startswith("2x2@200mbit+1ps+5ms:")
+
+
+# --- real processes ---------------------------------------------------------------------------
+def _log(path: Path) -> list[list[str]]:
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _write_locked(db: Path) -> bool:
+    """Whether another connection holds the store's write lock (a transaction is open)."""
+    probe = sqlite3.connect(db, timeout=0, isolation_level=None)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError as error:
+        assert "locked" in str(error), error
+        return True
+    finally:
+        probe.close()
+
+
+def _writer(url: str, prefix: str, count: int, log: Path, hold_s: float, go: Path | None = None):
+    env = {**os.environ, "PYTHONPATH": str(REPO), envvars.STORE_HOLD_S: str(hold_s)}
+    argv = [sys.executable, str(WORKERS / "store_writer.py"), url, prefix, str(count), str(log)]
+    return procs.start(argv + ([str(go)] if go else []), env=env)
+
+
+@pytest.mark.multiprocess
+def test_writer_killed_mid_transaction_loses_only_the_trial_in_flight(tmp_path: Path) -> None:
+    db, log, hold_s = tmp_path / "t.db", tmp_path / "writer.log", 1.5
+    TrialStore(str(db)).close()  # the schema exists before the probe below looks at the file
+
+    def mid_transaction() -> bool:
+        lines = _log(log)
+        committed = sum(line[0] == "added" for line in lines)
+        # Kill early in a transaction (>= 0.5 s before its commit) while it holds the write lock.
+        return (committed >= 3 and lines[-1][0] == "adding" and time.time() - float(lines[-1][2]) < hold_s - 0.5
+                and _write_locked(db))
+
+    writer = _writer(str(db), "a", 0, log, hold_s)
+    try:
+        wait_for(mid_transaction, timeout=60, what="writer inside its fourth or later transaction")
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.communicate(timeout=10)
+        assert writer.returncode == -signal.SIGKILL
+    finally:
+        procs.stop(writer)
+    lines = _log(log)
+    committed = [line[1] for line in lines if line[0] == "added"]
+    in_flight = lines[-1][1]
+    assert lines[-1][0] == "adding" and in_flight not in committed
+    assert sql(db, "PRAGMA integrity_check") == [("ok",)]
+    with TrialStore(str(db)) as store:
+        assert sorted(r.uid for r in store.trials()) == sorted(committed)
+        store.add(trial(10))  # the killed writer's lock is gone
+        assert store.count() == len(committed) + 1
+
+
+@pytest.mark.multiprocess
+def test_two_writers_at_once_lose_no_trial(tmp_path: Path) -> None:
+    url, count, go = f"sqlite:///{tmp_path}/t.db", 25, tmp_path / "go"
+    writers = [_writer(url, prefix, count, tmp_path / f"{prefix}.log", hold_s=0.02, go=go) for prefix in ("a", "b")]
+    try:
+        wait_for(lambda: all(["ready"] in _log(tmp_path / f"{p}.log") for p in ("a", "b")), timeout=60,
+                 what="both writers opened the store")
+        go.touch()
+        for writer in writers:
+            output, _ = writer.communicate(timeout=90)
+            assert writer.returncode == 0, output
+    finally:
+        for writer in writers:
+            procs.stop(writer)
+    logs = {prefix: _log(tmp_path / f"{prefix}.log") for prefix in ("a", "b")}
+    committed = [line[1] for lines in logs.values() for line in lines if line[0] == "added"]
+    assert len(committed) == 2 * count
+    spans = {prefix: [float(line[2]) for line in lines if line[0] == "adding"] for prefix, lines in logs.items()}
+    assert spans["a"][0] < spans["b"][-1] and spans["b"][0] < spans["a"][-1], "the writers did not overlap"
+    with TrialStore(url) as store:
+        assert sorted(r.uid for r in store.trials()) == sorted(committed)
+        assert {r.uid[0] for r in store.trials()} == {"a", "b"}
+        assert sql(store.path, "PRAGMA integrity_check") == [("ok",)]
