@@ -15,10 +15,9 @@ from hybridsync import baselines
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.search.space import SpaceBounds, random_strategy
 from hybridsync.strategy import Strategy
+from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND
 from hybridsync.variables import VariableInfo
 
-HOROVOD_KIND = "horovod"
-"""The reference row: plain ``horovod.torch.DistributedOptimizer``, no hybridsync strategy."""
 HOROVOD_FINGERPRINT = "horovod"
 RANDOM_ATTEMPTS_PER_SAMPLE = 20
 """Draws tried per wanted random strategy before giving up (duplicates are redrawn)."""
@@ -57,7 +56,7 @@ def baseline_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec
             continue
         strategy = baselines.build_baseline(name, variables, spec.num_servers)
         by_fingerprint.setdefault(strategy.fingerprint(), ([], strategy))[0].append(name)
-    return [Candidate(kind="baseline:" + "+".join(names), strategy=strategy)
+    return [Candidate(kind=BASELINE_PREFIX + "+".join(names), strategy=strategy)
             for names, strategy in by_fingerprint.values()]
 
 

@@ -1,0 +1,219 @@
+"""The trial runner: measure many strategies of one model on one cluster, in as few jobs as possible.
+
+One job (``hybridsync.trials.worker`` on every rank) measures the candidates one after the
+other, switching strategies in flight. The runner follows the job's results file and
+writes each trial to the store as soon as it is measured (one transaction per trial), so an
+interrupted run loses at most the trial in flight and resumes where it stopped: candidates
+whose fingerprint the store already holds for this (model, cluster) are skipped.
+
+A trial that fails is recorded as failed, with its reason, and the run goes on:
+- refused by the optimizer (a ``ValueError`` on every rank): the job itself goes on;
+- a rank raised, crashed or the trial outlived ``trial_timeout``: the job is stopped, the
+  trial recorded with the error, the exit codes or the timeout, and a new job takes the
+  remaining candidates.
+A job that dies before its first trial (twice in a row) is not a trial's fault: the run
+stops with the job's log, rather than recording every candidate as failed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+from hybridsync.trials.candidates import Candidate
+from hybridsync.trials.jobs import JobTarget, RunningJob
+from hybridsync.trials.store import TrialRecord, TrialStore
+from hybridsync.trials.worker import utc_now
+
+POLL_S = 0.2
+LOG_TAIL_CHARS = 3000
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialProtocol:
+    """How each trial is measured (AutoSync's reproducibility card: 10 warm-up, then 40 timed steps)."""
+
+    warmup_steps: int = 10
+    """Steps after the switch that are recorded but not timed (buffers, keys, groups being made)."""
+    timed_steps: int = 40
+    """Steps whose median is the trial's step time."""
+    trial_timeout_s: float = 180.0
+    """A trial not finished this long after the previous one is recorded as failed (hung)."""
+    start_timeout_s: float = 300.0
+    """Time a new job gets to start its ranks and servers and build the model."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.timed_steps < 1:
+            raise ValueError(f"need warmup_steps >= 0 and timed_steps >= 1, got {self.warmup_steps} "
+                             f"and {self.timed_steps}")
+        if self.trial_timeout_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    measured: int
+    failed: int
+    skipped: int
+    jobs: int
+    seconds: float
+
+
+@dataclasses.dataclass
+class _Follower:
+    """Reads the results file's complete lines as the ranks append them."""
+
+    path: str
+    offset: int = 0
+
+    def new_events(self) -> list[dict[str, Any]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, encoding="utf-8") as handle:
+            handle.seek(self.offset)
+            text = handle.read()
+        complete = text[:text.rfind("\n") + 1]
+        self.offset += len(complete.encode("utf-8"))
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+class TrialRunner:
+    """Measures candidates of one zoo model on one target, writing every trial to ``store``."""
+
+    def __init__(self, *, model: str, description_id: str, target: JobTarget, store: TrialStore,
+                 protocol: TrialProtocol = TrialProtocol(), workdir: str | None = None, seed: int = 0) -> None:
+        self.model, self.description_id, self.target, self.store = model, description_id, target, store
+        self.protocol, self.seed = protocol, seed
+        self.workdir = workdir or tempfile.mkdtemp(prefix="hybridsync-trials-")
+        self.cluster = target.spec.to_dict()
+        self.host = socket.gethostname()
+        self.versions: dict[str, str] = {}
+
+    def pending(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """The candidates the store does not hold yet for this model and cluster."""
+        done = self.store.done_fingerprints(self.model, self.cluster)
+        return [c for c in candidates if c.fingerprint not in done]
+
+    def run(self, candidates: Sequence[Candidate], on_trial: Callable[[TrialRecord], None] = lambda r: None,
+            ) -> RunSummary:
+        """Measures every pending candidate; ``on_trial`` sees each record once it is stored."""
+        start, remaining = time.monotonic(), self.pending(candidates)
+        skipped, records, jobs, false_starts = len(candidates) - len(remaining), [], 0, 0
+        while remaining:
+            jobs += 1
+            job_id = uuid.uuid4().hex[:12]
+            measured, failure, started = self._run_job(job_id, remaining, on_trial)
+            records += measured
+            remaining = remaining[len(measured):]
+            if failure is None:
+                continue
+            if not started:
+                false_starts += 1
+                if false_starts >= MAX_FALSE_STARTS:
+                    raise RuntimeError(f"trial jobs failed {false_starts} times before their first trial "
+                                       f"(logs in {self.workdir}): {failure}")
+                continue
+            false_starts = 0
+            failed = self._record(job_id, remaining[0], status="failed", reason=failure, step_times=[],
+                                  started=measured[-1].finished if measured else utc_now())
+            self._store(failed, on_trial)
+            records.append(failed)
+            remaining = remaining[1:]
+        ok = sum(r.status == "ok" for r in records)
+        return RunSummary(measured=ok, failed=len(records) - ok, skipped=skipped, jobs=jobs,
+                          seconds=time.monotonic() - start)
+
+    def _run_job(self, job_id: str, candidates: Sequence[Candidate], on_trial: Callable[[TrialRecord], None],
+                 ) -> tuple[list[TrialRecord], str | None, bool]:
+        """One job over ``candidates``: the records it produced, why it ended early (or None), and
+        whether it got as far as its first trial."""
+        base = os.path.join(self.workdir, job_id)
+        with open(f"{base}.schedule.jsonl", "w", encoding="utf-8") as handle:
+            for index, candidate in enumerate(candidates):
+                handle.write(json.dumps({"index": index, **candidate.to_dict()}) + "\n")
+        command = [sys.executable, "-m", "hybridsync.trials.worker", "--model", self.model,
+                   "--schedule", f"{base}.schedule.jsonl", "--results", f"{base}.results.jsonl",
+                   "--warmup-steps", str(self.protocol.warmup_steps),
+                   "--timed-steps", str(self.protocol.timed_steps), "--seed", str(self.seed)]
+        env = {"PYTHONPATH": _package_root(), "OMP_NUM_THREADS": "1"}
+        with open(f"{base}.log", "a", encoding="utf-8") as log:
+            job = self.target.start(command, env, log)
+            try:
+                return self._follow(job, job_id, candidates, _Follower(f"{base}.results.jsonl"), f"{base}.log",
+                                    on_trial)
+            finally:
+                job.stop()
+
+    def _follow(self, job: RunningJob, job_id: str, candidates: Sequence[Candidate], results: _Follower,
+                log_path: str, on_trial: Callable[[TrialRecord], None]) -> tuple[list[TrialRecord], str | None, bool]:
+        records: list[TrialRecord] = []
+        errors: list[str] = []
+        started, last_finished = False, utc_now()
+        deadline = time.monotonic() + self.protocol.start_timeout_s
+        while True:
+            ended = _ended(job.exit_codes())
+            for event in results.new_events():
+                if event["event"] == "ready":
+                    started, self.versions = True, event["versions"]
+                    last_finished = event["time"]
+                elif event["event"] == "trial":
+                    record = self._record(job_id, candidates[event["index"]], status=event["status"],
+                                          reason=event["reason"], step_times=event["step_times"],
+                                          started=event["started"], finished=event["finished"])
+                    self._store(record, on_trial)
+                    records.append(record)
+                    last_finished = record.finished
+                elif event["event"] == "error":
+                    errors.append(f"rank {event['rank']}: {event['reason']}")
+                elif event["event"] == "done":
+                    return records, None, True
+                deadline = time.monotonic() + self.protocol.trial_timeout_s
+            if errors:
+                return records, "; ".join(errors), started
+            if ended:
+                return records, f"job exited with codes {job.exit_codes()}: {_log_tail(log_path)}", started
+            if time.monotonic() > deadline:
+                what = "trial" if started else "job start"
+                limit = self.protocol.trial_timeout_s if started else self.protocol.start_timeout_s
+                return records, f"timed out: the {what} did not finish within {limit:.0f} s", started
+            time.sleep(POLL_S)
+
+    def _record(self, job_id: str, candidate: Candidate, *, status: str, reason: str | None,
+                step_times: list[float], started: str, finished: str | None = None) -> TrialRecord:
+        return TrialRecord(
+            uid=uuid.uuid4().hex, model=self.model, description_id=self.description_id, cluster=self.cluster,
+            kind=candidate.kind, strategy=None if candidate.strategy is None else candidate.strategy.to_dict(),
+            fingerprint=candidate.fingerprint, status=status, reason=reason,
+            warmup_steps=self.protocol.warmup_steps, step_times=list(step_times), versions=dict(self.versions),
+            started=started, finished=finished or utc_now(), host=self.host, job=job_id)
+
+    def _store(self, record: TrialRecord, on_trial: Callable[[TrialRecord], None]) -> None:
+        self.store.add(record)
+        on_trial(record)
+
+
+MAX_FALSE_STARTS = 2
+"""Jobs in a row that may die before their first trial before the run gives up."""
+
+
+def _ended(codes: list[int | None]) -> bool:
+    """A worker failed, or all of them exited (a clean exit without ``done`` is a failure too)."""
+    return any(code not in (None, 0) for code in codes) or all(code is not None for code in codes)
+
+
+def _log_tail(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        lines = [line for line in handle.read()[-4 * LOG_TAIL_CHARS:].splitlines() if "tensorpipe" not in line]
+    return "\n".join(lines)[-LOG_TAIL_CHARS:]
+
+
+def _package_root() -> str:
+    """The directory holding the ``hybridsync`` package this runner imports (the workers use the same)."""
+    import hybridsync
+    return os.path.dirname(os.path.dirname(os.path.abspath(hybridsync.__file__)))
