@@ -6,6 +6,7 @@ import sys
 
 from hybridsync import baselines
 from hybridsync.explain import explain
+from hybridsync.run import profile
 from hybridsync.strategy import Strategy
 from hybridsync.variables import load_model_description
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
     p.add_argument("-o", "--output", required=True, help="where to write the strategy")
     p.set_defaults(func=_baseline)
+    profile.add_parser(commands)
     commands.add_parser("cluster", help="emulated multi-node cluster: up | run | down | ls (see: cluster --help)")
     return parser
 
