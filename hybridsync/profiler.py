@@ -103,6 +103,8 @@ class Profiler:
         self._clock = clock
         self._exit_when_done = exit_when_done
         self._steps_done = 0
+        self.finished = False
+        """The description is written (and the hooks removed): later steps are not recorded."""
         self._records: list[_StepRecord] = []
         self._current = _StepRecord()
         self._forward_start: float | None = None
@@ -144,6 +146,8 @@ class Profiler:
 
     def before_step(self) -> None:
         """Just before the wrapped optimizer's ``step()``: count the sparse gradients' rows, start its clock."""
+        if self.finished:
+            return
         for name, p in self._named:
             grad = p.grad
             if grad is not None and grad.is_sparse:
@@ -155,6 +159,8 @@ class Profiler:
 
     def after_step(self) -> None:
         """Just after the wrapped optimizer's ``step()``: close the step; after the last one, write and exit."""
+        if self.finished:
+            return
         end = self._clock()
         self._current.optimizer_s = end - self._optimizer_start
         self._current.step_s = end - self._step_start
@@ -202,6 +208,7 @@ class Profiler:
         desc = self.description()
         self.close()
         save_description(desc, self.path)
+        self.finished = True
         total = self.warmup + len(self._records)
         print(f"hybridsync profile: wrote {self.path} after {total} steps "
               f"({self.warmup} warm-up, {len(self._records)} profiled)", file=sys.stderr, flush=True)
