@@ -181,8 +181,7 @@ class Profiler:
         if missing_backward:
             raise ValueError(f"{missing_backward} of {len(self._records)} profiled steps ran no backward pass through "
                              f"torch.autograd.backward (loss.backward() does); cannot time the backward pass")
-        seconds = lambda values: round(statistics.median(values), _SECONDS_DIGITS)  # noqa: E731
-        timing = ComputeTiming(**{field: seconds([getattr(r, field) for r in self._records])
+        timing = ComputeTiming(**{field: _median_seconds([getattr(r, field) for r in self._records])
                                   for field in ("forward_s", "backward_s", "optimizer_s", "step_s")},
                                steps=len(self._records))
         return ModelDescription(variables=variables_from_parameters(self._named, self._sparse), timing=timing,
@@ -199,7 +198,7 @@ class Profiler:
         out = {}
         for position, name in enumerate(order):
             rows = [r.rows_touched[name] for r in self._records if name in r.rows_touched]
-            out[name] = VariableTiming(ready_order=position, ready_s=round(medians[name], _SECONDS_DIGITS),
+            out[name] = VariableTiming(ready_order=position, ready_s=_median_seconds(ready[name]),
                                        rows_touched=statistics.median_low(rows) if rows else None)
         return out
 
@@ -226,6 +225,10 @@ class Profiler:
             torch.autograd.backward = self._original_backward
         if _active is self:
             _active = None
+
+
+def _median_seconds(values: Sequence[float]) -> float:
+    return round(statistics.median(values), _SECONDS_DIGITS)
 
 
 def _meta() -> dict[str, str]:

@@ -207,7 +207,8 @@ def test_profiler_settings_from_the_environment(monkeypatch, tmp_path):
 
 @pytest.mark.unit
 def test_profile_command_line():
-    args = build_parser().parse_args(["profile", "-o", "d.json", "--steps", "4", "--", "python", "t.py", "--steps", "9"])
+    argv = ["profile", "-o", "d.json", "--steps", "4", "--", "python", "t.py", "--steps", "9"]
+    args = build_parser().parse_args(argv)
     assert args.cmd[-4:] == ["python", "t.py", "--steps", "9"] and args.steps == 4 and args.warmup == 3
     with pytest.raises(ValueError, match="no command to profile"):
         profile_command([], output="d.json")
