@@ -6,6 +6,7 @@ import sys
 
 from hybridsync import baselines
 from hybridsync.explain import explain
+from hybridsync.run import profile
 from hybridsync.strategy import Strategy
 from hybridsync.trials import cli as trials_cli
 from hybridsync.trials import dataset_cli
@@ -41,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
     p.add_argument("-o", "--output", required=True, help="where to write the strategy")
     p.set_defaults(func=_baseline)
+<<<<<<< HEAD
     trials_cli.add_parser(commands)
     dataset_cli.add_parser(commands)
+=======
+    profile.add_parser(commands)
+>>>>>>> profiler
     commands.add_parser("cluster", help="emulated multi-node cluster: up | run | down | ls (see: cluster --help)")
     return parser
 

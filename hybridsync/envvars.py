@@ -16,9 +16,14 @@ INTRA_NODE = "HYBRIDSYNC_INTRA_NODE"
 """Hierarchical route within a node: ``shm`` (shared memory) or ``horovod`` (Gloo collectives)."""
 PS_TRANSPORT = "HYBRIDSYNC_PS_TRANSPORT"
 """TensorPipe transports of the parameter-server route: ``tcp`` (default) or ``auto``."""
-TRIAL_FAULT = "HYBRIDSYNC_TRIAL_FAULT"
-"""Fault injection for the trial runner's tests (``hybridsync.trials.worker``): comma-separated
-``KIND:crash`` / ``KIND:hang`` make the last rank exit (or stop responding) at a candidate of that kind."""
+PROFILE = "HYBRIDSYNC_PROFILE"
+"""Path: profile this single-process job's first ``DistributedOptimizer``, write the model description, exit 0."""
+PROFILE_STEPS = "HYBRIDSYNC_PROFILE_STEPS"
+"""Steps the profile takes its medians over (default ``PROFILE_STEPS_DEFAULT``)."""
+PROFILE_WARMUP = "HYBRIDSYNC_PROFILE_WARMUP"
+"""Steps run unprofiled before them (default ``PROFILE_WARMUP_DEFAULT``)."""
+PROFILE_STEPS_DEFAULT = 10
+PROFILE_WARMUP_DEFAULT = 3
 
 # --- BytePS's launch vocabulary (parameter-server route) -------------------------------
 DMLC_ROLE = "DMLC_ROLE"
@@ -43,3 +48,6 @@ INTERFACE = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
 STORE_HOLD_S = "HYBRIDSYNC_STORE_HOLD_S"
 """Seconds ``TrialStore.add`` sleeps inside its transaction, before the commit (a test hook:
 lets a test kill a writer mid-transaction, or make writers contend for the lock)."""
+TRIAL_FAULT = "HYBRIDSYNC_TRIAL_FAULT"
+"""Fault injection for the trial runner's tests (``hybridsync.trials.worker``): comma-separated
+``KIND:crash`` / ``KIND:hang`` make the last rank exit (or stop responding) at a candidate of that kind."""

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from hybridsync import envvars
+from hybridsync import envvars, profiler
 from hybridsync.backends import Reduction
 from hybridsync.compression import Compression, compression_name
 from hybridsync.horovod_options import (called_from_horovod_state_init, check_process_set, gather_fingerprints,
@@ -70,6 +70,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self.process_set.size() > 1:
                 _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
+        self._profiler = profiler.from_environment(named, hvd.size())  # None unless HYBRIDSYNC_PROFILE is set
 
     def _plan_for(self, strategy: Strategy | None) -> tuple[Strategy | None, RoutingPlan, Any]:
         """The strategy with this optimizer's ``groups`` applied, its plan, and the process set it runs on."""
@@ -176,8 +177,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         self._router.before_step()
+        if self._profiler is not None:
+            self._profiler.before_step()
         result = super(self.__class__, self).step(closure)
         self._router.after_step()  # ASP/SSP variables: push the local update, adopt the servers' values
+        if self._profiler is not None:
+            self._profiler.after_step()  # after the last profiled step: writes the description, exits
         return result
 
     def zero_grad(self, set_to_none: bool = True):  # torch's default, which Horovod's zero_grad() gets

@@ -85,10 +85,22 @@ def load_model_description(path: str | os.PathLike) -> dict[str, VariableInfo]:
 
 
 def parse_model_description(doc: Mapping[str, Any], where: str = "model description") -> dict[str, VariableInfo]:
-    """Validate and convert a model description document; ``ValueError`` names every bad entry."""
+    """Validate and convert a model description document; ``ValueError`` names every bad entry.
+
+    Reads only the variables' ``name``, ``shape``, ``dtype`` and ``sparse``: a profiled
+    description (``hybridsync.description``) loads here too, its timing ignored.
+    """
     entries = doc.get("variables") if isinstance(doc, Mapping) else None
     if not isinstance(entries, list):
         raise ValueError(f"{where}: expected {{\"variables\": [...]}}")
+    out, errors = parse_variable_entries(entries)
+    if errors:
+        raise ValueError(f"{where}:\n  - " + "\n  - ".join(errors))
+    return out
+
+
+def parse_variable_entries(entries: list[Any]) -> tuple[dict[str, VariableInfo], list[str]]:
+    """``VariableInfo`` per valid entry of a description's ``variables`` list, and one message per bad one."""
     errors, out = [], {}
     for i, entry in enumerate(entries):
         try:
@@ -102,9 +114,7 @@ def parse_model_description(doc: Mapping[str, Any], where: str = "model descript
         if info.name in out:
             errors.append(f"entry {i}: duplicate variable name {info.name!r}")
         out[info.name] = info
-    if errors:
-        raise ValueError(f"{where}:\n  - " + "\n  - ".join(errors))
-    return out
+    return out, errors
 
 
 def save_model_description(variables: Mapping[str, VariableInfo], path: str | os.PathLike) -> None:

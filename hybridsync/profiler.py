@@ -1,0 +1,246 @@
+"""Profiling a training script from inside ``DistributedOptimizer``: the model description's timing.
+
+When ``HYBRIDSYNC_PROFILE=<path>`` is set, the (first) ``hybridsync.DistributedOptimizer``
+of a single-process job records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after
+``HYBRIDSYNC_PROFILE_WARMUP`` warm-up steps:
+
+- forward: from the first module forward call of a step (torch's global module
+  forward pre-hook) to the start of the backward pass, so the loss is included;
+- backward: the ``torch.autograd.backward`` call (``loss.backward()`` goes through it;
+  wrapped for the duration of the profile);
+- each parameter's gradient-ready time from the backward start
+  (``register_post_accumulate_grad_hook``), hence its ready order;
+- rows touched by sparse gradients (distinct indices of the step's gradient);
+- the wrapped optimizer's ``step()``, and the whole step (end of one ``step()`` to the next).
+
+It then writes the description (``hybridsync.description``), prints
+``hybridsync profile: wrote PATH after N steps`` on stderr and ends the process with
+``SystemExit(0)``, so a script that would train for hours stops after a few steps.
+Nothing it installs changes a gradient or an update: every hook only reads a clock.
+With several gradient accumulation passes per step, forward and backward times add up
+over them and ready times are those of the last pass. More than one rank is refused:
+profile on one process (``hybridsync profile``), where no synchronization distorts the timing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import shlex
+import socket
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from hybridsync import envvars
+from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming, save_description
+from hybridsync.variables import variables_from_parameters
+
+_SECONDS_DIGITS = 7  # 0.1 us: finer than a clock read costs, short enough to keep files readable
+
+_active: "Profiler | None" = None
+"""The profiler of this process: only the first optimizer is profiled."""
+
+
+def from_environment(named_parameters: Sequence[tuple[str, Any]], num_ranks: int) -> "Profiler | None":
+    """A started ``Profiler`` if ``HYBRIDSYNC_PROFILE`` is set (and none runs yet), else None."""
+    global _active
+    path = os.environ.get(envvars.PROFILE)
+    if not path:
+        return None
+    if num_ranks > 1:
+        raise ValueError(f"{envvars.PROFILE} is set but this job has {num_ranks} ranks: profiling runs on one "
+                         f"process, without a launcher (hybridsync profile -o {path} -- python train.py ...)")
+    if _active is not None:
+        warnings.warn(f"{envvars.PROFILE}: only the first DistributedOptimizer of a process is profiled; "
+                      f"this one is not")
+        return None
+    steps = _int_from_env(envvars.PROFILE_STEPS, envvars.PROFILE_STEPS_DEFAULT, minimum=1)
+    warmup = _int_from_env(envvars.PROFILE_WARMUP, envvars.PROFILE_WARMUP_DEFAULT, minimum=0)
+    _active = Profiler(path, named_parameters, steps=steps, warmup=warmup)
+    return _active
+
+
+def _int_from_env(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum}")
+    return value
+
+
+@dataclasses.dataclass
+class _StepRecord:
+    """What one training step measured (times in seconds)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    step_s: float = 0.0
+    backward_passes: int = 0
+    ready_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    rows_touched: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class Profiler:
+    """Records steps of one process's training loop; the optimizer calls ``before_step``/``after_step``."""
+
+    def __init__(self, path: str | os.PathLike, named_parameters: Sequence[tuple[str, Any]], *,
+                 steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter,
+                 exit_when_done: bool = True) -> None:
+        self.path = os.fspath(path)
+        self.steps, self.warmup = steps, warmup
+        self._named = list(named_parameters)
+        self._clock = clock
+        self._exit_when_done = exit_when_done
+        self._steps_done = 0
+        self.finished = False
+        """The description is written (and the hooks removed): later steps are not recorded."""
+        self._records: list[_StepRecord] = []
+        self._current = _StepRecord()
+        self._forward_start: float | None = None
+        """First module forward call since the last backward pass or step (None: none yet)."""
+        self._step_start: float | None = None
+        self._backward_start: float | None = None
+        self._optimizer_start = 0.0
+        self._sparse: set[str] = set()
+        self._original_backward = torch.autograd.backward
+        torch.autograd.backward = self._backward
+        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)]
+        self._handles += [p.register_post_accumulate_grad_hook(self._ready_hook(name))
+                          for name, p in self._named if p.requires_grad]
+
+    # --- events ------------------------------------------------------------------------
+    def _on_forward(self, module: Any, args: Any) -> None:
+        if self._forward_start is None:
+            self._forward_start = self._clock()
+            if self._step_start is None:
+                self._step_start = self._forward_start
+
+    def _backward(self, *args: Any, **kwargs: Any) -> Any:
+        start = self._clock()
+        if self._forward_start is not None:
+            self._current.forward_s += start - self._forward_start
+            self._forward_start = None
+        self._backward_start = start
+        try:
+            return self._original_backward(*args, **kwargs)
+        finally:
+            self._current.backward_s += self._clock() - start
+            self._current.backward_passes += 1
+
+    def _ready_hook(self, name: str) -> Callable[[Any], None]:
+        def hook(_: Any) -> None:
+            if self._backward_start is not None:
+                self._current.ready_s[name] = self._clock() - self._backward_start
+        return hook
+
+    def before_step(self) -> None:
+        """Just before the wrapped optimizer's ``step()``: count the sparse gradients' rows, start its clock."""
+        if self.finished:
+            return
+        for name, p in self._named:
+            grad = p.grad
+            if grad is not None and grad.is_sparse:
+                self._sparse.add(name)
+                self._current.rows_touched[name] = int(grad._indices()[0].unique().numel())
+        self._optimizer_start = self._clock()
+        if self._step_start is None:
+            self._step_start = self._optimizer_start
+
+    def after_step(self) -> None:
+        """Just after the wrapped optimizer's ``step()``: close the step; after the last one, write and exit."""
+        if self.finished:
+            return
+        end = self._clock()
+        self._current.optimizer_s = end - self._optimizer_start
+        self._current.step_s = end - self._step_start
+        if self._steps_done >= self.warmup:
+            self._records.append(self._current)
+        self._steps_done += 1
+        self._current, self._step_start, self._backward_start = _StepRecord(), end, None
+        self._forward_start = None
+        if len(self._records) == self.steps:
+            self.finish()
+
+    # --- the result --------------------------------------------------------------------
+    def description(self) -> ModelDescription:
+        """The description of the profiled steps."""
+        if not self._records:
+            raise ValueError("no step was profiled yet")
+        missing_backward = sum(1 for r in self._records if r.backward_passes == 0)
+        if missing_backward:
+            raise ValueError(f"{missing_backward} of {len(self._records)} profiled steps ran no backward pass through "
+                             f"torch.autograd.backward (loss.backward() does); cannot time the backward pass")
+        timing = ComputeTiming(**{field: _median_seconds([getattr(r, field) for r in self._records])
+                                  for field in ("forward_s", "backward_s", "optimizer_s", "step_s")},
+                               steps=len(self._records))
+        return ModelDescription(variables=variables_from_parameters(self._named, self._sparse), timing=timing,
+                                variable_timing=self._variable_timing(), meta=_meta())
+
+    def _variable_timing(self) -> dict[str, VariableTiming]:
+        ready: dict[str, list[float]] = {}
+        for record in self._records:
+            for name, t in record.ready_s.items():
+                ready.setdefault(name, []).append(t)
+        medians = {name: statistics.median(times) for name, times in ready.items()}
+        first_seen = {name: times[0] for name, times in ready.items()}
+        order = sorted(medians, key=lambda name: (medians[name], first_seen[name]))
+        out = {}
+        for position, name in enumerate(order):
+            rows = [r.rows_touched[name] for r in self._records if name in r.rows_touched]
+            out[name] = VariableTiming(ready_order=position, ready_s=_median_seconds(ready[name]),
+                                       rows_touched=statistics.median_low(rows) if rows else None)
+        return out
+
+    def finish(self) -> None:
+        """Write the description, undo every hook, say so on stderr; end the process if asked to."""
+        desc = self.description()
+        self.close()
+        save_description(desc, self.path)
+        self.finished = True
+        total = self.warmup + len(self._records)
+        print(f"hybridsync profile: wrote {self.path} after {total} steps "
+              f"({self.warmup} warm-up, {len(self._records)} profiled)", file=sys.stderr, flush=True)
+        if self._exit_when_done:
+            sys.stdout.flush()
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Remove the hooks and restore ``torch.autograd.backward``; training goes on unprofiled."""
+        global _active
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if torch.autograd.backward == self._backward:
+            torch.autograd.backward = self._original_backward
+        if _active is self:
+            _active = None
+
+
+def _median_seconds(values: Sequence[float]) -> float:
+    return round(statistics.median(values), _SECONDS_DIGITS)
+
+
+def _meta() -> dict[str, str]:
+    """Where and with what the profile was taken."""
+    from hybridsync import __version__
+    meta = {"torch": torch.__version__, "hybridsync": __version__}
+    try:
+        import horovod
+        meta["horovod"] = horovod.__version__
+    except ImportError:
+        pass
+    meta.update(host=socket.gethostname(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=shlex.join(getattr(sys, "orig_argv", sys.argv)))
+    return meta

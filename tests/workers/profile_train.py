@@ -1,0 +1,65 @@
+"""A small deterministic training script for the profiler: a sparse embedding and a few Linear layers.
+
+Usage: python profile_train.py --steps N [--params OUT.pt]
+
+Step k looks up ids ``(arange(BATCH) % UNIQUE_IDS) + (k % 10) * 50``: exactly UNIQUE_IDS
+distinct rows of the embedding per step. Prints ``step k`` after each step and
+``trained N steps`` at the end, so a test sees where a profiled run stopped. With
+``--params`` the parameters are saved when the process ends, however it ends (the
+profiler ends it with ``SystemExit(0)`` inside ``optimizer.step()``).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import hybridsync as hs
+
+BATCH = 64
+UNIQUE_IDS = 24
+EMBEDDING_ROWS = 1000
+WIDTH = 256
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(EMBEDDING_ROWS, 16, sparse=True)
+        self.fc1 = torch.nn.Linear(16, WIDTH)
+        self.fc2 = torch.nn.Linear(WIDTH, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.fc1(self.emb(ids)))
+        return self.head(torch.relu(self.fc2(x)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--params", help="save the parameters here when the process ends")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    hs.init()
+    model = Model()
+    opt = hs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters())
+    target = torch.randn(BATCH, 1)
+    try:
+        for step in range(args.steps):
+            ids = (torch.arange(BATCH) % UNIQUE_IDS) + (step % 10) * 50
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(ids), target)
+            loss.backward()
+            opt.step()
+            print(f"step {step}", flush=True)
+        print(f"trained {args.steps} steps", flush=True)
+    finally:
+        if args.params:
+            torch.save(model.state_dict(), args.params)
+
+
+if __name__ == "__main__":
+    main()
