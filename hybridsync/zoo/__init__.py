@@ -24,8 +24,8 @@ _MODELS: dict[str, ZooModel] = {m.name: m for m in (
              batch_size=512, learning_rate=0.5),
     BertModel(name="bert", summary="BERT-like: dense token embedding + 2 transformer blocks (38 tensors)",
               batch_size=16, learning_rate=0.02, momentum=0.9),
-    ImageModel(name="vgg", summary="VGG-like: 3 small convs + 2 huge FC layers (top-3 tensors: 99% of bytes)",
-               batch_size=32, learning_rate=0.05, momentum=0.9, image_size=32, architecture="vgg"),
+    ImageModel(name="vgg", summary="VGG-like: 3 small conv+BN stages + 2 huge FC layers (top-3: 99% of bytes)",
+               batch_size=32, learning_rate=0.02, momentum=0.9, image_size=32, architecture="vgg"),
     ImageModel(name="resnet", summary="ResNet-34-like with narrow channels: 100+ small conv/BN tensors",
                batch_size=32, learning_rate=0.05, momentum=0.9, image_size=8, architecture="resnet"),
 )}

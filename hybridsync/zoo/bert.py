@@ -74,7 +74,8 @@ class BertModel(ZooModel):
     def build(self) -> nn.Module:
         return Bert()
 
-    def make_batch(self, generator: torch.Generator, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def make_batch(self, generator: torch.Generator,
+                   batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         size = self._batch_size(batch_size)
         target = torch.randint(0, NUM_CLASSES, (size,), generator=generator)
         tokens = torch.randint(0, VOCAB, (size, SEQ_LEN), generator=generator)

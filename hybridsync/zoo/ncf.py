@@ -53,7 +53,8 @@ def _teacher_factors() -> tuple[torch.Tensor, torch.Tensor]:
     gen = teacher("ncf")
     # column 0 of the item factors is an item bias (users' is 1): most of the signal is in
     # popular items, so the loss falls within tens of steps; the rest needs both embeddings
-    users, items = torch.randn(NUM_USERS, TEACHER_DIM, generator=gen), torch.randn(NUM_ITEMS, TEACHER_DIM, generator=gen)
+    users = torch.randn(NUM_USERS, TEACHER_DIM, generator=gen)
+    items = torch.randn(NUM_ITEMS, TEACHER_DIM, generator=gen)
     users[:, 0], items[:, 0] = 1.0, 2.0 * items[:, 0]
     return users, items
 
@@ -69,7 +70,8 @@ class NCFModel(ZooModel):
     def build(self) -> nn.Module:
         return NCF()
 
-    def make_batch(self, generator: torch.Generator, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def make_batch(self, generator: torch.Generator,
+                   batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         size = self._batch_size(batch_size)
         users = _popular_ids(NUM_USERS, size, generator)
         items = _popular_ids(NUM_ITEMS, size, generator)

@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "warmup" else 1):
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'warmup' else 1}, got {value}")
+    if args.output and not args.describe:
+        raise SystemExit("-o/--output goes with --describe (use --json for a training report)")
     torch.set_num_threads(args.threads)
     try:
         return describe(args) if args.describe else train(args)

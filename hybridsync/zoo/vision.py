@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import torch
 from torch import nn
@@ -16,14 +17,15 @@ NOISE = 1.0
 
 
 class VGG(nn.Module):
-    """Three conv stages (narrow) then two wide fully connected layers, as VGG's head dominates its bytes."""
+    """Three narrow conv + batch-norm stages, then two wide fully connected layers: as in VGG, the
+    head holds almost all bytes (batch norm only makes the loss fall within tens of steps)."""
 
     def __init__(self, channels: tuple[int, ...] = (16, 32, 32), image: int = 32, hidden: int = 1024,
                  num_classes: int = NUM_CLASSES):
         super().__init__()
         layers, width = [], 3
         for c in channels:
-            layers += [nn.Conv2d(width, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+            layers += [nn.Conv2d(width, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(2)]
             width = c
         self.features = nn.Sequential(*layers)
         flat = width * (image // 2 ** len(channels)) ** 2
@@ -84,15 +86,15 @@ class ImageModel(ZooModel):
 
     image_size: int
     """Side of the square RGB images, in pixels."""
-    architecture: str
-    """``vgg`` or ``resnet``."""
+    architecture: Literal["vgg", "resnet"]
 
     def build(self) -> nn.Module:
         if self.architecture == "vgg":
             return VGG(image=self.image_size)
         return ResNet()
 
-    def make_batch(self, generator: torch.Generator, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def make_batch(self, generator: torch.Generator,
+                   batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         size = self._batch_size(batch_size)
         target = torch.randint(0, NUM_CLASSES, (size,), generator=generator)
         noise = torch.randn(size, 3, self.image_size, self.image_size, generator=generator)
