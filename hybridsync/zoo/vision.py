@@ -20,7 +20,7 @@ class VGG(nn.Module):
     """Three narrow conv + batch-norm stages, then two wide fully connected layers: as in VGG, the
     head holds almost all bytes (batch norm only makes the loss fall within tens of steps)."""
 
-    def __init__(self, channels: tuple[int, ...] = (16, 32, 32), image: int = 32, hidden: int = 1024,
+    def __init__(self, channels: tuple[int, ...] = (8, 16, 32), image: int = 32, hidden: int = 1024,
                  num_classes: int = NUM_CLASSES):
         super().__init__()
         layers, width = [], 3
