@@ -8,19 +8,19 @@ from hybridsync import baselines
 from hybridsync.explain import explain
 from hybridsync.run import profile
 from hybridsync.strategy import Strategy
+from hybridsync.model_source import load_model_variables
 from hybridsync.trials import cli as trials_cli
 from hybridsync.trials import dataset_cli
-from hybridsync.variables import load_model_description
 
 
 def _explain(args: argparse.Namespace) -> int:
-    variables = load_model_description(args.model) if args.model else None
+    variables = load_model_variables(args.model) if args.model else None
     print(explain(Strategy.load(args.strategy), variables))
     return 0
 
 
 def _baseline(args: argparse.Namespace) -> int:
-    variables = load_model_description(args.model)
+    variables = load_model_variables(args.model)
     strategy = baselines.build_baseline(args.name, variables, args.num_servers)
     strategy.save(args.output)
     print(f"wrote {args.output} ({args.name}, fingerprint {strategy.fingerprint()})")
@@ -32,22 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("explain", help="print what a strategy does to each variable")
     p.add_argument("strategy", help="strategy file (.json/.yaml)")
-    p.add_argument("--model", help="model description JSON: {\"variables\": [{\"name\", \"shape\", ...}]}")
+    p.add_argument("--model", help="model description JSON: {\"variables\": [{\"name\", \"shape\", ...}]}, "
+                   "or a zoo model name (ncf, bert, vgg, resnet)")
     p.set_defaults(func=_explain)
     p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model")
     p.add_argument("name", choices=sorted(baselines.BUILDERS))
     p.add_argument("--model", required=True,
                    help="model description JSON; write it with hybridsync.variables.save_model_description("
-                        "variables_from_model(model), path) so sparse embeddings are marked sparse")
+                        "variables_from_model(model), path) so sparse embeddings are marked sparse; "
+                        "or a zoo model name")
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
     p.add_argument("-o", "--output", required=True, help="where to write the strategy")
     p.set_defaults(func=_baseline)
-<<<<<<< HEAD
+    profile.add_parser(commands)
     trials_cli.add_parser(commands)
     dataset_cli.add_parser(commands)
-=======
-    profile.add_parser(commands)
->>>>>>> profiler
     commands.add_parser("cluster", help="emulated multi-node cluster: up | run | down | ls (see: cluster --help)")
     return parser
 
