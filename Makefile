@@ -3,7 +3,7 @@
 #   make demo   - install into .venv/, then run the demo training job
 PY := .venv/bin/python
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench dataset clean
 setup:
 	bash scripts/bootstrap.sh
 
@@ -12,6 +12,9 @@ test: setup
 
 demo: setup
 	$(PY) examples/demo.py
+
+dataset: setup
+	bash scripts/dataset.sh
 
 bench: setup
 	$(PY) benchmarks/overhead.py

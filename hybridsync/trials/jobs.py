@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from typing import IO, Any, Protocol, Sequence
@@ -78,12 +79,27 @@ class EmulatedTarget:
         return _EmulatedJob(workers=workers, servers=servers)
 
 
+_RANK_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.", re.MULTILINE)
+"""How horovodrun reports a rank's exit. It goes on waiting for the other ranks, which may be
+blocked in a collective with the dead one: the runner must not wait for horovodrun to notice."""
+
+
 @dataclasses.dataclass
 class _LauncherJob:
     process: subprocess.Popen[Any]
+    log_path: str
+    _offset: int = 0
+    _rank_codes: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def exit_codes(self) -> list[int | None]:
-        return [self.process.poll()]
+        """The launcher's code, then that of every rank horovodrun reported as exited."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as log:
+            log.seek(self._offset)
+            text = log.read()
+        complete = text[:text.rfind("\n") + 1]
+        self._offset += len(complete.encode("utf-8"))
+        self._rank_codes.update({int(rank): int(code) for rank, code in _RANK_EXIT.findall(complete)})
+        return [self.process.poll(), *(self._rank_codes[rank] for rank in sorted(self._rank_codes))]
 
     def stop(self) -> None:
         from hybridsync.run import procs
@@ -118,4 +134,4 @@ class HostsTarget:
                 "--num-servers", str(self.spec.num_servers), *self.launcher_args, *command]
         process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                    text=True, start_new_session=True)
-        return _LauncherJob(process=process)
+        return _LauncherJob(process=process, log_path=log.name)

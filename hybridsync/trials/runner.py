@@ -32,6 +32,8 @@ from hybridsync.trials.store import TrialRecord, TrialStore
 from hybridsync.trials.worker import utc_now
 
 POLL_S = 0.2
+SETTLE_S = 1.0
+"""After a rank's error or exit, time for the rest of the job's errors and exits to show."""
 LOG_TAIL_CHARS = 3000
 
 
@@ -174,10 +176,12 @@ class TrialRunner:
                 elif event["event"] == "done":
                     return records, None, True
                 deadline = time.monotonic() + self.protocol.trial_timeout_s
-            if errors:
-                return records, "; ".join(errors), started
-            if ended:
-                return records, f"job exited with codes {job.exit_codes()}: {_log_tail(log_path)}", started
+            if errors or ended:
+                time.sleep(SETTLE_S)  # the other ranks' exits and error lines, for the reason
+                errors += [f"rank {e['rank']}: {e['reason']}" for e in results.new_events() if e["event"] == "error"]
+                codes = f"exit codes {job.exit_codes()}"
+                reason = f"{'; '.join(errors)} ({codes})" if errors else f"job ended, {codes}: {_log_tail(log_path)}"
+                return records, reason, started
             if time.monotonic() > deadline:
                 what = "trial" if started else "job start"
                 limit = self.protocol.trial_timeout_s if started else self.protocol.start_timeout_s
@@ -203,8 +207,9 @@ MAX_FALSE_STARTS = 2
 
 
 def _ended(codes: list[int | None]) -> bool:
-    """A worker failed, or all of them exited (a clean exit without ``done`` is a failure too)."""
-    return any(code not in (None, 0) for code in codes) or all(code is not None for code in codes)
+    """A process failed, or the first one (a worker or the launcher) exited: a clean exit
+    without ``done`` is a failure too."""
+    return any(code not in (None, 0) for code in codes) or codes[0] is not None
 
 
 def _log_tail(path: str) -> str:

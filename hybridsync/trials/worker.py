@@ -99,7 +99,7 @@ class TrialWorker:
         generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
         self.batches = [self.zoo_model.make_batch(generator) for _ in range(BATCHES_PER_RANK)]
         self.optimizer = hs.DistributedOptimizer(
-            torch.optim.SGD(self.model.parameters(), lr=self.zoo_model.learning_rate),
+            self.zoo_model.optimizer(self.model),
             named_parameters=self.model.named_parameters())
         self._horovod: tuple[Any, Any] | None = None
 
@@ -109,7 +109,7 @@ class TrialWorker:
             import torch
             model = copy.deepcopy(self.model)
             optimizer = self.hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=self.zoo_model.learning_rate),
+                self.zoo_model.optimizer(model),
                 named_parameters=model.named_parameters())
             self._horovod = (model, optimizer)
         return self._horovod
