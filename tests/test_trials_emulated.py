@@ -39,6 +39,7 @@ def test_sweep_measures_every_candidate_on_the_emulated_cluster_and_exports(tmp_
     assert all(r.status == "ok" for r in records), [(r.kind, r.reason) for r in records if r.status != "ok"]
     assert all(r.cluster["nodes"] == 2 and len(r.step_times) == 4 for r in records)
     lines = [json.loads(line) for line in export.read_text().splitlines()]
-    assert sum(1 for line in lines if line.get("uid")) == len(records) or len(lines) > len(records)
+    assert sorted(line["uid"] for line in lines if line["type"] == "trial") == sorted(r.uid for r in records)
+    assert [line["model"] for line in lines if line["type"] == "description"] == ["ncf"]
     stats = run_job([str(BIN / "hybridsync"), "dataset", "stats", "--store", store], timeout=60)
     assert stats.returncode == 0 and "ncf" in stats.stdout, stats.stdout

@@ -6,8 +6,9 @@ even mix of everything):
 
 1. strategy-level knobs: route weights (a Dirichlet draw over ring, hierarchical and PS),
    the PS protocol, how often fp16 is used, the number of merge groups and the partition size;
-2. per variable: a route drawn from those weights, then its partitions, compression and
-   (for the PS) an explicit server placement or none (balanced by bytes).
+2. per variable: a route drawn from those weights (or, in ``BY_CLASS`` of the strategies,
+   one route per class of variable: sparse, large dense, small dense), then its partitions,
+   compression and (for the PS) an explicit server placement or none (balanced by bytes).
 
 Merge groups are formed afterwards in backward order (last variable first, as gradients
 become ready) among the variables that can share a message (same route, variant,
@@ -32,6 +33,13 @@ PARTITION_BYTES_CHOICES: tuple[int | None, ...] = (None, 256 * 1024, 1024 * 1024
 GROUP_COUNT_CHOICES: tuple[int, ...] = (0, 1, 2, 4, 8)
 """Merge groups per message class (0: every variable its own message)."""
 MAX_PARTITIONS = 16
+BY_CLASS = 0.4
+"""Share of strategies that route by variable class (sparse, large dense, small dense) rather
+than variable by variable: the hand-made mixes that work (Parallax; embeddings on the PS and
+dense layers hierarchical and fused) are of that kind, and a per-variable draw almost never
+produces one."""
+LARGE_DENSE_BYTES = 1024 * 1024
+_CLASSES = ("sparse", "large", "small")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,9 +65,11 @@ def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
     partition_bytes = PARTITION_BYTES_CHOICES[rng.integers(len(PARTITION_BYTES_CHOICES))]
     num_groups = int(rng.choice(GROUP_COUNT_CHOICES))
     explicit_servers = bool(rng.random() < 0.3)
+    by_class = {c: routes[rng.choice(len(routes), p=weights)] for c in _CLASSES} if rng.random() < BY_CLASS else None
     configs = {}
     for name, info in variables.items():
-        route, algorithm = routes[rng.choice(len(routes), p=weights)]
+        route, algorithm = (by_class[_class_of(info)] if by_class is not None
+                            else routes[rng.choice(len(routes), p=weights)])
         partitions = _partitions(info, partition_bytes, bounds.max_partitions)
         compression = "fp16" if info.dtype == "float32" and rng.random() < fp16_share else None
         if route == "ps":
@@ -73,6 +83,12 @@ def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
     strategy = Strategy(variables=_with_groups(configs, num_groups))
     strategy.validate_for(variables)
     return strategy
+
+
+def _class_of(info: VariableInfo) -> str:
+    if info.sparse:
+        return "sparse"
+    return "large" if info.nbytes >= LARGE_DENSE_BYTES else "small"
 
 
 def _protocol(rng: np.random.Generator) -> tuple[str, int | None]:
