@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 py=.venv/bin/python
 hs=.venv/bin/hybridsync
 store=${STORE:-sqlite:///data/trials.db}
-sample=${SAMPLE:-85}
-calibration=${CALIBRATION:-20}
+sample=${SAMPLE:-75}
+calibration=${CALIBRATION:-12}
 models=(ncf bert vgg resnet)
 clusters=(horovodrun_configs/cluster_2x2_1gbit.yaml horovodrun_configs/cluster_2x2_250mbit.yaml
           horovodrun_configs/cluster_4x1_500mbit.yaml)

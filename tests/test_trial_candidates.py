@@ -115,3 +115,16 @@ def test_results_follower_returns_only_complete_lines(tmp_path):
         handle.write('al", "index": 0}\n')
     assert follower.new_events() == [{"event": "trial", "index": 0}]
     assert follower.new_events() == []
+
+
+def test_sparse_gradients_stay_sparse_unless_allowed():
+    def densified(strategy) -> bool:
+        config = strategy.config_for("emb.weight")
+        return config.route == "allreduce" and (config.algorithm != "ring" or config.partitions > 1
+                                                 or config.group is not None or config.compression is not None)
+    rng = np.random.default_rng(5)
+    strategies = [random_strategy(VARIABLES, SpaceBounds(num_servers=2), rng) for _ in range(300)]
+    assert not any(densified(s) for s in strategies)
+    assert {s.config_for("emb.weight").route for s in strategies} == {"allreduce", "ps"}
+    allowed = [random_strategy(VARIABLES, SpaceBounds(num_servers=2, densify_sparse=True), rng) for _ in range(300)]
+    assert any(densified(s) for s in allowed)
