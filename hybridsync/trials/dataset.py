@@ -136,20 +136,31 @@ def plot_summaries(summaries: Sequence[Summary], out_dir: str | os.PathLike[str]
     return paths
 
 
+LOG_SCALE_RATIO = 3.0
+"""Step times spread wider than this (max/min) are drawn on a log axis, with log-spaced bins."""
+
+
 def _draw(axes, summary: Summary) -> None:
+    import numpy as np
     medians_ms = [m * 1000 for m in summary.medians_s]
-    if medians_ms:
-        axes.hist(medians_ms, bins=min(40, max(5, len(medians_ms) // 5)), color="#9bb7d4", label="all trials")
-        axes.plot(medians_ms, [0] * len(medians_ms), "|", color="#2b4c6f", markersize=12)
-    marks = [(f"baseline {name}", seconds, "#c0392b") for name, seconds in sorted(summary.baselines_s.items())]
+    marks = [(f"baseline {name}", seconds * 1000, "#c0392b") for name, seconds in summary.baselines_s.items()]
     if summary.horovod_s is not None:
-        marks.append(("horovod", summary.horovod_s, "#27ae60"))
-    for label, seconds, color in marks:
-        axes.axvline(seconds * 1000, color=color, linestyle="--", linewidth=1)
-        axes.annotate(label, (seconds * 1000, 1), xycoords=("data", "axes fraction"), rotation=90,
+        marks.append(("horovod", summary.horovod_s * 1000, "#27ae60"))
+    values = medians_ms + [ms for _, ms, _ in marks]
+    log = bool(values) and max(values) / min(values) > LOG_SCALE_RATIO
+    if medians_ms:
+        count = min(40, max(5, len(medians_ms) // 5))
+        bins = np.geomspace(min(values), max(values), count + 1) if log else count
+        axes.hist(medians_ms, bins=bins, color="#9bb7d4", label="all trials")
+        axes.plot(medians_ms, [0] * len(medians_ms), "|", color="#2b4c6f", markersize=12)
+    if log:
+        axes.set_xscale("log")
+    for i, (label, ms, color) in enumerate(sorted(marks, key=lambda mark: mark[1])):
+        axes.axvline(ms, color=color, linestyle="--", linewidth=1)
+        axes.annotate(label, (ms, 1 - 0.3 * (i % 3)), xycoords=("data", "axes fraction"), rotation=90,
                       ha="right", va="top", fontsize=7, color=color,
                       bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1})
-    axes.set_xlabel("median step time of a trial (ms)")
+    axes.set_xlabel("median step time of a trial (ms" + (", log scale)" if log else ")"))
     axes.set_ylabel("trials")
     axes.set_title(f"{summary.model} on {summary.cluster}: {summary.ok} ok, {summary.failed} failed, "
                    f"{len(summary.baselines_s)} baselines")
