@@ -9,6 +9,10 @@ with what a shorter protocol would have measured in the same run: the median of 
 short protocol: Kendall tau between the short and full rankings, the share of trial pairs
 ordered alike, whether the top-1 strategy is the same, the median relative deviation
 |short/full - 1|, and the median spread ((p90 - p10) / median) of the steps each one times.
+
+Noise floor, for judging those taus: ``split`` is the full protocol against itself (the
+median of timed steps 10-29 vs that of steps 30-49, Kendall tau), and ``disjoint`` the short
+protocol against the steps after it (w+t .. 49), which shares no step with it.
 """
 from __future__ import annotations
 
@@ -50,21 +54,25 @@ def main(argv: list[str] | None = None) -> int:
                 groups[record.model, cluster_label(record.cluster)].append(record.step_times)
     print(f"full protocol: {FULL[0]} warm-up + {FULL[1]} timed steps; short w+t = median of steps w..w+t-1")
     print(f"{'model':<8}{'cluster':<16}{'trials':>7}{'protocol':>10}{'tau':>7}{'pairs':>7}{'top1':>6}"
-          f"{'|dev|':>7}{'spread':>8}{'full spread':>12}")
+          f"{'|dev|':>7}{'spread':>8}{'full spread':>12}{'disjoint':>9}{'split':>7}")
     for (model, cluster), traces in sorted(groups.items()):
         if len(traces) < 5:
             continue
         full = [statistics.median(t[FULL[0]:sum(FULL)]) for t in traces]
         full_spread = statistics.median(spread(t[FULL[0]:sum(FULL)]) for t in traces)
+        half = FULL[0] + FULL[1] // 2
+        split = kendalltau([statistics.median(t[FULL[0]:half]) for t in traces],
+                           [statistics.median(t[half:sum(FULL)]) for t in traces]).statistic
         for warmup, timed in SHORT:
             short = [statistics.median(t[warmup:warmup + timed]) for t in traces]
             tau = kendalltau(full, short).statistic
             deviation = statistics.median(abs(s / f - 1) for s, f in zip(short, full))
             short_spread = statistics.median(spread(t[warmup:warmup + timed]) for t in traces)
             top1 = int(np.argmin(full)) == int(np.argmin(short))
+            disjoint = kendalltau(short, [statistics.median(t[warmup + timed:sum(FULL)]) for t in traces]).statistic
             print(f"{model:<8}{cluster:<16}{len(traces):>7}{f'{warmup}+{timed}':>10}{tau:>7.3f}"
                   f"{pairwise_agreement(full, short):>7.3f}{'yes' if top1 else 'no':>6}{deviation:>7.3f}"
-                  f"{short_spread:>8.3f}{full_spread:>12.3f}")
+                  f"{short_spread:>8.3f}{full_spread:>12.3f}{disjoint:>9.3f}{split:>7.3f}")
     return 0
 
 
