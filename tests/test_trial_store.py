@@ -283,3 +283,17 @@ def test_two_writers_at_once_lose_no_trial(tmp_path: Path) -> None:
         assert sorted(r.uid for r in store.trials()) == sorted(committed)
         assert {r.uid[0] for r in store.trials()} == {"a", "b"}
         assert sql(store.path, "PRAGMA integrity_check") == [("ok",)]
+
+
+@pytest.mark.unit
+def test_the_shipped_dataset_loads_back_into_a_store(tmp_path):
+    """data/trials.jsonl (`make dataset`): >= 1000 successful trials over the 4 zoo models x 3 clusters."""
+    shipped = Path(__file__).resolve().parent.parent / "data" / "trials.jsonl"
+    with TrialStore(tmp_path / "shipped.db") as store:
+        added, skipped = store.import_jsonl(shipped)
+        ok = store.trials(status="ok")
+        assert skipped == 0 and len(ok) >= 1000
+        assert {r.model for r in ok} == {"ncf", "bert", "vgg", "resnet"}
+        assert len({r.cluster_id for r in ok}) >= 3
+        assert {r.description_id for r in ok} <= set(store.descriptions())
+        assert all(len(r.step_times) > r.warmup_steps for r in ok)

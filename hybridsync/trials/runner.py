@@ -60,6 +60,9 @@ class TrialProtocol:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSummary:
+    """What one ``TrialRunner.run`` did: trials measured (ok) and failed, candidates the store
+    already held, jobs started, wall time."""
+
     measured: int
     failed: int
     skipped: int
@@ -113,7 +116,7 @@ class TrialRunner:
             measured, failure, started = self._run_job(job_id, remaining, on_trial)
             records += measured
             remaining = remaining[len(measured):]
-            if failure is None:
+            if failure is None or not remaining:
                 continue
             if not started:
                 false_starts += 1
