@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 py=.venv/bin/python
 hs=.venv/bin/hybridsync
 store=${STORE:-sqlite:///data/trials.db}
-sample=${SAMPLE:-75}
+sample=${SAMPLE:-77}
 calibration=${CALIBRATION:-12}
 models=(ncf bert vgg resnet)
 clusters=(horovodrun_configs/cluster_2x2_1gbit.yaml horovodrun_configs/cluster_2x2_250mbit.yaml

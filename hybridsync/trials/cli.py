@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hybridsync.cluster.spec import ClusterSpec
-from hybridsync.trials.candidates import Candidate, load_candidates, trial_candidates
 from hybridsync.trials.store import DEFAULT_STORE, cluster_label
+
+if TYPE_CHECKING:  # candidates need numpy, which `hybridsync --help` must not
+    from hybridsync.trials.candidates import Candidate
 
 
 def add_parser(commands: Any) -> None:
@@ -74,6 +76,7 @@ def model_description(model: str, path: str | None) -> tuple[dict[str, Any], dic
 
 
 def _candidates(args: argparse.Namespace, variables: dict[str, Any], spec: ClusterSpec) -> list[Candidate]:
+    from hybridsync.trials.candidates import load_candidates, trial_candidates
     if args.strategies:
         return load_candidates(args.strategies)
     return trial_candidates(variables, spec, sample=args.sample, seed=args.seed)
@@ -101,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from hybridsync.trials.candidates import trial_candidates
     from hybridsync.trials.jobs import EmulatedTarget
     specs = [ClusterSpec.from_yaml(path) for path in args.clusters]
     with _open_store(args.store) as store:

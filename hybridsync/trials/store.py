@@ -184,8 +184,10 @@ def cluster_id(cluster: Mapping[str, Any]) -> str:
     return f"{cluster_label(cluster)}:{digest}"
 
 
-def store_path(url: str) -> Path:
-    """The SQLite file a store URL names; ``ValueError`` for any other kind of URL."""
+def store_path(url: str | os.PathLike[str]) -> Path:
+    """The SQLite file a store URL (or a path) names; ``ValueError`` for any other kind of URL."""
+    if isinstance(url, os.PathLike):
+        return Path(url)
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"trial store URL must be a non-empty string ({URL_FORMS}), got {url!r}")
     if "://" not in url:
@@ -241,10 +243,10 @@ class TrialStore:
     """Trials and model descriptions in one SQLite file (see the module docstring for URLs
     and for sharing a store between runners)."""
 
-    def __init__(self, url: str, *, create: bool = True) -> None:
+    def __init__(self, url: str | os.PathLike[str], *, create: bool = True) -> None:
         """Opens (and with ``create``, makes) the store at ``url``; ``ValueError`` for a bad URL,
         a missing store when ``create`` is false, or a file that is not a trial store."""
-        self.url, self.path = url, store_path(url)
+        self.url, self.path = os.fspath(url), store_path(url)
         if not self.path.exists() and not create:
             raise ValueError(f"no trial store at {self.path} (from {url!r})")
         if not self.path.parent.is_dir():
