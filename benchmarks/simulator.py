@@ -1,0 +1,107 @@
+"""How well does the runtime simulator predict held-out trials, and how fast does it score?
+
+    .venv/bin/python benchmarks/simulator.py --store sqlite:///data/trials.db [--png sim.png] [--save sim.json]
+
+Reads the successful trials of a store (read only) and prints, for the analytic model
+alone, XGBoost alone and both: leave-one-model-out and leave-one-cluster-out pairwise
+ranking accuracy, Kendall tau, MAPE and top-1 regret (per held-out set, then pooled);
+warm-start transfer to each held-out model with k = 0, 5, 10, 20 of its trials; and how
+many candidate strategies per second a fitted simulator scores (features + XGBoost, one
+thread) on the largest model. Targets on a held-out model: pairwise >= 0.90, MAPE <= 10%.
+One process, one xgboost thread: seconds to a minute, depending on the store's size.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--store", required=True, help="trial store URL (sqlite:///data/trials.db)")
+    parser.add_argument("--cores", type=float, default=os.cpu_count(),
+                        help="cores the emulated cluster's ranks shared when measured (default: this machine's)")
+    parser.add_argument("--png", help="write the predicted-vs-measured plot (leave-one-model-out) here")
+    parser.add_argument("--save", help="fit on every trial and save the simulator here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-transfer", action="store_true", help="skip the warm-start rows")
+    args = parser.parse_args(argv)
+
+    from hybridsync.model.analytic import CostConstants
+    from hybridsync.model.evaluate import cross_validate, format_table, plot_predictions, summarize, transfer
+    from hybridsync.model.simulator import BoosterParams, Simulator, load_samples
+
+    started = time.perf_counter()
+    samples = load_samples(args.store)
+    constants, params = CostConstants(cores=args.cores), BoosterParams(seed=args.seed)
+    models = sorted({s.model for s in samples})
+    clusters = sorted({s.cluster.inter_node_bandwidth + f" {s.cluster.nodes}x{s.cluster.workers_per_node}"
+                       for s in samples})
+    print(f"store {args.store}: {len(samples)} successful trials, models {models}, clusters {clusters}; "
+          f"cores {args.cores:g}")
+    rows = []
+    for split in ("model", "cluster"):
+        try:
+            rows += cross_validate(samples, split=split, constants=constants, params=params)
+        except ValueError as error:
+            print(f"leave-one-{split}-out skipped: {error}")
+    print(format_table(rows))
+    pooled = summarize(rows)
+    print("\npooled over held-out sets (metrics within each model x cluster):")
+    print(format_table(pooled))
+    if not args.no_transfer:
+        transfer_rows = []
+        for model in models:
+            try:
+                transfer_rows += transfer(samples, held_out=model, seed=args.seed, constants=constants, params=params)
+            except ValueError as error:
+                print(f"transfer to {model} skipped: {error}")
+        if transfer_rows:
+            print("\nwarm start on a held-out model with k of its trials (test: its other trials):")
+            print(format_table(transfer_rows))
+    if args.png and pooled:
+        plot_predictions([r for r in pooled if r.split == "model"] or pooled, args.png)
+        print(f"\nplot: {args.png}")
+    print()
+    print(_scoring_speed(samples, constants, params))
+    if args.save:
+        Simulator(constants=constants, params=params).fit(samples).save(args.save)
+        print(f"saved: {args.save}")
+    print(f"took {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _scoring_speed(samples: list, constants: object, params: object, count: int = 10_000) -> str:
+    """Candidates per second of a fitted simulator on the model with most variables, from
+    encoded batches (what a search mutates) and from ``Strategy`` objects."""
+    from hybridsync.model.encoding import StrategyBatch, from_strategies, model_arrays
+    from hybridsync.model.simulator import Simulator
+    from hybridsync.search.space import SpaceBounds, random_strategy
+
+    simulator = Simulator(constants=constants, params=params).fit(samples)
+    largest = max(samples, key=lambda s: len(s.description.variables))
+    arrays, cluster = model_arrays(largest.description), largest.cluster
+    rng = np.random.default_rng(0)
+    bounds = SpaceBounds(num_servers=cluster.num_servers, hierarchical=cluster.workers_per_node > 1)
+    strategies = [random_strategy(largest.description.variables, bounds, rng) for _ in range(200)]
+    start = time.perf_counter()
+    small = from_strategies(arrays, strategies, cluster)
+    encode_rate = len(strategies) / (time.perf_counter() - start)
+    repeat = count // len(strategies)
+    batch = StrategyBatch(**{field: np.concatenate([getattr(small, field)] * repeat)
+                             for field in ("route", "protocol", "partitions", "group", "fp16", "server_share")})
+    simulator.predict_batch(arrays, cluster, batch)  # warm up
+    start = time.perf_counter()
+    simulator.predict_batch(arrays, cluster, batch)
+    rate = len(batch) / (time.perf_counter() - start)
+    return (f"scoring speed ({largest.model}, {len(arrays.names)} variables, {cluster.nodes}x"
+            f"{cluster.workers_per_node}): {rate:,.0f} candidates/s from encoded batches of {len(batch)} "
+            f"(units + analytic + features + XGBoost, 1 thread); encoding Strategy objects: {encode_rate:,.0f}/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
