@@ -22,7 +22,9 @@ For each candidate (vectorized over a ``StrategyBatch``'s ``Units``):
 Overlap: a unit can start when its last gradient is ready (profiled ``ready_s``, scaled
 like compute); the units of one channel (Horovod's ring thread, the hierarchical path,
 the PS client) run one after the other, so a channel ends at
-max_j(ready_j + cost of the channel's units from j on), the textbook single-server queue.
+max_j(ready_j + cost of the channel's units from j on), the textbook single-server queue;
+on Horovod's channel the messages that become ready while an op runs are fused into the
+next op, which pays one alpha (tensor fusion).
 The step is compute + the part of communication not hidden behind the backward pass,
 and never faster than the busiest uplink allows. Compute is slowed when more ranks than
 cores share a machine (``cores``: the emulated cluster runs every rank on one machine).
@@ -48,7 +50,7 @@ class CostConstants:
     """The analytic model's constants (seconds, fractions of a link's set rate, bytes per second)."""
 
     alpha_ring_s: float = 4.4e-3
-    """Per ring all-reduce: RESULTS.md collectives.py, 4-byte ring at 1 Gbit/s: 4.06, 4.41, 4.60 ms."""
+    """Per Horovod op (fused ring all-reduce): RESULTS.md collectives.py, 4-byte ring at 1 Gbit/s: 4.06, 4.41, 4.60 ms."""
     alpha_hier_s: float = 4.8e-3
     """Per hierarchical all-reduce: collectives.py 4-byte hier: 3.69, 4.82 ms (one outlier 10.5 ms)."""
     alpha_ps_s: float = 7.2e-3
@@ -136,7 +138,8 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     route = u.route
     is_ring, is_hier, is_gather = route == RING, route == HIER, route == GATHER
     is_ps = (route == PS) | (route == PS_ASYNC)
-    alpha = (np.where(is_ring, c.alpha_ring_s * u.messages, 0.0) + np.where(is_hier, c.alpha_hier_s * u.messages, 0.0)
+    # ring all-reduce ops are paid per Horovod op, not per message (its fusion: _fused_channel_end)
+    alpha = (np.where(is_hier, c.alpha_hier_s * u.messages, 0.0)
              + np.where(is_gather, 2 * c.alpha_ring_s * u.messages, 0.0) + np.where(is_ps, c.alpha_ps_s * keys, 0.0))
     network = (np.where(is_ring, ring_net, 0.0) + np.where(is_hier, hier_net, 0.0)
                + np.where(is_gather, gather_net, 0.0))
@@ -148,11 +151,11 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     scale = slowdown(cluster, c)
     backward = scale * arrays.backward_s
     ready = np.where(route == PS_ASYNC, backward, scale * u.ready_s)  # ASP/SSP: after the local step
-    ends = [_channel_end(ready, cost, mask & (u.messages > 0))
-            for mask in (is_ring | is_gather, is_hier, is_ps)]
+    active = u.messages > 0
+    ring_end, ring_ops = _fused_channel_end(ready, cost, (is_ring | is_gather) & active, c.alpha_ring_s)
+    ends = [ring_end] + [_channel_end(ready, cost, mask & active) for mask in (is_hier, is_ps)]
     if workers == 1:
         ps_network = ps_server = np.zeros_like(ps_network)
-    active = u.messages > 0
     first_ready = np.where(active, ready, np.inf).min(axis=1)
     first_ready = np.where(np.isfinite(first_ready), first_ready, backward)
     uplink_s = network.sum(axis=1) + ps_network
@@ -166,8 +169,33 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     n = len(step)
     return {"step_s": step, "compute_s": compute, "backward_s": np.full(n, backward), "comm_end_s": comm_end,
             "exposed_s": exposed, "ring_s": ends[0], "hier_s": ends[1], "ps_s": ends[2], "ps_network_s": ps_network,
-            "ps_server_s": ps_server, "uplink_s": uplink_s, "alpha_s": alpha.sum(axis=1),
+            "ps_server_s": ps_server, "uplink_s": uplink_s,
+            "alpha_s": alpha.sum(axis=1) + ring_ops * c.alpha_ring_s,
             "max_server_bytes": max_server, "slowdown": np.full(n, scale)}
+
+
+def _fused_channel_end(ready: np.ndarray, cost: np.ndarray, mask: np.ndarray,
+                       alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """End time and op count of Horovod's channel: while an op runs, the messages that become
+    ready join the next op, which starts when it ends and pays one ``alpha`` for all of them
+    (tensor fusion). Scans the columns (ready order), vectorized over candidates."""
+    n = ready.shape[0]
+    end, pending_cost, ops = np.zeros(n), np.zeros(n), np.zeros(n)
+    pending = np.zeros(n, bool)
+    for j in np.flatnonzero(mask.any(axis=0)):
+        mine, r, c = mask[:, j], ready[:, j], cost[:, j]
+        start_pending = mine & pending & (r > end)  # the channel freed up before this message: run the queue
+        end = np.where(start_pending, end + alpha + pending_cost, end)
+        ops += start_pending
+        pending &= ~start_pending
+        pending_cost = np.where(start_pending, 0.0, pending_cost)
+        idle = mine & ~pending & (r >= end)
+        end = np.where(idle, r + alpha + c, end)
+        ops += idle
+        queued = mine & ~idle
+        pending |= queued
+        pending_cost = np.where(queued, pending_cost + c, pending_cost)
+    return np.where(pending, end + alpha + pending_cost, end), ops + pending
 
 
 def _channel_end(ready: np.ndarray, cost: np.ndarray, mask: np.ndarray) -> np.ndarray:
