@@ -106,6 +106,11 @@ def test_sparse_gradients_on_the_ps_send_touched_rows():
                                      "n.v1": VarConfig(route="allreduce")})
     t_ps, t_dense = predict_analytic(desc, CLUSTER, [on_ps, split_ring])
     assert t_ps < t_dense
+    # ASP/SSP push and pull the parameters themselves: dense, uncompressed, after the step
+    asp, asp_fp16 = (Strategy(variables={"n.v0": VarConfig(route="ps", protocol="asp", compression=c),
+                                         "n.v1": VarConfig(route="allreduce")}) for c in (None, "fp16"))
+    t_asp, t_asp_fp16 = predict_analytic(desc, CLUSTER, [asp, asp_fp16])
+    assert t_asp > t_ps + 0.02 and t_asp_fp16 == pytest.approx(t_asp)
 
 
 def test_units_match_the_routing_plan():

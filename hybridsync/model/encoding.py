@@ -226,8 +226,9 @@ class Units:
     route: np.ndarray
     """int8 route code (``RING``... ``GATHER``)."""
     wire_bytes: np.ndarray
-    """Bytes per worker and direction: dense size after compression, or touched rows for
-    sparse gradients on the PS and on Horovod's all-gather."""
+    """Bytes per worker and direction: dense size after compression, touched rows for sparse
+    gradients on the BSP parameter servers and on Horovod's all-gather, dense uncompressed
+    parameters under ASP/SSP."""
     messages: np.ndarray
     """Messages the unit sends (a variable's shards; a group's largest shard count)."""
     ready_s: np.ndarray
@@ -254,9 +255,11 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
     grouped = batch.group >= 0
     is_ps = batch.route == PS
     sparse = np.broadcast_to(arrays.sparse, (n, v))
+    asynchronous = is_ps & (batch.protocol > 0)
     gather = sparse & (batch.route == RING) & (parts == 1) & ~grouped
-    touched = sparse & (is_ps | gather)
-    dense = np.where(batch.fp16, arrays.nbytes * 0.5, arrays.nbytes)
+    touched = sparse & ((is_ps & ~asynchronous) | gather)
+    # ASP/SSP push parameter deltas and pull values: dense and uncompressed (router.plan)
+    dense = np.where(batch.fp16 & ~asynchronous, arrays.nbytes * 0.5, arrays.nbytes)
     wire = np.where(touched, arrays.sparse_bytes, dense)
     # PS placement is a sum over variables: in description order, like the batch
     ps_wire = np.where(is_ps, wire, 0.0)
@@ -265,11 +268,11 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
     server_bytes = np.einsum("nv,nvs->ns", np.where(explicit, ps_wire, 0.0), share)
     balanced = np.where(explicit, 0.0, ps_wire)
     key = np.minimum(balanced / parts, partition_bytes)
-    fp16_bytes = np.where(batch.fp16 & ~touched, dense, 0.0).sum(axis=1)
-    densified_bytes = np.where(sparse & ~touched, arrays.nbytes, 0.0).sum(axis=1)
+    fp16_bytes = np.where(batch.fp16 & ~touched & ~asynchronous, dense, 0.0).sum(axis=1)
+    densified_bytes = np.where(sparse & ~touched & ~asynchronous, arrays.nbytes, 0.0).sum(axis=1)
 
     order = arrays.ready_order  # units: columns in ready order
-    route = np.where(gather, GATHER, np.where(is_ps & (batch.protocol > 0), PS_ASYNC, batch.route))
+    route = np.where(gather, GATHER, np.where(asynchronous, PS_ASYNC, batch.route))
     route, wire, parts = route[:, order].astype(np.int8), wire[:, order], parts[:, order]
     grouped, touched, group = grouped[:, order], touched[:, order], batch.group[:, order]
     unit_bytes = np.where(grouped, 0.0, wire)
