@@ -9,7 +9,7 @@ For each candidate (vectorized over a ``StrategyBatch``'s ``Units``):
   ``shm_bytes_per_s``), and the inter-node all-reduce of each slice among the ranks that
   share a local rank, all uplinks busy at once: 2(N-1)/N * S per uplink.
 - Horovod's all-gather of a whole sparse gradient (ring route): (W-1) times the touched
-  rows per uplink, two operations (indices, values).
+  rows per uplink, fused with the ring all-reduces as Horovod fuses its ops.
 - parameter servers: keys of at most ``partition_bytes``; per server the bytes placed on
   it (explicit servers as given, the rest balanced by water filling, the way the
   least-loaded placement levels servers); per host uplink the pushes of its w workers to
@@ -24,9 +24,11 @@ like compute); the units of one channel (Horovod's ring thread, the hierarchical
 the PS client) run one after the other, so a channel ends at
 max_j(ready_j + cost of the channel's units from j on), the textbook single-server queue;
 on Horovod's channel the messages that become ready while an op runs are fused into the
-next op, which pays one alpha (tensor fusion).
-The step is compute + the part of communication not hidden behind the backward pass,
-and never faster than the busiest uplink allows. Compute is slowed when more ranks than
+next op, which pays one alpha (tensor fusion). The channels run at once but share the
+cores and uplinks (``concurrency_penalty``). ASP/SSP parameters travel after
+``synchronize()`` and the local step, exposed. The step is compute + the part of
+communication not hidden behind the backward pass, and never faster than the busiest
+uplink allows. Compute is slowed when more ranks than
 cores share a machine (``cores``: the emulated cluster runs every rank on one machine).
 
 Every constant's default comes from a measurement in ``benchmarks/RESULTS.md`` (named in
@@ -72,6 +74,10 @@ class CostConstants:
     densify_bytes_per_s: float = 1.0e9
     """Densifying a sparse gradient that travels whole (split, merged, hierarchical): per dense
     byte, on every rank. No benchmark isolates it; the initial value is a memory-copy rate, fitted."""
+    concurrency_penalty: float = 0.5
+    """Channels (Horovod, hierarchical, PS) run at once but share cores and uplinks: each
+    channel's busy time beyond the busiest one's adds this fraction of itself (0: perfectly
+    parallel, 1: one after the other). No benchmark isolates it; 0.5 to start, fitted."""
     compute_scale: float = 1.0
     """Multiplies profiled compute (and ready times) beyond the core-sharing slowdown: fitted."""
     step_overhead_s: float = 1.0e-3
@@ -103,10 +109,10 @@ class CostConstants:
 
 
 FITTED = ("alpha_ring_s", "alpha_hier_s", "alpha_ps_s", "ring_efficiency", "hier_efficiency", "ps_efficiency",
-          "shm_bytes_per_s", "ps_server_bytes_per_s", "densify_bytes_per_s", "compute_scale", "step_overhead_s")
+          "shm_bytes_per_s", "ps_server_bytes_per_s", "densify_bytes_per_s", "concurrency_penalty", "compute_scale", "step_overhead_s")
 """The constants ``fit_constants`` adjusts (the others describe the machine, not the software)."""
 TERMS = ("step_s", "compute_s", "backward_s", "comm_end_s", "exposed_s", "ring_s", "hier_s", "ps_s",
-         "ps_network_s", "ps_server_s", "uplink_s", "alpha_s", "max_server_bytes", "slowdown")
+         "ps_async_s", "contention_s", "ps_network_s", "ps_server_s", "uplink_s", "alpha_s", "max_server_bytes", "slowdown")
 """The arrays ``analytic_terms`` returns, in feature order."""
 
 
@@ -139,8 +145,7 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     is_ring, is_hier, is_gather = route == RING, route == HIER, route == GATHER
     is_ps = (route == PS) | (route == PS_ASYNC)
     # ring all-reduce ops are paid per Horovod op, not per message (its fusion: _fused_channel_end)
-    alpha = (np.where(is_hier, c.alpha_hier_s * u.messages, 0.0)
-             + np.where(is_gather, 2 * c.alpha_ring_s * u.messages, 0.0) + np.where(is_ps, c.alpha_ps_s * keys, 0.0))
+    alpha = np.where(is_hier, c.alpha_hier_s * u.messages, 0.0) + np.where(is_ps, c.alpha_ps_s * keys, 0.0)
     network = (np.where(is_ring, ring_net, 0.0) + np.where(is_hier, hier_net, 0.0)
                + np.where(is_gather, gather_net, 0.0))
     cost = alpha + network + np.where(is_hier, hier_shm, 0.0) + np.where(is_ps, ps_net_share + ps_cpu, 0.0)
@@ -150,26 +155,36 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
 
     scale = slowdown(cluster, c)
     backward = scale * arrays.backward_s
-    ready = np.where(route == PS_ASYNC, backward, scale * u.ready_s)  # ASP/SSP: after the local step
+    ready = scale * u.ready_s
     active = u.messages > 0
+    is_async = (route == PS_ASYNC) & active
     ring_end, ring_ops = _fused_channel_end(ready, cost, (is_ring | is_gather) & active, c.alpha_ring_s)
-    ends = [ring_end] + [_channel_end(ready, cost, mask & active) for mask in (is_hier, is_ps)]
+    ends = [ring_end] + [_channel_end(ready, cost, mask & active) for mask in (is_hier, (route == PS) & active)]
+    busy = [np.where(mask & active, cost, 0.0).sum(axis=1) for mask in (is_ring | is_gather, is_hier, route == PS)]
+    busy[0] = busy[0] + ring_ops * c.alpha_ring_s
     if workers == 1:
         ps_network = ps_server = np.zeros_like(ps_network)
-    first_ready = np.where(active, ready, np.inf).min(axis=1)
+    synchronous = active & ~is_async
+    first_ready = np.where(synchronous, ready, np.inf).min(axis=1)
     first_ready = np.where(np.isfinite(first_ready), first_ready, backward)
     uplink_s = network.sum(axis=1) + ps_network
+    # channels run at once, but share the cores and the uplink: each other channel's busy
+    # time counts for ``concurrency_penalty`` of itself
+    busy_all = np.stack(busy, axis=1)
+    contention = c.concurrency_penalty * (busy_all.sum(axis=1) - busy_all.max(axis=1))
     comm_end = np.maximum.reduce([ends[0], ends[1], ends[2], first_ready + uplink_s,
-                                  first_ready + ps_server])
-    exposed = np.maximum(comm_end - backward, 0.0)
+                                  first_ready + ps_server]) + contention
+    # ASP/SSP: the parameters go after synchronize() and the local step, one after the other
+    async_s = np.where(is_async, cost, 0.0).sum(axis=1)
+    exposed = np.maximum(comm_end - backward, 0.0) + async_s
     compute = (scale * (arrays.forward_s + arrays.optimizer_s + arrays.other_s) + backward
                + u.densified_bytes / c.densify_bytes_per_s)
-    synced = (u.messages.sum(axis=1) > 0) & (workers > 1)
+    synced = active.any(axis=1) & (workers > 1)
     step = compute + exposed + np.where(synced, c.step_overhead_s, 0.0)
     n = len(step)
     return {"step_s": step, "compute_s": compute, "backward_s": np.full(n, backward), "comm_end_s": comm_end,
-            "exposed_s": exposed, "ring_s": ends[0], "hier_s": ends[1], "ps_s": ends[2], "ps_network_s": ps_network,
-            "ps_server_s": ps_server, "uplink_s": uplink_s,
+            "exposed_s": exposed, "ring_s": ends[0], "hier_s": ends[1], "ps_s": ends[2], "ps_async_s": async_s,
+            "contention_s": contention, "ps_network_s": ps_network, "ps_server_s": ps_server, "uplink_s": uplink_s,
             "alpha_s": alpha.sum(axis=1) + ring_ops * c.alpha_ring_s,
             "max_server_bytes": max_server, "slowdown": np.full(n, scale)}
 
@@ -243,7 +258,7 @@ Problem = tuple[ModelArrays, Units, ClusterSpec, np.ndarray]
 def fit_constants(problems: Sequence[Problem], initial: CostConstants | None = None, *,
                   prior_weight: float = 0.05, max_evaluations: int = 400) -> CostConstants:
     """Least squares of log(predicted / measured) over every trial, in the log of the ``FITTED``
-    constants (each within a factor e^4 of ``initial``, efficiencies at most 1), with a weak
+    constants (each within a factor e^4 of ``initial``, efficiencies and the penalty at most 1), with a weak
     pull (``prior_weight`` per unit of log) towards ``initial`` so that constants the data
     cannot see keep their measured defaults; a robust loss keeps a few noisy trials from
     dragging them. ``ValueError`` without trials."""
@@ -264,7 +279,7 @@ def fit_constants(problems: Sequence[Problem], initial: CostConstants | None = N
                                     for arrays, u, cluster, _ in problems])
         return np.concatenate([np.log(predicted) - log_measured, prior_weight * (x - x0)])
 
-    upper = np.array([0.0 if name.endswith("_efficiency") else x + 4.0 for name, x in zip(FITTED, x0)])
+    upper = np.array([0.0 if name.endswith(("_efficiency", "_penalty")) else x + 4.0 for name, x in zip(FITTED, x0)])
     start = np.minimum(x0, upper - 1e-9)
     result = least_squares(residuals, start, method="trf", loss="soft_l1", f_scale=0.3, max_nfev=max_evaluations,
                            bounds=(x0 - 4.0, upper))
