@@ -74,6 +74,9 @@ class CostConstants:
     densify_bytes_per_s: float = 1.0e9
     """Densifying a sparse gradient that travels whole (split, merged, hierarchical): per dense
     byte, on every rank. No benchmark isolates it; the initial value is a memory-copy rate, fitted."""
+    fp16_bytes_per_s: float = 1.0e9
+    """fp16 compression's CPU work per half-precision byte sent (casts both ways, float16
+    sums on the CPU), on every rank. No benchmark isolates it; a memory-copy rate, fitted."""
     concurrency_penalty: float = 0.5
     """Channels (Horovod, hierarchical, PS) run at once but share cores and uplinks: each
     channel's busy time beyond the busiest one's adds this fraction of itself (0: perfectly
@@ -112,7 +115,8 @@ class CostConstants:
 
 
 FITTED = ("alpha_ring_s", "alpha_hier_s", "alpha_ps_s", "ring_efficiency", "hier_efficiency", "ps_efficiency",
-          "shm_bytes_per_s", "ps_server_bytes_per_s", "densify_bytes_per_s", "concurrency_penalty", "compute_scale",
+          "shm_bytes_per_s", "ps_server_bytes_per_s", "densify_bytes_per_s", "fp16_bytes_per_s",
+          "concurrency_penalty", "compute_scale",
           "step_overhead_s", "per_variable_s")
 """The constants ``fit_constants`` adjusts (the others describe the machine, not the software)."""
 TERMS = ("step_s", "compute_s", "backward_s", "comm_end_s", "exposed_s", "ring_s", "hier_s", "ps_s",
@@ -182,7 +186,7 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     async_s = np.where(is_async, cost, 0.0).sum(axis=1)
     exposed = np.maximum(comm_end - backward, 0.0) + async_s
     compute = (scale * (arrays.forward_s + arrays.optimizer_s + arrays.other_s) + backward
-               + u.densified_bytes / c.densify_bytes_per_s)
+               + u.densified_bytes / c.densify_bytes_per_s + u.fp16_bytes / c.fp16_bytes_per_s)
     synced = active.any(axis=1) & (workers > 1)
     overhead = c.step_overhead_s + c.per_variable_s * arrays.num_variables
     step = compute + exposed + np.where(synced, overhead, 0.0)
