@@ -1,12 +1,14 @@
 """The runtime simulator (hybridsync.model): analytic costs, features, fit/predict/save/load, ranking.
 
-Unit tier only: one process, no child process; data are built here (descriptions,
-clusters, strategies, and step times generated from the analytic model with noise).
+Unit tier only: one process, no child process. Data are built here (descriptions, clusters,
+strategies, step times generated from the analytic model with noise), plus a small export
+of measured trials (``tests/data/simulator_trials.jsonl``).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,12 +17,14 @@ from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming
 from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
 from hybridsync.model.encoding import PS, from_strategies, model_arrays, units
-from hybridsync.model.evaluate import cross_validate, plot_predictions, score, summarize, transfer
+from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score, summarize,
+                                       transfer)
 from hybridsync.model.features import FEATURE_NAMES, feature_matrix
-from hybridsync.model.simulator import BoosterParams, Sample, Simulator
+from hybridsync.model.simulator import BoosterParams, Sample, Simulator, load_samples
 from hybridsync.router.plan import build_plan
 from hybridsync.search.space import SpaceBounds, random_strategy
 from hybridsync.strategy import Strategy, VarConfig
+from hybridsync.trials.store import TrialStore
 from hybridsync.variables import VariableInfo
 
 pytestmark = pytest.mark.unit
@@ -288,3 +292,26 @@ def test_errors_name_the_culprit(tmp_path):
         Simulator().fit([Sample(model="m", description=desc, cluster=CLUSTER, strategy=None, step_s=0.0)])
     with pytest.raises(ValueError, match="must be finite numbers > 0"):
         CostConstants(ring_efficiency=0.0)
+
+
+# --- real trials ----------------------------------------------------------------------------
+FIXTURE = Path(__file__).parent / "data" / "simulator_trials.jsonl"
+"""90 measured trials (ncf, bert, vgg on the emulated 2x2 cluster at 1 Gbit/s: the reference row,
+the baselines and random strategies), exported from the runtime dataset (``data/trials.db``)."""
+
+
+def test_ranks_measured_trials_of_a_held_out_model(tmp_path):
+    """Leave-one-model-out on real trials. The measurements' own repeatability bounds what any
+    simulator can reach (two halves of one trial's steps order ~0.93 of pairs alike)."""
+    store = TrialStore(str(tmp_path / "fixture.db"))
+    assert store.import_jsonl(FIXTURE) == (90, 0)
+    samples = load_samples(store)
+    rows = cross_validate(samples, split="model", kinds=("analytic", "both"), constants=CostConstants(cores=2),
+                          params=BoosterParams(rounds=60, seed=0))
+    pooled = {row.kind: row.metrics for row in summarize(rows)}
+    assert pooled["analytic"].pairwise >= 0.75 and pooled["both"].pairwise >= 0.75
+    assert pooled["analytic"].mape < 0.3 and pooled["both"].mape < 0.3
+    defaults = Simulator(kind="analytic", constants=CostConstants(cores=2))
+    unfitted = score(predict_samples(defaults, samples), np.array([s.step_s for s in samples]),
+                     [group_key(s) for s in samples])
+    assert pooled["analytic"].mape < unfitted.mape  # the fit on other models' trials helps
