@@ -304,8 +304,8 @@ def _group_placement(share: np.ndarray, group: np.ndarray) -> np.ndarray:
     message goes where the first variable's config sends that shard (``build_plan`` takes the
     config of a group's first member; exact when the members have equal partitions)."""
     grouped = group >= 0
-    if not grouped.any():
-        return share
+    if not grouped.any() or not share[grouped].any():
+        return share  # no merged variable is placed explicitly
     n, v = group.shape
     num_groups = int(group.max()) + 1
     rows, cols = np.nonzero(grouped)
