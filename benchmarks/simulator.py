@@ -7,7 +7,8 @@ alone, XGBoost alone and both: leave-one-model-out and leave-one-cluster-out pai
 ranking accuracy, Kendall tau, MAPE and top-1 regret (per held-out set, then pooled);
 warm-start transfer to each held-out model with k = 0, 5, 10, 20 of its trials; and how
 many candidate strategies per second a fitted simulator scores (features + XGBoost, one
-thread) on the largest model. Targets on a held-out model: pairwise >= 0.90, MAPE <= 10%.
+thread) on the largest model. For scale, the measurements' own repeatability: how well the
+median of each trial's odd steps ranks trials as the median of its even steps does. Targets on a held-out model: pairwise >= 0.90, MAPE <= 10%.
 One process, one xgboost thread: seconds to a minute, depending on the store's size.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                        for s in samples})
     print(f"store {args.store}: {len(samples)} successful trials, models {models}, clusters {clusters}; "
           f"cores {args.cores:g}")
+    print(_repeatability(args.store))
     rows = []
     for split in ("model", "cluster"):
         try:
@@ -73,6 +75,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saved: {args.save}")
     print(f"took {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _repeatability(url: str) -> str:
+    """The measurements' own ranking noise (``evaluate.split_half``): the ceiling of any simulator."""
+    from hybridsync.model.evaluate import split_half
+    from hybridsync.trials.store import TrialStore, cluster_label
+
+    with TrialStore(url, create=False) as store:
+        records = [r for r in store.trials(status="ok") if r.median_s]
+    m = split_half([r.timed_steps for r in records], [(r.model, cluster_label(r.cluster)) for r in records])
+    return (f"measurement repeatability (odd vs even timed steps of each trial): pairwise {m.pairwise:.3f}, "
+            f"tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
 
 
 def _scoring_speed(samples: list, constants: object, params: object, count: int = 10_000) -> str:

@@ -17,8 +17,8 @@ from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming
 from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
 from hybridsync.model.encoding import PS, from_strategies, model_arrays, units
-from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score, summarize,
-                                       transfer)
+from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score,
+                                       split_half, summarize, transfer)
 from hybridsync.model.features import FEATURE_NAMES, feature_matrix
 from hybridsync.model.simulator import BoosterParams, Sample, Simulator, load_samples
 from hybridsync.router.plan import build_plan
@@ -263,6 +263,8 @@ def test_metrics():
     assert reversed_.pairwise == 0.0 and reversed_.top1_regret == pytest.approx(3.0)
     # pairs only within a group
     assert score(np.array([1.0, 2.0, 2.0, 1.0]), measured, ["a", "a", "b", "b"]).pairwise == 0.5
+    steady = split_half([[1.0, 1.0, 1.1], [2.0, 2.1, 2.0], [3.0, 3.0, 3.1]], ["g"] * 3)
+    assert steady.pairwise == 1.0
 
 
 # --- bad inputs -----------------------------------------------------------------------------

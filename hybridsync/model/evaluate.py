@@ -75,6 +75,16 @@ def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object])
                    top1_regret=float(np.average(regrets, weights=regret_weights)), trials=len(predicted))
 
 
+def split_half(step_times: Sequence[Sequence[float]], groups: Sequence[object]) -> Metrics:
+    """How well the measurements agree with themselves: the median of each trial's odd timed
+    steps "predicting" the median of its even ones. No simulator can rank measured trials much
+    better than their own halves rank each other (trials with fewer than 2 steps are skipped)."""
+    kept = [i for i, times in enumerate(step_times) if len(times) >= 2]
+    odd = np.array([np.median(step_times[i][1::2]) for i in kept])
+    even = np.array([np.median(step_times[i][0::2]) for i in kept])
+    return score(odd, even, [groups[i] for i in kept])
+
+
 def _kendall(predicted: np.ndarray, measured: np.ndarray) -> float:
     from scipy.stats import kendalltau
 
