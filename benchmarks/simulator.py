@@ -106,8 +106,7 @@ def _scoring_speed(samples: list, constants: object, params: object, count: int 
     small = from_strategies(arrays, strategies, cluster)
     encode_rate = len(strategies) / (time.perf_counter() - start)
     repeat = count // len(strategies)
-    batch = StrategyBatch(**{field: np.concatenate([getattr(small, field)] * repeat)
-                             for field in ("route", "protocol", "partitions", "group", "fp16", "server_share")})
+    batch = StrategyBatch.concatenate([small] * repeat)
     simulator.predict_batch(arrays, cluster, batch)  # warm up
     start = time.perf_counter()
     simulator.predict_batch(arrays, cluster, batch)

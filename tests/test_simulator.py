@@ -16,7 +16,7 @@ import pytest
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming
 from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
-from hybridsync.model.encoding import PS, from_strategies, model_arrays, units
+from hybridsync.model.encoding import PS, StrategyBatch, from_strategies, model_arrays, units
 from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score,
                                        split_half, summarize, transfer)
 from hybridsync.model.features import FEATURE_NAMES, feature_matrix
@@ -128,6 +128,12 @@ def test_units_match_the_routing_plan():
     u = units(arrays, from_strategies(arrays, strategies, CLUSTER), partition_bytes=10**9)
     names = {"allreduce/ring": 0, "allreduce/hierarchical": 1}
     checked = 0
+    batch = from_strategies(arrays, strategies, CLUSTER)
+    for i, strategy in enumerate(strategies):  # arrays -> Strategy -> arrays is the identity
+        again = from_strategies(arrays, [batch.to_strategy(i, arrays.names)], CLUSTER)
+        for field in dataclasses.fields(batch):
+            assert np.array_equal(getattr(again, field.name)[0], getattr(batch, field.name)[i]), field.name
+    assert len(StrategyBatch.concatenate([batch, batch.take([3, 1])])) == 42
     for i, strategy in enumerate(strategies):
         plan = build_plan(desc.variables, strategy)
         for route_name, code in names.items():

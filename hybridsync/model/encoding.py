@@ -106,6 +106,8 @@ class StrategyBatch:
     """int8: 0 all-reduce ring, 1 all-reduce hierarchical, 2 parameter server."""
     protocol: np.ndarray
     """int8: 0 bsp, 1 asp, 2 ssp (parameter server only)."""
+    staleness: np.ndarray
+    """int: steps a worker may run ahead under ssp (else 0)."""
     partitions: np.ndarray
     """int: shards along dim 0 (>= 1)."""
     group: np.ndarray
@@ -119,13 +121,24 @@ class StrategyBatch:
     def __post_init__(self) -> None:
         shape = self.route.shape
         if len(shape) != 2 or any(getattr(self, f).shape != shape
-                                  for f in ("protocol", "partitions", "group", "fp16")):
+                                  for f in ("protocol", "staleness", "partitions", "group", "fp16")):
             raise ValueError(f"StrategyBatch arrays must all have shape (candidates, variables), got route {shape}")
         if self.server_share.shape[:2] != shape:
             raise ValueError(f"server_share must have shape {shape + ('servers',)}, got {self.server_share.shape}")
 
     def __len__(self) -> int:
         return self.route.shape[0]
+
+    def take(self, indices: np.ndarray | Sequence[int]) -> "StrategyBatch":
+        """The candidates at ``indices`` (a search's survivors), as a new batch."""
+        return StrategyBatch(**{f.name: getattr(self, f.name)[np.asarray(indices)] for f in dataclasses.fields(self)})
+
+    @classmethod
+    def concatenate(cls, batches: Sequence["StrategyBatch"]) -> "StrategyBatch":
+        """One batch of the candidates of ``batches`` (of one model and cluster), in order."""
+        if not batches:
+            raise ValueError("StrategyBatch.concatenate: no batches")
+        return cls(**{f.name: np.concatenate([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(cls)})
 
     def to_strategy(self, index: int, names: Sequence[str]) -> Strategy:
         """Candidate ``index`` as a ``Strategy`` (explicit servers as the shards' shares say)."""
@@ -138,8 +151,8 @@ class StrategyBatch:
                 protocol = ("bsp", "asp", "ssp")[int(self.protocol[index, v])]
                 share = self.server_share[index, v]
                 servers = _shard_servers(share, parts) if share.sum() > 0 else None
-                configs[name] = VarConfig(route="ps", protocol=protocol, staleness=1 if protocol == "ssp" else None,
-                                          servers=servers, **common)
+                staleness = int(self.staleness[index, v]) if protocol == "ssp" else None
+                configs[name] = VarConfig(route="ps", protocol=protocol, staleness=staleness, servers=servers, **common)
             else:
                 algorithm = "hierarchical" if self.route[index, v] == HIER else "ring"
                 configs[name] = VarConfig(route="allreduce", algorithm=algorithm, **common)
@@ -163,7 +176,7 @@ def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], 
     """
     n, v, servers = len(strategies), arrays.num_variables, max(cluster.num_servers, 1)
     batch = StrategyBatch(route=np.zeros((n, v), np.int8), protocol=np.zeros((n, v), np.int8),
-                          partitions=np.ones((n, v), np.int64), group=np.full((n, v), -1, np.int64),
+                          staleness=np.zeros((n, v), np.int64), partitions=np.ones((n, v), np.int64), group=np.full((n, v), -1, np.int64),
                           fp16=np.zeros((n, v), bool), server_share=np.zeros((n, v, servers)))
     cache: dict[VarConfig, tuple] = {}
     known = set(arrays.names)
@@ -182,6 +195,7 @@ def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], 
                 codes = cache[config] = _config_codes(config, cluster, compression, name)
             route, protocol, parts, fp16, share = codes
             batch.route[i, j], batch.protocol[i, j], batch.partitions[i, j] = route, protocol, parts
+            batch.staleness[i, j] = config.staleness or 0
             batch.fp16[i, j] = fp16 and arrays.floating[j]
             if share is not None:
                 batch.server_share[i, j] = share
