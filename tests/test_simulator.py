@@ -16,7 +16,7 @@ import pytest
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming
 from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
-from hybridsync.model.encoding import PS, StrategyBatch, from_strategies, model_arrays, units
+from hybridsync.model.encoding import PS, PS_ASYNC, StrategyBatch, from_strategies, model_arrays, units
 from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score,
                                        split_half, summarize, transfer)
 from hybridsync.model.features import FEATURE_NAMES, feature_matrix
@@ -142,6 +142,8 @@ def test_units_match_the_routing_plan():
             assert u.wire_bytes[i][u.route[i] == code].sum() == pytest.approx(sum(m.wire_bytes for m in mine))
         ps = [m for m in plan.messages if m.config.route == "ps"]
         assert u.messages[i][u.route[i] >= PS].sum() == len(ps)
+        asp = [m for m in ps if m.exchanges_parameters]  # a key per piece, merged or not
+        assert u.pieces[i][u.route[i] == PS_ASYNC].sum() == sum(len(m.parameter_keys()) for m in asp)
         explicit = [m for m in ps if m.config.servers is not None and not m.exchanges_parameters]
         equal_shards = all(len({p.whole for p in m.pieces}) == 1 for m in ps)  # exact case of groups
         if explicit and len(explicit) == len(ps) and equal_shards:

@@ -147,7 +147,8 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
                     / (c.ps_efficiency * uplink))
     ps_cpu = (u.wire_bytes * cpu_imbalance[:, None] * 2 * workers / max(cluster.num_servers, 1)
               / c.ps_server_bytes_per_s)
-    keys = ps_keys(u.wire_bytes, u.messages, c.partition_bytes)
+    keys = np.where(u.route == PS_ASYNC, ps_keys(u.wire_bytes, u.pieces, c.partition_bytes),
+                    ps_keys(u.wire_bytes, u.messages, c.partition_bytes))
 
     route = u.route
     is_ring, is_hier, is_gather = route == RING, route == HIER, route == GATHER

@@ -245,6 +245,8 @@ class Units:
     parameters under ASP/SSP."""
     messages: np.ndarray
     """Messages the unit sends (a variable's shards; a group's largest shard count)."""
+    pieces: np.ndarray
+    """Shards of all its variables: ASP/SSP send every piece's parameters as a key of its own."""
     ready_s: np.ndarray
     """When the unit's last gradient is ready, from the start of the backward pass (single process)."""
     sparse_bytes: np.ndarray
@@ -291,6 +293,7 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
     grouped, touched, group = grouped[:, order], touched[:, order], batch.group[:, order]
     unit_bytes = np.where(grouped, 0.0, wire)
     unit_messages = np.where(grouped, 0, parts)
+    unit_pieces = unit_messages.copy()
     unit_sparse = np.where(grouped | ~touched, 0.0, wire)
     if grouped.any():
         num_groups = int(group.max()) + 1
@@ -306,7 +309,8 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
         unit_bytes[owner_rows, owner_cols] = np.bincount(flat, wire[rows, cols], size)[used]
         unit_sparse[owner_rows, owner_cols] = np.bincount(flat, np.where(touched, wire, 0.0)[rows, cols], size)[used]
         unit_messages[owner_rows, owner_cols] = g_messages[used]
-    return Units(route=route, wire_bytes=unit_bytes, messages=unit_messages,
+        unit_pieces[owner_rows, owner_cols] = np.bincount(flat, parts[rows, cols], size)[used]
+    return Units(route=route, wire_bytes=unit_bytes, messages=unit_messages, pieces=unit_pieces,
                  ready_s=np.broadcast_to(arrays.ready_s[order], (n, v)), sparse_bytes=unit_sparse,
                  server_bytes=server_bytes, balanced_bytes=balanced.sum(axis=1),
                  largest_key=key.max(axis=1) if v else np.zeros(n),

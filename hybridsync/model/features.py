@@ -65,7 +65,8 @@ def feature_matrix(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     columns += [np.log10(wire + 1.0), wire / model_bytes, u.messages.sum(axis=1), active.sum(axis=1),
                 used.sum(axis=1), u.fp16_bytes / model_bytes, u.sparse_bytes.sum(axis=1) / model_bytes,
                 u.densified_bytes / model_bytes,
-                np.where(is_ps, ps_keys(u.wire_bytes, u.messages, partition_bytes), 0.0).sum(axis=1),
+                (np.where(u.route == PS, ps_keys(u.wire_bytes, u.messages, partition_bytes), 0.0)
+                 + np.where(u.route == PS_ASYNC, ps_keys(u.wire_bytes, u.pieces, partition_bytes), 0.0)).sum(axis=1),
                 terms["max_server_bytes"] / model_bytes, u.balanced_bytes / model_bytes, u.largest_key / model_bytes]
     per_message = np.where(active, u.wire_bytes / np.maximum(u.messages, 1), -1.0)
     lower = 0.0
