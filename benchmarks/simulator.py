@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     pooled = summarize(rows)
     print("\npooled over held-out sets (metrics within each model x cluster):")
     print(format_table(pooled))
+    longest = max(s.timed_steps for s in samples)
+    if any(s.timed_steps < longest for s in samples):
+        long_rows = summarize(cross_validate(samples, split="model", constants=constants, params=params,
+                                             scored=lambda s: s.timed_steps >= longest))
+        print(f"\nleave-one-model-out, scored on the held-out trials measured with {longest} timed steps only "
+              f"({sum(s.timed_steps >= longest for s in samples)} trials; training on all):")
+        print(format_table(long_rows))
     if not args.no_transfer:
         transfer_rows = []
         for model in models:
@@ -84,9 +91,13 @@ def _repeatability(url: str) -> str:
 
     with TrialStore(url, create=False) as store:
         records = [r for r in store.trials(status="ok") if r.median_s]
-    m = split_half([r.timed_steps for r in records], [(r.model, cluster_label(r.cluster)) for r in records])
-    return (f"measurement repeatability (odd vs even timed steps of each trial): pairwise {m.pairwise:.3f}, "
-            f"tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
+    lines = []
+    for label, kept in (("all trials", records), ("trials of most steps", [
+            r for r in records if len(r.timed_steps) == max(len(x.timed_steps) for x in records)])):
+        m = split_half([r.timed_steps for r in kept], [(r.model, cluster_label(r.cluster)) for r in kept])
+        lines.append(f"measurement repeatability, {label} ({len(kept)}; odd vs even timed steps of each trial): "
+                     f"pairwise {m.pairwise:.3f}, tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
+    return "\n".join(lines)
 
 
 def _scoring_speed(samples: list, constants: object, params: object, count: int = 10_000) -> str:

@@ -129,8 +129,10 @@ def _held_out_name(sample: Sample, split: Split) -> str:
 
 def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: Sequence[str] = ("analytic",
                    "xgboost", "both"), constants: CostConstants | None = None,
-                   params: BoosterParams | None = None) -> list[Row]:
-    """Leave-one-model-out (``split="model"``) or leave-one-cluster-out evaluation of each kind."""
+                   params: BoosterParams | None = None,
+                   scored: Callable[[Sample], bool] = lambda sample: True) -> list[Row]:
+    """Leave-one-model-out (``split="model"``) or leave-one-cluster-out evaluation of each kind;
+    of the held-out trials, those ``scored`` accepts are scored (e.g. only long measurements)."""
     if split not in ("model", "cluster"):
         raise ValueError(f"split must be 'model' or 'cluster', got {split!r}")
     names = sorted({_held_out_name(s, split) for s in samples})
@@ -139,7 +141,9 @@ def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: 
     rows = []
     for name in names:
         train = [s for s in samples if _held_out_name(s, split) != name]
-        test = [s for s in samples if _held_out_name(s, split) == name]
+        test = [s for s in samples if _held_out_name(s, split) == name and scored(s)]
+        if not test:
+            continue
         fitted_constants = None
         for kind in kinds:
             simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params)

@@ -56,6 +56,8 @@ class Sample:
     """``None``: plain Horovod (every variable ring all-reduced)."""
     step_s: float
     """Measured median step time in seconds."""
+    timed_steps: int = 0
+    """How many timed steps the median is taken over (0: unknown)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,7 +110,8 @@ def samples_from_records(records: Iterable[Any], descriptions: Mapping[str, Mode
                              f"is not in the store")
         out.append(Sample(model=record.model, description=descriptions[record.description_id],
                           cluster=ClusterSpec.from_dict(record.cluster), step_s=float(record.median_s),
-                          strategy=None if record.strategy is None else Strategy.from_dict(record.strategy)))
+                          strategy=None if record.strategy is None else Strategy.from_dict(record.strategy),
+                          timed_steps=len(record.timed_steps)))
     return out
 
 
