@@ -52,7 +52,8 @@ class CostConstants:
     """The analytic model's constants (seconds, fractions of a link's set rate, bytes per second)."""
 
     alpha_ring_s: float = 4.4e-3
-    """Per Horovod op (fused ring all-reduce): RESULTS.md collectives.py, 4-byte ring at 1 Gbit/s: 4.06, 4.41, 4.60 ms."""
+    """Per Horovod op (fused ring all-reduces): RESULTS.md collectives.py, 4-byte ring at 1 Gbit/s:
+    4.06, 4.41, 4.60 ms."""
     alpha_hier_s: float = 4.8e-3
     """Per hierarchical all-reduce: collectives.py 4-byte hier: 3.69, 4.82 ms (one outlier 10.5 ms)."""
     alpha_ps_s: float = 7.2e-3
@@ -116,11 +117,11 @@ class CostConstants:
 
 FITTED = ("alpha_ring_s", "alpha_hier_s", "alpha_ps_s", "ring_efficiency", "hier_efficiency", "ps_efficiency",
           "shm_bytes_per_s", "ps_server_bytes_per_s", "densify_bytes_per_s", "fp16_bytes_per_s",
-          "concurrency_penalty", "compute_scale",
-          "step_overhead_s", "per_variable_s")
+          "concurrency_penalty", "compute_scale", "step_overhead_s", "per_variable_s")
 """The constants ``fit_constants`` adjusts (the others describe the machine, not the software)."""
 TERMS = ("step_s", "compute_s", "backward_s", "comm_end_s", "exposed_s", "ring_s", "hier_s", "ps_s",
-         "ps_async_s", "contention_s", "ps_network_s", "ps_server_s", "uplink_s", "alpha_s", "max_server_bytes", "slowdown")
+         "ps_async_s", "contention_s", "ps_network_s", "ps_server_s", "uplink_s", "alpha_s", "max_server_bytes",
+         "slowdown")
 """The arrays ``analytic_terms`` returns, in feature order."""
 
 

@@ -176,8 +176,9 @@ def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], 
     """
     n, v, servers = len(strategies), arrays.num_variables, max(cluster.num_servers, 1)
     batch = StrategyBatch(route=np.zeros((n, v), np.int8), protocol=np.zeros((n, v), np.int8),
-                          staleness=np.zeros((n, v), np.int64), partitions=np.ones((n, v), np.int64), group=np.full((n, v), -1, np.int64),
-                          fp16=np.zeros((n, v), bool), server_share=np.zeros((n, v, servers)))
+                          staleness=np.zeros((n, v), np.int64), partitions=np.ones((n, v), np.int64),
+                          group=np.full((n, v), -1, np.int64), fp16=np.zeros((n, v), bool),
+                          server_share=np.zeros((n, v, servers)))
     cache: dict[VarConfig, tuple] = {}
     known = set(arrays.names)
     for i, strategy in enumerate(strategies):
