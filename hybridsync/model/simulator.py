@@ -33,7 +33,7 @@ import numpy as np
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id, parse_description
 from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
-from hybridsync.model.encoding import ModelArrays, StrategyBatch, from_strategies, model_arrays, units
+from hybridsync.model.encoding import ModelArrays, StrategyBatch, Units, from_strategies, model_arrays, units
 from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
 from hybridsync.strategy import Strategy
 
@@ -121,7 +121,7 @@ class _Problem:
 
     arrays: ModelArrays
     cluster: ClusterSpec
-    units: Any
+    units: Units
     step_s: np.ndarray
     indices: np.ndarray
     """Positions of these samples in the list given to ``fit``."""
@@ -146,6 +146,7 @@ class Simulator:
             refit_constants: bool = True) -> "Simulator":
         """Fit to measured ``samples`` (returns ``self``). With ``base``: warm start from it
         (its kind, constants and trees, plus ``warm_rounds`` trees for these samples).
+        ``refit_constants=False`` keeps the analytic constants given to the constructor.
         ``ValueError`` for no samples, a description without timing, or a strategy the
         sample's cluster cannot run."""
         samples = list(samples)
