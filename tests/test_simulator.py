@@ -20,7 +20,7 @@ from hybridsync.model.encoding import PS, PS_ASYNC, StrategyBatch, from_strategi
 from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score,
                                        split_half, summarize, transfer)
 from hybridsync.model.features import FEATURE_NAMES, feature_matrix
-from hybridsync.model.simulator import BoosterParams, Sample, Simulator, load_samples
+from hybridsync.model.simulator import BoosterParams, Sample, Simulator, load_samples, shipped_simulator
 from hybridsync.router.plan import build_plan
 from hybridsync.search.space import SpaceBounds, random_strategy
 from hybridsync.strategy import Strategy, VarConfig
@@ -325,3 +325,14 @@ def test_ranks_measured_trials_of_a_held_out_model(tmp_path):
     unfitted = score(predict_samples(defaults, samples), np.array([s.step_s for s in samples]),
                      [group_key(s) for s in samples])
     assert pooled["analytic"].mape < unfitted.mape  # the fit on other models' trials helps
+
+
+def test_the_shipped_simulator_loads_and_predicts(tmp_path):
+    simulator = shipped_simulator()
+    assert simulator.kind == "both" and simulator.constants.cores == 2
+    store = TrialStore(str(tmp_path / "fixture.db"))
+    store.import_jsonl(FIXTURE)
+    samples = load_samples(store)
+    predicted = predict_samples(simulator, samples)
+    assert np.all(np.isfinite(predicted)) and np.all(predicted > 0)
+    assert score(predicted, np.array([s.step_s for s in samples]), [group_key(s) for s in samples]).pairwise > 0.75

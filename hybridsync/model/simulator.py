@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -64,11 +65,11 @@ class Sample:
 class BoosterParams:
     """XGBoost settings of the learned part."""
 
-    rounds: int = 300
+    rounds: int = 200
     """Trees of a fresh fit."""
     warm_rounds: int = 40
     """Trees added by a warm start."""
-    max_depth: int = 5
+    max_depth: int = 4
     learning_rate: float = 0.05
     subsample: float = 0.8
     """Rows per tree (randomness from ``seed``)."""
@@ -84,6 +85,20 @@ class BoosterParams:
                 "subsample": self.subsample, "colsample_bytree": self.colsample_bytree,
                 "min_child_weight": self.min_child_weight, "lambda": self.reg_lambda, "seed": self.seed,
                 "nthread": 1, "tree_method": "hist"}
+
+
+SHIPPED = Path(__file__).with_name("simulator.json")
+"""The simulator fit on the runtime dataset shipped with hybridsync (``benchmarks/simulator.py --save``)."""
+
+
+def shipped_simulator() -> "Simulator":
+    """The simulator that ships with the package: fit on every trial of the runtime dataset
+    (the emulated clusters of ``make dataset``, ``cores=2``); warm-start it with trials of
+    your own model and cluster (``fit(samples, base=shipped_simulator())``)."""
+    if not SHIPPED.exists():
+        raise ValueError(f"no trained simulator ships with this installation ({SHIPPED} is missing); "
+                         f"fit one: benchmarks/simulator.py --store URL --save PATH")
+    return Simulator.load(SHIPPED)
 
 
 def load_samples(store: Any, *, model: str | None = None, cluster: Any = None) -> list[Sample]:
