@@ -182,7 +182,7 @@ def test_features_have_a_fixed_shape_and_are_deterministic():
         for _ in range(2):
             u = units(arrays, batch, partition_bytes=constants.partition_bytes)
             terms = analytic_terms(arrays, u, CLUSTER, constants)
-            runs.append(feature_matrix(arrays, u, CLUSTER, terms, partition_bytes=constants.partition_bytes))
+            runs.append(feature_matrix(arrays, u, CLUSTER, terms))
         assert runs[0].shape == (25, len(FEATURE_NAMES))
         assert np.array_equal(runs[0], runs[1])
         assert np.isfinite(runs[0]).all()

@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridsync.cluster.spec import ClusterSpec
-from hybridsync.model.encoding import GATHER, HIER, PS, PS_ASYNC, RING, ModelArrays, Units, ps_keys
+from hybridsync.model.encoding import GATHER, HIER, PS, PS_ASYNC, RING, ModelArrays, Units
 from hybridsync.placement import DEFAULT_PARTITION_BYTES
 
 
@@ -148,14 +148,12 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
                     / (c.ps_efficiency * uplink))
     ps_cpu = (u.wire_bytes * cpu_imbalance[:, None] * 2 * workers / max(cluster.num_servers, 1)
               / c.ps_server_bytes_per_s)
-    keys = np.where(u.route == PS_ASYNC, ps_keys(u.wire_bytes, u.pieces, c.partition_bytes),
-                    ps_keys(u.wire_bytes, u.messages, c.partition_bytes))
 
     route = u.route
     is_ring, is_hier, is_gather = route == RING, route == HIER, route == GATHER
     is_ps = (route == PS) | (route == PS_ASYNC)
     # ring all-reduce ops are paid per Horovod op, not per message (its fusion: _fused_channel_end)
-    alpha = np.where(is_hier, c.alpha_hier_s * u.messages, 0.0) + np.where(is_ps, c.alpha_ps_s * keys, 0.0)
+    alpha = np.where(is_hier, c.alpha_hier_s * u.messages, 0.0) + c.alpha_ps_s * u.keys
     network = (np.where(is_ring, ring_net, 0.0) + np.where(is_hier, hier_net, 0.0)
                + np.where(is_gather, gather_net, 0.0))
     cost = alpha + network + np.where(is_hier, hier_shm, 0.0) + np.where(is_ps, ps_net_share + ps_cpu, 0.0)

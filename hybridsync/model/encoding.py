@@ -248,6 +248,9 @@ class Units:
     """Messages the unit sends (a variable's shards; a group's largest shard count)."""
     pieces: np.ndarray
     """Shards of all its variables: ASP/SSP send every piece's parameters as a key of its own."""
+    keys: np.ndarray
+    """Parameter-server keys of PS units (each message, or each ASP/SSP piece, cut into
+    chunks of at most ``partition_bytes``); 0 for the other routes."""
     ready_s: np.ndarray
     """When the unit's last gradient is ready, from the start of the backward pass (single process)."""
     sparse_bytes: np.ndarray
@@ -311,7 +314,9 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
         unit_sparse[owner_rows, owner_cols] = np.bincount(flat, np.where(touched, wire, 0.0)[rows, cols], size)[used]
         unit_messages[owner_rows, owner_cols] = g_messages[used]
         unit_pieces[owner_rows, owner_cols] = np.bincount(flat, parts[rows, cols], size)[used]
-    return Units(route=route, wire_bytes=unit_bytes, messages=unit_messages, pieces=unit_pieces,
+    keys = np.where(route == PS, _chunks(unit_bytes, unit_messages, partition_bytes),
+                    np.where(route == PS_ASYNC, _chunks(unit_bytes, unit_pieces, partition_bytes), 0.0))
+    return Units(route=route, wire_bytes=unit_bytes, messages=unit_messages, pieces=unit_pieces, keys=keys,
                  ready_s=np.broadcast_to(arrays.ready_s[order], (n, v)), sparse_bytes=unit_sparse,
                  server_bytes=server_bytes, balanced_bytes=balanced.sum(axis=1),
                  largest_key=key.max(axis=1) if v else np.zeros(n),
@@ -336,7 +341,8 @@ def _group_placement(share: np.ndarray, group: np.ndarray) -> np.ndarray:
     return out
 
 
-def ps_keys(wire_bytes: np.ndarray, messages: np.ndarray, partition_bytes: int) -> np.ndarray:
-    """Keys of PS units: each message cut into chunks of at most ``partition_bytes``."""
+def _chunks(wire_bytes: np.ndarray, messages: np.ndarray, partition_bytes: int) -> np.ndarray:
+    """Keys of ``messages`` equal messages of ``wire_bytes`` in all, each cut into chunks of at
+    most ``partition_bytes`` (``placement.chunk_message``)."""
     per_message = np.where(messages > 0, wire_bytes / np.maximum(messages, 1), 0.0)
     return messages * np.maximum(1, np.ceil(per_message / partition_bytes))

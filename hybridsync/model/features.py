@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.model.analytic import TERMS
-from hybridsync.model.encoding import GATHER, HIER, PS, PS_ASYNC, RING, ROUTE_NAMES, ModelArrays, Units, ps_keys
+from hybridsync.model.encoding import GATHER, HIER, PS, PS_ASYNC, RING, ROUTE_NAMES, ModelArrays, Units
 
 SIZE_BINS = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 """Message-size histogram edges in bytes: <16 KiB, <256 KiB, <1 MiB, <4 MiB, larger."""
@@ -42,7 +42,7 @@ FEATURE_NAMES = tuple(_BASE) + ANALYTIC_FEATURES
 
 
 def feature_matrix(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
-                   terms: dict[str, np.ndarray], *, partition_bytes: int) -> np.ndarray:
+                   terms: dict[str, np.ndarray]) -> np.ndarray:
     """(N, len(FEATURE_NAMES)) float32 features of a batch's units (``encoding.units``) and
     its analytic terms (``analytic.analytic_terms``)."""
     n = u.wire_bytes.shape[0]
@@ -60,13 +60,11 @@ def feature_matrix(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
         columns += [np.where(mine, u.wire_bytes, 0.0).sum(axis=1) / model_bytes,
                     np.where(mine, u.messages, 0).sum(axis=1), (mine & active).sum(axis=1)]
     wire = u.wire_bytes.sum(axis=1)
-    is_ps = (u.route == PS) | (u.route == PS_ASYNC)
     used = np.stack([(active & (u.route == route)).any(axis=1) for route in _ROUTES], axis=1)
     columns += [np.log10(wire + 1.0), wire / model_bytes, u.messages.sum(axis=1), active.sum(axis=1),
                 used.sum(axis=1), u.fp16_bytes / model_bytes, u.sparse_bytes.sum(axis=1) / model_bytes,
                 u.densified_bytes / model_bytes,
-                (np.where(u.route == PS, ps_keys(u.wire_bytes, u.messages, partition_bytes), 0.0)
-                 + np.where(u.route == PS_ASYNC, ps_keys(u.wire_bytes, u.pieces, partition_bytes), 0.0)).sum(axis=1),
+                u.keys.sum(axis=1),
                 terms["max_server_bytes"] / model_bytes, u.balanced_bytes / model_bytes, u.largest_key / model_bytes]
     per_message = np.where(active, u.wire_bytes / np.maximum(u.messages, 1), -1.0)
     lower = 0.0

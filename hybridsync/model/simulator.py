@@ -209,7 +209,7 @@ class Simulator:
         target = np.zeros(count)
         for p in problems:
             terms = analytic_terms(p.arrays, p.units, p.cluster, self.constants)
-            matrix = feature_matrix(p.arrays, p.units, p.cluster, terms, partition_bytes=self.constants.partition_bytes)
+            matrix = feature_matrix(p.arrays, p.units, p.cluster, terms)
             features[p.indices] = matrix[:, self._columns]
             target[p.indices] = np.log(p.step_s) - (np.log(terms["step_s"]) if self.kind == "both" else 0.0)
         train = xgboost.DMatrix(features, label=target, feature_names=self.feature_names)
@@ -242,7 +242,7 @@ class Simulator:
             return terms["step_s"]
         import xgboost
 
-        matrix = feature_matrix(arrays, u, cluster, terms, partition_bytes=self.constants.partition_bytes)
+        matrix = feature_matrix(arrays, u, cluster, terms)
         data = xgboost.DMatrix(matrix[:, self._columns], feature_names=self.feature_names, nthread=1)
         learned = self.booster.predict(data)
         return np.exp(learned + (np.log(terms["step_s"]) if self.kind == "both" else 0.0))
