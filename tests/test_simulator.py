@@ -253,6 +253,7 @@ def test_learned_simulator_ranks_held_out_models(samples):
     transfer_rows = transfer(samples, held_out="deep", ks=(0, 10), params=FAST_PARAMS,
                              constants=CostConstants(cores=2))
     assert [row.metrics.trials for row in transfer_rows] == [70, 70]
+    assert [row.split for row in transfer_rows] == ["model k=0", "model k=10"]
 
 
 def test_plot_is_written(samples, tmp_path):

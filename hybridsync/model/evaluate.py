@@ -117,6 +117,15 @@ class Row:
     measured: np.ndarray = dataclasses.field(repr=False)
     groups: tuple[tuple[str, str], ...] = dataclasses.field(repr=False, default=())
     """Each test trial's query group (model, cluster label)."""
+    timed_steps: tuple[int, ...] = dataclasses.field(repr=False, default=())
+    """Each test trial's number of timed steps."""
+
+    def where(self, keep: np.ndarray) -> "Row":
+        """This row scored on the test trials ``keep`` (a boolean mask) selects."""
+        groups = tuple(g for g, k in zip(self.groups, keep) if k)
+        return dataclasses.replace(self, predicted=self.predicted[keep], measured=self.measured[keep], groups=groups,
+                                   timed_steps=tuple(np.asarray(self.timed_steps)[keep]),
+                                   metrics=score(self.predicted[keep], self.measured[keep], groups))
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -129,10 +138,8 @@ def _held_out_name(sample: Sample, split: Split) -> str:
 
 def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: Sequence[str] = ("analytic",
                    "xgboost", "both"), constants: CostConstants | None = None,
-                   params: BoosterParams | None = None,
-                   scored: Callable[[Sample], bool] = lambda sample: True) -> list[Row]:
-    """Leave-one-model-out (``split="model"``) or leave-one-cluster-out evaluation of each kind;
-    of the held-out trials, those ``scored`` accepts are scored (e.g. only long measurements)."""
+                   params: BoosterParams | None = None) -> list[Row]:
+    """Leave-one-model-out (``split="model"``) or leave-one-cluster-out evaluation of each kind."""
     if split not in ("model", "cluster"):
         raise ValueError(f"split must be 'model' or 'cluster', got {split!r}")
     names = sorted({_held_out_name(s, split) for s in samples})
@@ -141,9 +148,7 @@ def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: 
     rows = []
     for name in names:
         train = [s for s in samples if _held_out_name(s, split) != name]
-        test = [s for s in samples if _held_out_name(s, split) == name and scored(s)]
-        if not test:
-            continue
+        test = [s for s in samples if _held_out_name(s, split) == name]
         fitted_constants = None
         for kind in kinds:
             simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params)
@@ -160,17 +165,18 @@ def _row(simulator: Simulator, kind: str, split: str, held_out: str, train_trial
     measured = np.array([s.step_s for s in test])
     return Row(kind=kind, split=split, held_out=held_out, train_trials=train_trials,
                metrics=score(predicted, measured, [group_key(s) for s in test]), predicted=predicted,
-               measured=measured, groups=tuple(group_key(s) for s in test))
+               measured=measured, groups=tuple(group_key(s) for s in test),
+               timed_steps=tuple(s.timed_steps for s in test))
 
 
-def transfer(samples: Sequence[Sample], *, held_out: str, ks: Sequence[int] = (0, 5, 10, 20), seed: int = 0,
-             constants: CostConstants | None = None, params: BoosterParams | None = None,
+def transfer(samples: Sequence[Sample], *, held_out: str, split: Split = "model", ks: Sequence[int] = (0, 5, 10, 20),
+             seed: int = 0, constants: CostConstants | None = None, params: BoosterParams | None = None,
              kind: str = "both") -> list[Row]:
-    """Fit on every model but ``held_out``, then warm-start with k of its trials (drawn with
-    ``seed``) and score on the held-out model's other trials (the same test set for every k:
-    those not among the largest k's draws)."""
-    train = [s for s in samples if s.model != held_out]
-    target = [s for s in samples if s.model == held_out]
+    """Fit on every model (or cluster, by ``split``) but ``held_out``, then warm-start with k of
+    its trials (drawn with ``seed``) and score on its other trials (the same test set for every
+    k: those not among the largest k's draws)."""
+    train = [s for s in samples if _held_out_name(s, split) != held_out]
+    target = [s for s in samples if _held_out_name(s, split) == held_out]
     if not train or len(target) <= max(ks):
         raise ValueError(f"transfer: need other models' trials and more than {max(ks)} of {held_out!r}, "
                          f"got {len(train)} and {len(target)}")
@@ -181,7 +187,7 @@ def transfer(samples: Sequence[Sample], *, held_out: str, ks: Sequence[int] = (0
     for k in ks:
         simulator = base if k == 0 else Simulator(kind=kind, params=params).fit(
             [target[i] for i in order[:k]], base=base)
-        rows.append(_row(simulator, kind, f"transfer k={k}", held_out, len(train) + k, test))
+        rows.append(_row(simulator, kind, f"{split} k={k}", held_out, len(train) + k, test))
     return rows
 
 
@@ -210,7 +216,7 @@ def summarize(rows: Sequence[Row], *, key: Callable[[Row], str] = lambda row: f"
         out.append(Row(kind=members[0].kind, split=members[0].split, held_out="all",
                        train_trials=int(np.mean([r.train_trials for r in members])),
                        metrics=score(predicted, measured, groups), predicted=predicted, measured=measured,
-                       groups=groups))
+                       groups=groups, timed_steps=tuple(n for r in members for n in r.timed_steps)))
     return out
 
 
