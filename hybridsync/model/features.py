@@ -63,9 +63,8 @@ def feature_matrix(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     used = np.stack([(active & (u.route == route)).any(axis=1) for route in _ROUTES], axis=1)
     columns += [np.log10(wire + 1.0), wire / model_bytes, u.messages.sum(axis=1), active.sum(axis=1),
                 used.sum(axis=1), u.fp16_bytes / model_bytes, u.sparse_bytes.sum(axis=1) / model_bytes,
-                u.densified_bytes / model_bytes,
-                u.keys.sum(axis=1),
-                terms["max_server_bytes"] / model_bytes, u.balanced_bytes / model_bytes, u.largest_key / model_bytes]
+                u.densified_bytes / model_bytes, u.keys.sum(axis=1), terms["max_server_bytes"] / model_bytes,
+                u.balanced_bytes / model_bytes, u.largest_key / model_bytes]
     per_message = np.where(active, u.wire_bytes / np.maximum(u.messages, 1), -1.0)
     lower = 0.0
     for edge in SIZE_BINS + (np.inf,):
