@@ -8,8 +8,9 @@ setup(
     "all-reduce or a parameter server, with partitioning and merging.",
     python_requires=">=3.11",
     packages=find_packages(include=["hybridsync", "hybridsync.*"]),
+    package_data={"hybridsync.model": ["simulator.json"]},
     install_requires=["numpy", "PyYAML"],
-    extras_require={"horovod": ["horovod==0.28.1", "torch==2.13.0"], "search": ["xgboost"]},
+    extras_require={"horovod": ["horovod==0.28.1", "torch==2.13.0"], "search": ["xgboost", "scipy"]},
     entry_points={
         "console_scripts": [
             "hybridsync = hybridsync.cli:main",

@@ -1,0 +1,348 @@
+"""Strategies as arrays: many candidates of one (model description, cluster) at once.
+
+The simulator scores thousands of candidate strategies per second, which per-strategy
+Python objects (``Strategy``, ``build_plan``) cannot do. This module turns a model
+description into per-variable arrays (``ModelArrays``) and candidate strategies into
+``StrategyBatch`` arrays (candidates x variables), then reduces a batch to *units*:
+the messages of each candidate as the router sends them, one unit per ungrouped variable
+(its shards) and one per merge group (the k-th shards of its members, as ``build_plan``
+fuses them), with bytes, message count, ready time and route (``Units``).
+
+A search can mutate ``StrategyBatch`` arrays directly (``from_strategies`` walks every
+variable of every strategy in Python; ``to_strategy`` turns a winner back into a
+``Strategy``). Torch-free; numpy only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.description import ModelDescription
+from hybridsync.strategy import Strategy, VarConfig
+from hybridsync.variables import FLOATING_DTYPES
+
+RING, HIER, PS, PS_ASYNC, GATHER = 0, 1, 2, 3, 4
+"""Unit routes: ring and hierarchical all-reduce, BSP and ASP/SSP parameter servers, and
+Horovod's all-gather of a whole sparse gradient's touched rows (ring route, not merged or split)."""
+ROUTE_NAMES = ("ring", "hier", "ps", "ps_async", "gather")
+INDEX_BYTES = 8
+"""Each touched row of a sparse gradient travels with an int64 index."""
+_PROTOCOL_CODES = {"bsp": 0, "asp": 1, "ssp": 2}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelArrays:
+    """A profiled model description as per-variable arrays (the description's variable order)."""
+
+    name: str
+    names: tuple[str, ...]
+    nbytes: np.ndarray
+    """Dense gradient bytes per variable."""
+    rows: np.ndarray
+    """Rows along dim 0 (1 for scalars): the most shards a variable can have."""
+    floating: np.ndarray
+    """Whether fp16 compression halves the variable's bytes."""
+    sparse: np.ndarray
+    sparse_bytes: np.ndarray
+    """Bytes of a step's touched rows with their indices (sparse variables; else 0)."""
+    ready_s: np.ndarray
+    """Seconds from the start of the backward pass to the gradient being ready (single process)."""
+    ready_order: np.ndarray
+    """Variable indices in the order their gradients become ready (ties: description order)."""
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    other_s: float
+    """The rest of a profiled step (data, zero_grad...): ``step_s`` minus the three phases."""
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.names)
+
+
+def model_arrays(description: ModelDescription) -> ModelArrays:
+    """The arrays of a profiled description; ``ValueError`` if it has no compute timing.
+
+    A variable without gradient timing is taken as ready at the end of the backward pass;
+    a sparse variable without ``rows_touched`` as touching every row (its dense size).
+    """
+    timing = description.timing
+    label = description.name or "model description"
+    if timing is None:
+        raise ValueError(f"{label}: has no compute timing; the simulator needs a profiled description "
+                         f"(hybridsync profile -o desc.json -- python train.py)")
+    if not description.variables:
+        raise ValueError(f"{label}: has no variables")
+    infos = list(description.variables.values())
+    nbytes = np.array([info.nbytes for info in infos], dtype=np.float64)
+    rows = np.array([info.shape[0] if info.shape else 1 for info in infos], dtype=np.int64)
+    sparse = np.array([info.sparse for info in infos], dtype=bool)
+    sparse_bytes = np.zeros(len(infos))
+    ready = np.full(len(infos), timing.backward_s)
+    for i, info in enumerate(infos):
+        var_timing = description.variable_timing.get(info.name)
+        if var_timing is not None:
+            ready[i] = var_timing.ready_s
+        if info.sparse:
+            touched = var_timing.rows_touched if var_timing and var_timing.rows_touched is not None else rows[i]
+            row_bytes = nbytes[i] / max(rows[i], 1)
+            sparse_bytes[i] = touched * (row_bytes + INDEX_BYTES)
+    other = max(0.0, timing.step_s - timing.forward_s - timing.backward_s - timing.optimizer_s)
+    return ModelArrays(name=description.name or "", names=tuple(description.variables), nbytes=nbytes, rows=rows,
+                       floating=np.array([info.dtype in FLOATING_DTYPES for info in infos]), sparse=sparse,
+                       sparse_bytes=sparse_bytes, ready_s=ready,
+                       ready_order=np.argsort(ready, kind="stable"), forward_s=timing.forward_s,
+                       backward_s=timing.backward_s, optimizer_s=timing.optimizer_s, other_s=other)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StrategyBatch:
+    """N candidate strategies of one model as (N, V) arrays, V = the model's variables in order."""
+
+    route: np.ndarray
+    """int8: 0 all-reduce ring, 1 all-reduce hierarchical, 2 parameter server."""
+    protocol: np.ndarray
+    """int8: 0 bsp, 1 asp, 2 ssp (parameter server only)."""
+    staleness: np.ndarray
+    """int: steps a worker may run ahead under ssp (else 0)."""
+    partitions: np.ndarray
+    """int: shards along dim 0 (>= 1)."""
+    group: np.ndarray
+    """int: merge group, numbered 0..G-1 within each candidate; -1 for none."""
+    fp16: np.ndarray
+    """bool: the variable travels as float16 (its compression, or the optimizer's default)."""
+    server_share: np.ndarray
+    """(N, V, S) float: fraction of the variable's bytes the strategy places on each server
+    explicitly (all zero: balanced by bytes). S = the cluster's servers (at least 1 column)."""
+
+    def __post_init__(self) -> None:
+        shape = self.route.shape
+        if len(shape) != 2 or any(getattr(self, f).shape != shape
+                                  for f in ("protocol", "staleness", "partitions", "group", "fp16")):
+            raise ValueError(f"StrategyBatch arrays must all have shape (candidates, variables), got route {shape}")
+        if self.server_share.shape[:2] != shape:
+            raise ValueError(f"server_share must have shape {shape + ('servers',)}, got {self.server_share.shape}")
+
+    def __len__(self) -> int:
+        return self.route.shape[0]
+
+    def take(self, indices: np.ndarray | Sequence[int]) -> "StrategyBatch":
+        """The candidates at ``indices`` (a search's survivors), as a new batch."""
+        return StrategyBatch(**{f.name: getattr(self, f.name)[np.asarray(indices)] for f in dataclasses.fields(self)})
+
+    @classmethod
+    def concatenate(cls, batches: Sequence["StrategyBatch"]) -> "StrategyBatch":
+        """One batch of the candidates of ``batches`` (of one model and cluster), in order."""
+        if not batches:
+            raise ValueError("StrategyBatch.concatenate: no batches")
+        return cls(**{f.name: np.concatenate([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(cls)})
+
+    def to_strategy(self, index: int, names: Sequence[str]) -> Strategy:
+        """Candidate ``index`` as a ``Strategy`` (explicit servers as the shards' shares say)."""
+        configs = {}
+        for v, name in enumerate(names):
+            parts, group = int(self.partitions[index, v]), int(self.group[index, v])
+            common = dict(partitions=parts, group=None if group < 0 else group,
+                          compression="fp16" if self.fp16[index, v] else None)
+            if self.route[index, v] == PS:
+                protocol = ("bsp", "asp", "ssp")[int(self.protocol[index, v])]
+                share = self.server_share[index, v]
+                servers = _shard_servers(share, parts) if share.sum() > 0 else None
+                staleness = int(self.staleness[index, v]) if protocol == "ssp" else None
+                configs[name] = VarConfig(route="ps", protocol=protocol, staleness=staleness, servers=servers, **common)
+            else:
+                algorithm = "hierarchical" if self.route[index, v] == HIER else "ring"
+                configs[name] = VarConfig(route="allreduce", algorithm=algorithm, **common)
+        return Strategy(variables=configs)
+
+
+def _shard_servers(share: np.ndarray, partitions: int) -> tuple[int, ...]:
+    """Servers of ``partitions`` shards whose bytes split as ``share`` says (largest remainders)."""
+    counts = np.floor(share * partitions).astype(int)
+    for s in np.argsort(-(share * partitions - counts), kind="stable")[:partitions - counts.sum()]:
+        counts[s] += 1
+    return tuple(int(s) for s, count in enumerate(counts) for _ in range(count))
+
+
+def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], cluster: ClusterSpec, *,
+                    compression: str = "none") -> StrategyBatch:
+    """Encode ``strategies`` (``None``: plain Horovod, every variable ring) for ``cluster``.
+
+    ``compression`` is the optimizer's default for configs that name none. ``ValueError``
+    when a strategy routes a variable to parameter servers the cluster does not have.
+    """
+    n, v, servers = len(strategies), arrays.num_variables, max(cluster.num_servers, 1)
+    batch = StrategyBatch(route=np.zeros((n, v), np.int8), protocol=np.zeros((n, v), np.int8),
+                          staleness=np.zeros((n, v), np.int64), partitions=np.ones((n, v), np.int64),
+                          group=np.full((n, v), -1, np.int64), fp16=np.zeros((n, v), bool),
+                          server_share=np.zeros((n, v, servers)))
+    cache: dict[VarConfig, tuple] = {}
+    known = set(arrays.names)
+    for i, strategy in enumerate(strategies):
+        if strategy is None:
+            continue
+        unknown = [name for name in strategy.variables if name not in known]
+        if unknown:
+            raise ValueError(f"strategy {i} configures {unknown[0]!r}, which is not a variable of "
+                             f"{arrays.name or 'the model'}")
+        groups: dict[int, int] = {}
+        for j, name in enumerate(arrays.names):
+            config = strategy.config_for(name)
+            codes = cache.get(config)
+            if codes is None:
+                codes = cache[config] = _config_codes(config, cluster, compression, name)
+            route, protocol, parts, fp16, share = codes
+            batch.route[i, j], batch.protocol[i, j], batch.partitions[i, j] = route, protocol, parts
+            batch.staleness[i, j] = config.staleness or 0
+            batch.fp16[i, j] = fp16 and arrays.floating[j]
+            if share is not None:
+                batch.server_share[i, j] = share
+            if config.group is not None:
+                batch.group[i, j] = groups.setdefault(config.group, len(groups))
+    too_many = np.argwhere(batch.partitions > arrays.rows)
+    if len(too_many):
+        i, j = too_many[0]
+        raise ValueError(f"strategy {i}: variable {arrays.names[j]!r} has {arrays.rows[j]} rows, "
+                         f"fewer than its {batch.partitions[i, j]} partitions")
+    return batch
+
+
+def _config_codes(config: VarConfig, cluster: ClusterSpec, compression: str, name: str) -> tuple:
+    fp16 = (config.compression or compression) == "fp16"
+    if config.route != "ps":
+        return (HIER if config.algorithm == "hierarchical" else RING), 0, config.partitions, fp16, None
+    if cluster.num_servers == 0:
+        raise ValueError(f"variable {name!r} is routed to the parameter servers, but the cluster has none "
+                         f"(servers_per_node: 0); give the cluster servers or route it to all-reduce")
+    share = None
+    if config.servers is not None:
+        bad = [s for s in config.servers if s >= cluster.num_servers]
+        if bad:
+            raise ValueError(f"variable {name!r} names server {bad[0]}, but the cluster has "
+                             f"{cluster.num_servers} servers (0..{cluster.num_servers - 1})")
+        share = np.bincount(config.servers, minlength=cluster.num_servers) / len(config.servers)
+    return PS, _PROTOCOL_CODES[config.protocol], config.partitions, fp16, share
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Units:
+    """Each candidate's messages, gathered per unit: (N, V) arrays whose columns follow the
+    variables' ready order (``ModelArrays.ready_order``), so a channel serves them left to right.
+
+    Column j holds the unit of the j-th gradient to become ready: that variable's shards
+    when it is in no group; the whole group's messages when it is the group's last-ready
+    member (a merged message leaves when its last gradient is ready); else nothing
+    (``messages == 0``).
+    """
+
+    route: np.ndarray
+    """int8 route code (``RING``... ``GATHER``)."""
+    wire_bytes: np.ndarray
+    """Bytes per worker and direction: dense size after compression, touched rows for sparse
+    gradients on the BSP parameter servers and on Horovod's all-gather, dense uncompressed
+    parameters under ASP/SSP."""
+    messages: np.ndarray
+    """Messages the unit sends (a variable's shards; a group's largest shard count)."""
+    pieces: np.ndarray
+    """Shards of all its variables: ASP/SSP send every piece's parameters as a key of its own."""
+    keys: np.ndarray
+    """Parameter-server keys of PS units (each message, or each ASP/SSP piece, cut into
+    chunks of at most ``partition_bytes``); 0 for the other routes."""
+    ready_s: np.ndarray
+    """When the unit's last gradient is ready, from the start of the backward pass (single process)."""
+    sparse_bytes: np.ndarray
+    """The part of ``wire_bytes`` that is touched rows."""
+    server_bytes: np.ndarray
+    """(N, S): bytes each server holds by explicit placement (PS units)."""
+    balanced_bytes: np.ndarray
+    """(N,): PS bytes placed by balancing (no explicit servers)."""
+    largest_key: np.ndarray
+    """(N,): the largest balanced PS key's bytes (placement granularity)."""
+    fp16_bytes: np.ndarray
+    """(N,): bytes sent as float16."""
+    densified_bytes: np.ndarray
+    """(N,): dense bytes of sparse gradients sent whole (split, merged or hierarchical: the
+    router densifies them every step, a CPU cost on every rank)."""
+
+
+def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) -> Units:
+    """Reduce a batch to units (see ``Units``); ``partition_bytes`` is the PS key size."""
+    n, v = batch.route.shape
+    parts = np.maximum(batch.partitions, 1)
+    grouped = batch.group >= 0
+    is_ps = batch.route == PS
+    sparse = np.broadcast_to(arrays.sparse, (n, v))
+    asynchronous = is_ps & (batch.protocol > 0)
+    gather = sparse & (batch.route == RING) & (parts == 1) & ~grouped
+    touched = sparse & ((is_ps & ~asynchronous) | gather)
+    # ASP/SSP push parameter deltas and pull values: dense and uncompressed (router.plan)
+    dense = np.where(batch.fp16 & ~asynchronous, arrays.nbytes * 0.5, arrays.nbytes)
+    wire = np.where(touched, arrays.sparse_bytes, dense)
+    # PS placement is a sum over variables: in description order, like the batch
+    ps_wire = np.where(is_ps, wire, 0.0)
+    share = _group_placement(batch.server_share, batch.group)
+    explicit = share.sum(axis=2) > 0
+    server_bytes = np.einsum("nv,nvs->ns", np.where(explicit, ps_wire, 0.0), share)
+    balanced = np.where(explicit, 0.0, ps_wire)
+    key = np.minimum(balanced / parts, partition_bytes)
+    fp16_bytes = np.where(batch.fp16 & ~touched & ~asynchronous, dense, 0.0).sum(axis=1)
+    densified_bytes = np.where(sparse & ~touched & ~asynchronous, arrays.nbytes, 0.0).sum(axis=1)
+
+    order = arrays.ready_order  # units: columns in ready order
+    route = np.where(gather, GATHER, np.where(asynchronous, PS_ASYNC, batch.route))
+    route, wire, parts = route[:, order].astype(np.int8), wire[:, order], parts[:, order]
+    grouped, touched, group = grouped[:, order], touched[:, order], batch.group[:, order]
+    unit_bytes = np.where(grouped, 0.0, wire)
+    unit_messages = np.where(grouped, 0, parts)
+    unit_pieces = unit_messages.copy()
+    unit_sparse = np.where(grouped | ~touched, 0.0, wire)
+    if grouped.any():
+        num_groups = int(group.max()) + 1
+        rows, cols = np.nonzero(grouped)
+        flat = rows * num_groups + group[rows, cols]
+        size = n * num_groups
+        owner = np.full(size, -1)
+        np.maximum.at(owner, flat, cols)  # the group's last-ready member carries its unit
+        g_messages = np.zeros(size, np.int64)
+        np.maximum.at(g_messages, flat, parts[rows, cols])
+        used = np.unique(flat)
+        owner_rows, owner_cols = used // num_groups, owner[used]
+        unit_bytes[owner_rows, owner_cols] = np.bincount(flat, wire[rows, cols], size)[used]
+        unit_sparse[owner_rows, owner_cols] = np.bincount(flat, np.where(touched, wire, 0.0)[rows, cols], size)[used]
+        unit_messages[owner_rows, owner_cols] = g_messages[used]
+        unit_pieces[owner_rows, owner_cols] = np.bincount(flat, parts[rows, cols], size)[used]
+    keys = np.where(route == PS, _chunks(unit_bytes, unit_messages, partition_bytes),
+                    np.where(route == PS_ASYNC, _chunks(unit_bytes, unit_pieces, partition_bytes), 0.0))
+    return Units(route=route, wire_bytes=unit_bytes, messages=unit_messages, pieces=unit_pieces, keys=keys,
+                 ready_s=np.broadcast_to(arrays.ready_s[order], (n, v)), sparse_bytes=unit_sparse,
+                 server_bytes=server_bytes, balanced_bytes=balanced.sum(axis=1),
+                 largest_key=key.max(axis=1) if v else np.zeros(n),
+                 fp16_bytes=fp16_bytes, densified_bytes=densified_bytes)
+
+
+def _group_placement(share: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Server shares with each merge group's members placed as its first member says: a merged
+    message goes where the first variable's config sends that shard (``build_plan`` takes the
+    config of a group's first member; exact when the members have equal partitions)."""
+    grouped = group >= 0
+    if not grouped.any() or not share[grouped].any():
+        return share  # no merged variable is placed explicitly
+    n, v = group.shape
+    num_groups = int(group.max()) + 1
+    rows, cols = np.nonzero(grouped)
+    flat = rows * num_groups + group[rows, cols]
+    first = np.full(n * num_groups, v)
+    np.minimum.at(first, flat, cols)
+    out = share.copy()
+    out[rows, cols] = share[rows, first[flat]]
+    return out
+
+
+def _chunks(wire_bytes: np.ndarray, messages: np.ndarray, partition_bytes: int) -> np.ndarray:
+    """Keys of ``messages`` equal messages of ``wire_bytes`` in all, each cut into chunks of at
+    most ``partition_bytes`` (``placement.chunk_message``)."""
+    per_message = np.where(messages > 0, wire_bytes / np.maximum(messages, 1), 0.0)
+    return messages * np.maximum(1, np.ceil(per_message / partition_bytes))

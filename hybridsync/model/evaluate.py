@@ -1,0 +1,245 @@
+"""How good is a simulator: ranking and error metrics, held-out evaluation, transfer, a plot.
+
+Metrics are computed per query group, a (model, cluster) pair, since a search only ever
+compares strategies of one model on one cluster, then averaged over groups weighted by
+their trials:
+
+- pairwise ranking accuracy: of the pairs of trials with different measured times, the
+  share the prediction orders the same way (AutoSync's metric; ~0.84-0.92 there);
+- Kendall tau (scipy) of predicted vs measured;
+- MAPE: mean |predicted - measured| / measured;
+- top-1 regret: measured time of the predicted-best trial over the measured best, minus 1.
+
+``cross_validate`` holds out one model (or one cluster) at a time, fits on the rest and
+scores the held-out trials; ``transfer`` warm-starts a simulator with k trials of a held-out
+model. Randomness only from explicit seeds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+
+from hybridsync.model.analytic import CostConstants
+from hybridsync.model.simulator import BoosterParams, Sample, Simulator
+from hybridsync.trials.store import cluster_label
+
+Split = Literal["model", "cluster"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Metrics:
+    """A simulator's scores on a set of trials."""
+
+    pairwise: float
+    kendall_tau: float
+    mape: float
+    top1_regret: float
+    trials: int
+
+
+def group_key(sample: Sample) -> tuple[str, str]:
+    """A sample's query group: (model, cluster label)."""
+    return sample.model, cluster_label(sample.cluster.to_dict())
+
+
+def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object]) -> Metrics:
+    """Metrics of ``predicted`` vs ``measured`` seconds; ``groups[i]`` is trial i's query group."""
+    predicted, measured = np.asarray(predicted, float), np.asarray(measured, float)
+    if predicted.shape != measured.shape or len(predicted) != len(groups) or len(predicted) == 0:
+        raise ValueError(f"score: need as many predictions ({predicted.shape}), measurements ({measured.shape}) "
+                         f"and groups ({len(groups)}), at least one")
+    by_group: dict[object, list[int]] = defaultdict(list)
+    for i, group in enumerate(groups):
+        by_group[group].append(i)
+    agree = pairs = 0
+    taus, tau_weights, regrets, regret_weights = [], [], [], []
+    for members in by_group.values():
+        p, m = predicted[members], measured[members]
+        upper = np.triu_indices(len(members), k=1)
+        dm = np.sign(m[:, None] - m[None, :])[upper]
+        dp = np.sign(p[:, None] - p[None, :])[upper]
+        counted = dm != 0
+        agree += int((dm[counted] == dp[counted]).sum())
+        pairs += int(counted.sum())
+        if len(members) >= 2:
+            taus.append(_kendall(p, m))
+            tau_weights.append(len(members))
+        regrets.append(m[np.argmin(p)] / m.min() - 1.0)
+        regret_weights.append(len(members))
+    return Metrics(pairwise=agree / pairs if pairs else float("nan"),
+                   kendall_tau=float(np.average(taus, weights=tau_weights)) if taus else float("nan"),
+                   mape=float(np.mean(np.abs(predicted - measured) / measured)),
+                   top1_regret=float(np.average(regrets, weights=regret_weights)), trials=len(predicted))
+
+
+def split_half(step_times: Sequence[Sequence[float]], groups: Sequence[object]) -> Metrics:
+    """How well the measurements agree with themselves: the median of each trial's odd timed
+    steps "predicting" the median of its even ones. No simulator can rank measured trials much
+    better than their own halves rank each other (trials with fewer than 2 steps are skipped)."""
+    kept = [i for i, times in enumerate(step_times) if len(times) >= 2]
+    odd = np.array([np.median(step_times[i][1::2]) for i in kept])
+    even = np.array([np.median(step_times[i][0::2]) for i in kept])
+    return score(odd, even, [groups[i] for i in kept])
+
+
+def _kendall(predicted: np.ndarray, measured: np.ndarray) -> float:
+    from scipy.stats import kendalltau
+
+    tau = kendalltau(predicted, measured).statistic
+    return float(tau) if np.isfinite(tau) else 0.0
+
+
+def predict_samples(simulator: Simulator, samples: Sequence[Sample]) -> np.ndarray:
+    """The simulator's prediction of every sample, batched per (model, cluster)."""
+    out = np.zeros(len(samples))
+    batches: dict[tuple, list[int]] = defaultdict(list)
+    for i, sample in enumerate(samples):
+        batches[id(sample.description), group_key(sample)].append(i)
+    for indices in batches.values():
+        first = samples[indices[0]]
+        out[indices] = simulator.predict(first.description, first.cluster, [samples[i].strategy for i in indices])
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Row:
+    """One held-out evaluation: which kind of simulator, what was held out, how it scored."""
+
+    kind: str
+    split: str
+    held_out: str
+    train_trials: int
+    metrics: Metrics
+    predicted: np.ndarray = dataclasses.field(repr=False)
+    measured: np.ndarray = dataclasses.field(repr=False)
+    groups: tuple[tuple[str, str], ...] = dataclasses.field(repr=False, default=())
+    """Each test trial's query group (model, cluster label)."""
+    timed_steps: tuple[int, ...] = dataclasses.field(repr=False, default=())
+    """Each test trial's number of timed steps."""
+
+    def where(self, keep: np.ndarray) -> "Row":
+        """This row scored on the test trials ``keep`` (a boolean mask) selects."""
+        groups = tuple(g for g, k in zip(self.groups, keep) if k)
+        return dataclasses.replace(self, predicted=self.predicted[keep], measured=self.measured[keep], groups=groups,
+                                   timed_steps=tuple(np.asarray(self.timed_steps)[keep]),
+                                   metrics=score(self.predicted[keep], self.measured[keep], groups))
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(group[0] for group in self.groups)
+
+
+def _held_out_name(sample: Sample, split: Split) -> str:
+    return sample.model if split == "model" else cluster_label(sample.cluster.to_dict())
+
+
+def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: Sequence[str] = ("analytic",
+                   "xgboost", "both"), constants: CostConstants | None = None,
+                   params: BoosterParams | None = None) -> list[Row]:
+    """Leave-one-model-out (``split="model"``) or leave-one-cluster-out evaluation of each kind."""
+    if split not in ("model", "cluster"):
+        raise ValueError(f"split must be 'model' or 'cluster', got {split!r}")
+    names = sorted({_held_out_name(s, split) for s in samples})
+    if len(names) < 2:
+        raise ValueError(f"cross_validate: need trials of at least two {split}s, got {names}")
+    rows = []
+    for name in names:
+        train = [s for s in samples if _held_out_name(s, split) != name]
+        test = [s for s in samples if _held_out_name(s, split) == name]
+        fitted_constants = None
+        for kind in kinds:
+            simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params)
+            simulator.fit(train, refit_constants=fitted_constants is None)
+            if kind != "xgboost":
+                fitted_constants = simulator.constants  # analytic and both share one least-squares fit
+            rows.append(_row(simulator, kind, split, name, len(train), test))
+    return rows
+
+
+def _row(simulator: Simulator, kind: str, split: str, held_out: str, train_trials: int,
+         test: Sequence[Sample]) -> Row:
+    predicted = predict_samples(simulator, test)
+    measured = np.array([s.step_s for s in test])
+    return Row(kind=kind, split=split, held_out=held_out, train_trials=train_trials,
+               metrics=score(predicted, measured, [group_key(s) for s in test]), predicted=predicted,
+               measured=measured, groups=tuple(group_key(s) for s in test),
+               timed_steps=tuple(s.timed_steps for s in test))
+
+
+def transfer(samples: Sequence[Sample], *, held_out: str, split: Split = "model", ks: Sequence[int] = (0, 5, 10, 20),
+             seed: int = 0, constants: CostConstants | None = None, params: BoosterParams | None = None,
+             kind: str = "both") -> list[Row]:
+    """Fit on every model (or cluster, by ``split``) but ``held_out``, then warm-start with k of
+    its trials (drawn with ``seed``) and score on its other trials (the same test set for every
+    k: those not among the largest k's draws)."""
+    train = [s for s in samples if _held_out_name(s, split) != held_out]
+    target = [s for s in samples if _held_out_name(s, split) == held_out]
+    if not train or len(target) <= max(ks):
+        raise ValueError(f"transfer: need other models' trials and more than {max(ks)} of {held_out!r}, "
+                         f"got {len(train)} and {len(target)}")
+    order = np.random.default_rng(seed).permutation(len(target))
+    test = [target[i] for i in order[max(ks):]]
+    base = Simulator(kind=kind, constants=constants, params=params).fit(train)
+    rows = []
+    for k in ks:
+        simulator = base if k == 0 else Simulator(kind=kind, params=params).fit(
+            [target[i] for i in order[:k]], base=base)
+        rows.append(_row(simulator, kind, f"{split} k={k}", held_out, len(train) + k, test))
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The rows as a fixed-width text table."""
+    lines = [f"{'split':<14} {'held out':<16} {'kind':<9} {'train':>6} {'test':>5} {'pairwise':>9} "
+             f"{'tau':>6} {'MAPE':>7} {'regret':>7}"]
+    for row in rows:
+        m = row.metrics
+        lines.append(f"{row.split:<14} {row.held_out:<16} {row.kind:<9} {row.train_trials:>6} {m.trials:>5} "
+                     f"{m.pairwise:>9.3f} {m.kendall_tau:>6.3f} {m.mape:>6.1%} {m.top1_regret:>6.1%}")
+    return "\n".join(lines)
+
+
+def summarize(rows: Sequence[Row], *, key: Callable[[Row], str] = lambda row: f"{row.split} {row.kind}") -> list[Row]:
+    """One pooled row per ``key`` (e.g. per split and kind): the metrics of all its predictions
+    together, (model, cluster) groups kept apart."""
+    pooled: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        pooled[key(row)].append(row)
+    out = []
+    for name, members in pooled.items():
+        predicted = np.concatenate([r.predicted for r in members])
+        measured = np.concatenate([r.measured for r in members])
+        groups = tuple(g for r in members for g in r.groups)
+        out.append(Row(kind=members[0].kind, split=members[0].split, held_out="all",
+                       train_trials=int(np.mean([r.train_trials for r in members])),
+                       metrics=score(predicted, measured, groups), predicted=predicted, measured=measured,
+                       groups=groups, timed_steps=tuple(n for r in members for n in r.timed_steps)))
+    return out
+
+
+def plot_predictions(rows: Sequence[Row], path: str, *, title: str = "simulator: predicted vs measured") -> None:
+    """A log-log scatter of predicted vs measured step time, one panel per row, colored by model (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 4.2), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        for model in sorted(set(row.models)):
+            mask = np.array([m == model for m in row.models])
+            ax.scatter(row.measured[mask], row.predicted[mask], s=9, alpha=0.6, label=model)
+        low = min(row.measured.min(), row.predicted.min()) * 0.8
+        high = max(row.measured.max(), row.predicted.max()) * 1.25
+        ax.plot([low, high], [low, high], color="gray", linewidth=0.8)
+        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured step (s)",
+               ylabel="predicted step (s)",
+               title=f"{row.split} {row.kind}\npairwise {row.metrics.pairwise:.2f}, MAPE {row.metrics.mape:.0%}")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

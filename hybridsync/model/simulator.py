@@ -1,0 +1,292 @@
+"""The runtime simulator: the analytic cost model corrected by XGBoost, fit on measured trials.
+
+    sim = Simulator(constants=CostConstants(cores=2)).fit(load_samples("sqlite:///data/trials.db"))
+    seconds = sim.predict(description, cluster, strategies)      # one number per strategy
+    sim.save("simulator.json"); sim = Simulator.load("simulator.json")
+    tuned = Simulator.load("simulator.json").fit(new_samples, base=sim)   # warm start, k trials
+
+As AutoTVM's cost models: ``fit`` on (input, measured time) pairs, batched ``predict``.
+Three kinds, to compare what each part brings:
+
+- ``analytic``: the alpha-beta model alone, its constants fit by least squares;
+- ``xgboost``: gradient-boosted trees on the features without the analytic terms,
+  regressing log step time;
+- ``both`` (default): trees regress log(measured / analytic) on every feature, so they
+  learn what the analytic model misses (contention for the cores, densifying, mixing
+  routes) and fall back to it where they know nothing.
+
+Warm start (``fit(..., base=...)``): keeps the base's constants and adds ``warm_rounds``
+trees fit to the new trials on top of the base's (xgboost's ``xgb_model=`` continuation).
+Torch-free; xgboost with one thread (the machine's cores belong to measurements).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+
+from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.description import ModelDescription, description_id, parse_description
+from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
+from hybridsync.model.encoding import ModelArrays, StrategyBatch, Units, from_strategies, model_arrays, units
+from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
+from hybridsync.strategy import Strategy
+
+Kind = Literal["both", "xgboost", "analytic"]
+KINDS: tuple[str, ...] = ("both", "xgboost", "analytic")
+FORMAT = "hybridsync-simulator"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One measured trial, as the simulator learns from it."""
+
+    model: str
+    """The model's name (leave-one-model-out splits by it)."""
+    description: ModelDescription
+    """Profiled description of the model the trial ran."""
+    cluster: ClusterSpec
+    strategy: Strategy | None
+    """``None``: plain Horovod (every variable ring all-reduced)."""
+    step_s: float
+    """Measured median step time in seconds."""
+    timed_steps: int = 0
+    """How many timed steps the median is taken over (0: unknown)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BoosterParams:
+    """XGBoost settings of the learned part."""
+
+    rounds: int = 200
+    """Trees of a fresh fit."""
+    warm_rounds: int = 40
+    """Trees added by a warm start."""
+    max_depth: int = 4
+    learning_rate: float = 0.05
+    subsample: float = 0.8
+    """Rows per tree (randomness from ``seed``)."""
+    colsample_bytree: float = 0.8
+    min_child_weight: float = 2.0
+    reg_lambda: float = 1.0
+    seed: int = 0
+    """xgboost's seed: equal seeds and data give equal models."""
+
+    def xgboost(self) -> dict[str, Any]:
+        """The parameter dictionary of ``xgboost.train`` (one thread, squared error on logs)."""
+        return {"objective": "reg:squarederror", "max_depth": self.max_depth, "eta": self.learning_rate,
+                "subsample": self.subsample, "colsample_bytree": self.colsample_bytree,
+                "min_child_weight": self.min_child_weight, "lambda": self.reg_lambda, "seed": self.seed,
+                "nthread": 1, "tree_method": "hist"}
+
+
+SHIPPED = Path(__file__).with_name("simulator.json")
+"""The simulator fit on the runtime dataset shipped with hybridsync (``benchmarks/simulator.py --save``)."""
+
+
+def shipped_simulator() -> "Simulator":
+    """The simulator that ships with the package: fit on every trial of the runtime dataset
+    (the emulated clusters of ``make dataset``, ``cores=2``); warm-start it with trials of
+    your own model and cluster (``fit(samples, base=shipped_simulator())``)."""
+    if not SHIPPED.exists():
+        raise ValueError(f"no trained simulator ships with this installation ({SHIPPED} is missing); "
+                         f"fit one: benchmarks/simulator.py --store URL --save PATH")
+    return Simulator.load(SHIPPED)
+
+
+def load_samples(store: Any, *, model: str | None = None, cluster: Any = None) -> list[Sample]:
+    """Every successful trial of a ``TrialStore`` (or a store URL) with its description."""
+    from hybridsync.trials.store import TrialStore
+
+    if isinstance(store, str):
+        with TrialStore(store, create=False) as opened:
+            return load_samples(opened, model=model, cluster=cluster)
+    descriptions = {did: parse_description(entry["doc"], where=f"description {did} ({entry['model']})")
+                    for did, entry in store.descriptions().items()}
+    return samples_from_records(store.trials(model=model, cluster=cluster, status="ok"), descriptions)
+
+
+def samples_from_records(records: Iterable[Any], descriptions: Mapping[str, ModelDescription]) -> list[Sample]:
+    """``Sample``s of trial records (``TrialRecord``) that have timed steps; ``ValueError`` for a
+    record whose description is missing."""
+    out = []
+    for record in records:
+        if record.status != "ok" or not record.median_s:
+            continue
+        if record.description_id not in descriptions:
+            raise ValueError(f"trial {record.uid} ({record.model}): its description {record.description_id} "
+                             f"is not in the store")
+        out.append(Sample(model=record.model, description=descriptions[record.description_id],
+                          cluster=ClusterSpec.from_dict(record.cluster), step_s=float(record.median_s),
+                          strategy=None if record.strategy is None else Strategy.from_dict(record.strategy),
+                          timed_steps=len(record.timed_steps)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Problem:
+    """The samples of one (description, cluster), encoded once."""
+
+    arrays: ModelArrays
+    cluster: ClusterSpec
+    units: Units
+    step_s: np.ndarray
+    indices: np.ndarray
+    """Positions of these samples in the list given to ``fit``."""
+
+
+class Simulator:
+    """Predicts the step time of strategies for a (model description, cluster)."""
+
+    def __init__(self, *, kind: Kind = "both", constants: CostConstants | None = None,
+                 params: BoosterParams | None = None) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+        self.kind = kind
+        self.constants = constants or CostConstants()
+        self.params = params or BoosterParams()
+        self.booster: Any = None
+        self.meta: dict[str, Any] = {}
+        self._columns = [j for j, name in enumerate(FEATURE_NAMES) if kind == "both" or name not in ANALYTIC_FEATURES]
+
+    # --- fitting ------------------------------------------------------------------------
+    def fit(self, samples: Sequence[Sample], *, base: "Simulator | None" = None,
+            refit_constants: bool = True) -> "Simulator":
+        """Fit to measured ``samples`` (returns ``self``). With ``base``: warm start from it
+        (its kind, constants and trees, plus ``warm_rounds`` trees for these samples).
+        ``refit_constants=False`` keeps the analytic constants given to the constructor.
+        ``ValueError`` for no samples, a description without timing, or a strategy the
+        sample's cluster cannot run."""
+        samples = list(samples)
+        if not samples:
+            raise ValueError("Simulator.fit: no samples (is the trial store empty, or every trial failed?)")
+        bad = [i for i, s in enumerate(samples) if not (np.isfinite(s.step_s) and s.step_s > 0)]
+        if bad:
+            raise ValueError(f"Simulator.fit: sample {bad[0]} ({samples[bad[0]].model}) has step time "
+                             f"{samples[bad[0]].step_s!r}; step times must be finite seconds > 0")
+        if base is not None:
+            if base.kind != self.kind:
+                raise ValueError(f"warm start from a {base.kind!r} simulator into a {self.kind!r} one")
+            self.constants = base.constants
+        problems = self._problems(samples)
+        if self.kind != "xgboost" and base is None and refit_constants:
+            self.constants = fit_constants([(p.arrays, p.units, p.cluster, p.step_s) for p in problems],
+                                           self.constants)
+        if self.kind != "analytic":
+            self._fit_booster(problems, len(samples), base)
+        self.meta = {"samples": len(samples) + (base.meta.get("samples", 0) if base else 0),
+                     "models": sorted({s.model for s in samples} | set(base.meta.get("models", []) if base else [])),
+                     "warm_started": base is not None,
+                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        return self
+
+    def _problems(self, samples: Sequence[Sample]) -> list[_Problem]:
+        grouped: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for i, sample in enumerate(samples):
+            grouped[description_id(sample.description), json.dumps(sample.cluster.to_dict(), sort_keys=True)].append(i)
+        problems = []
+        for indices in grouped.values():
+            first = samples[indices[0]]
+            arrays = model_arrays(first.description)
+            batch = from_strategies(arrays, [samples[i].strategy for i in indices], first.cluster)
+            problems.append(_Problem(arrays=arrays, cluster=first.cluster,
+                                     units=units(arrays, batch, partition_bytes=self.constants.partition_bytes),
+                                     step_s=np.array([samples[i].step_s for i in indices]),
+                                     indices=np.array(indices)))
+        return problems
+
+    def _fit_booster(self, problems: Sequence[_Problem], count: int, base: "Simulator | None") -> None:
+        import xgboost
+
+        features = np.zeros((count, len(self._columns)), dtype=np.float32)
+        target = np.zeros(count)
+        for p in problems:
+            terms = analytic_terms(p.arrays, p.units, p.cluster, self.constants)
+            matrix = feature_matrix(p.arrays, p.units, p.cluster, terms)
+            features[p.indices] = matrix[:, self._columns]
+            target[p.indices] = np.log(p.step_s) - (np.log(terms["step_s"]) if self.kind == "both" else 0.0)
+        train = xgboost.DMatrix(features, label=target, feature_names=self.feature_names)
+        rounds = self.params.warm_rounds if base is not None else self.params.rounds
+        start = base.booster.copy() if base is not None and base.booster is not None else None
+        self.booster = xgboost.train(self.params.xgboost(), train, num_boost_round=rounds, xgb_model=start)
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [FEATURE_NAMES[j] for j in self._columns]
+
+    # --- prediction ---------------------------------------------------------------------
+    def predict(self, description: ModelDescription, cluster: ClusterSpec,
+                strategies: Sequence[Strategy | None] | StrategyBatch) -> np.ndarray:
+        """Predicted step time in seconds of each strategy (``None``: plain Horovod) on ``cluster``."""
+        arrays = model_arrays(description)
+        if not isinstance(strategies, StrategyBatch):
+            strategies = from_strategies(arrays, list(strategies), cluster)
+        return self.predict_batch(arrays, cluster, strategies)
+
+    def predict_batch(self, arrays: ModelArrays, cluster: ClusterSpec, batch: StrategyBatch) -> np.ndarray:
+        """``predict`` for an encoded model and batch: what a search calls in its loop."""
+        if self.kind != "analytic" and self.booster is None:
+            raise ValueError("Simulator.predict: the simulator is not fitted (call fit or load a saved one)")
+        if len(batch) == 0:
+            return np.zeros(0)
+        u = units(arrays, batch, partition_bytes=self.constants.partition_bytes)
+        terms = analytic_terms(arrays, u, cluster, self.constants)
+        if self.kind == "analytic":
+            return terms["step_s"]
+        import xgboost
+
+        matrix = feature_matrix(arrays, u, cluster, terms)
+        data = xgboost.DMatrix(matrix[:, self._columns], feature_names=self.feature_names, nthread=1)
+        learned = self.booster.predict(data)
+        return np.exp(learned + (np.log(terms["step_s"]) if self.kind == "both" else 0.0))
+
+    # --- persistence --------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """One JSON file: kind, constants, booster settings, feature names, provenance and the
+        trees (xgboost's own JSON model); written atomically."""
+        import xgboost
+
+        import hybridsync
+        doc = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind, "constants": self.constants.to_dict(),
+               "params": dataclasses.asdict(self.params), "feature_names": self.feature_names,
+               "meta": {**self.meta, "xgboost": xgboost.__version__, "hybridsync": hybridsync.__version__},
+               "booster": None if self.booster is None else json.loads(bytes(self.booster.save_raw("json")))}
+        path = os.fspath(path)
+        partial = f"{path}.partial-{os.getpid()}"
+        with open(partial, "w", encoding="utf-8") as handle:
+            json.dump(doc, handle)
+            handle.write("\n")
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Simulator":
+        """A simulator ``save`` wrote; ``ValueError`` naming the file for anything else."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                doc = json.load(handle)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"cannot read simulator {path!r}: {error}") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"{path!r} is not a saved hybridsync simulator (no \"format\": \"{FORMAT}\")")
+        if doc.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{path!r}: simulator format version {doc.get('version')!r}; this hybridsync reads "
+                             f"{FORMAT_VERSION}")
+        simulator = cls(kind=doc["kind"], constants=CostConstants.from_dict(doc["constants"]),
+                        params=BoosterParams(**doc["params"]))
+        if doc["feature_names"] != simulator.feature_names:
+            raise ValueError(f"{path!r}: saved with other features than this hybridsync computes; refit it")
+        simulator.meta = dict(doc.get("meta", {}))
+        if doc.get("booster") is not None:
+            import xgboost
+
+            simulator.booster = xgboost.Booster(params={"nthread": 1})
+            simulator.booster.load_model(bytearray(json.dumps(doc["booster"]).encode("utf-8")))
+        return simulator

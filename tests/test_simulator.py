@@ -1,0 +1,339 @@
+"""The runtime simulator (hybridsync.model): analytic costs, features, fit/predict/save/load, ranking.
+
+Unit tier only: one process, no child process. Data are built here (descriptions, clusters,
+strategies, step times generated from the analytic model with noise), plus a small export
+of measured trials (``tests/data/simulator_trials.jsonl``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming
+from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
+from hybridsync.model.encoding import PS, PS_ASYNC, StrategyBatch, from_strategies, model_arrays, units
+from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score,
+                                       split_half, summarize, transfer)
+from hybridsync.model.features import FEATURE_NAMES, feature_matrix
+from hybridsync.model.simulator import BoosterParams, Sample, Simulator, load_samples, shipped_simulator
+from hybridsync.router.plan import build_plan
+from hybridsync.search.space import SpaceBounds, random_strategy
+from hybridsync.strategy import Strategy, VarConfig
+from hybridsync.trials.store import TrialStore
+from hybridsync.variables import VariableInfo
+
+pytestmark = pytest.mark.unit
+
+CLUSTER = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="1gbit", servers_per_node=1)
+FAST_PARAMS = BoosterParams(rounds=60, warm_rounds=20, seed=3)
+
+
+def describe(name: str, shapes: list[tuple[int, ...]], *, backward_s: float = 0.02, sparse: tuple[int, ...] = (),
+             timed: bool = True) -> ModelDescription:
+    """A profiled description: variables ready back to front, evenly over the backward pass."""
+    infos = {f"{name}.v{i}": VariableInfo(name=f"{name}.v{i}", shape=shape, sparse=i in sparse)
+             for i, shape in enumerate(shapes)}
+    count = len(infos)
+    var_timing = {var: VariableTiming(ready_order=count - 1 - i, ready_s=backward_s * (count - i) / count,
+                                      rows_touched=max(1, shapes[i][0] // 50) if i in sparse else None)
+                  for i, var in enumerate(infos)}
+    timing = ComputeTiming(forward_s=0.01, backward_s=backward_s, optimizer_s=0.002, step_s=0.035, steps=10)
+    return ModelDescription(variables=infos, name=name, timing=timing if timed else None,
+                            variable_timing=var_timing if timed else {})
+
+
+def predict_analytic(desc: ModelDescription, cluster: ClusterSpec, strategies: list,
+                     constants: CostConstants | None = None) -> np.ndarray:
+    return Simulator(kind="analytic", constants=constants).predict(desc, cluster, strategies)
+
+
+def same_config(desc: ModelDescription, **config) -> Strategy:
+    return Strategy(variables={name: VarConfig(**config) for name in desc.variables})
+
+
+# --- analytic model ---------------------------------------------------------------------------
+def test_more_bytes_and_lower_bandwidth_are_slower():
+    small, big = describe("s", [(1024, 1024)]), describe("b", [(4096, 1024)])
+    slow = dataclasses.replace(CLUSTER, inter_node_bandwidth="100mbit")
+    for route in ({"route": "allreduce"}, {"route": "allreduce", "algorithm": "hierarchical"}, {"route": "ps"}):
+        t_small = predict_analytic(small, CLUSTER, [same_config(small, **route)])[0]
+        t_big = predict_analytic(big, CLUSTER, [same_config(big, **route)])[0]
+        t_slow = predict_analytic(big, slow, [same_config(big, **route)])[0]
+        assert t_small < t_big < t_slow, route
+
+
+def test_fp16_is_faster_for_big_messages_only_by_bytes():
+    desc = describe("m", [(8192, 1024)])
+    fp32, fp16 = (predict_analytic(desc, CLUSTER, [same_config(desc, route="allreduce", compression=c)])[0]
+                  for c in ("none", "fp16"))
+    assert fp16 < 0.7 * fp32  # 32 MB: the bandwidth term dominates and halves
+
+
+def test_ps_on_one_server_is_slower_than_balanced():
+    desc = describe("m", [(2048, 1024)] * 4)
+    cluster = dataclasses.replace(CLUSTER, servers_per_node=2)
+    one = Strategy(variables={name: VarConfig(route="ps", servers=(0,)) for name in desc.variables})
+    balanced = same_config(desc, route="ps")
+    explicit_even = Strategy(variables={name: VarConfig(route="ps", servers=(i % 4,))
+                                        for i, name in enumerate(desc.variables)})
+    t_one, t_balanced, t_even = predict_analytic(desc, cluster, [one, balanced, explicit_even])
+    assert t_one > 1.5 * t_balanced
+    assert t_even == pytest.approx(t_balanced)
+
+
+def test_merging_saves_per_message_costs_ring_fuses_and_overlap_hides_communication():
+    desc = describe("m", [(16, 16)] * 40, backward_s=0.02)
+    alone, merged = (same_config(desc, route="allreduce", algorithm="hierarchical", group=group) for group in (None, 0))
+    t_alone, t_merged = predict_analytic(desc, CLUSTER, [alone, merged])
+    assert t_merged < t_alone - 30 * CostConstants().alpha_hier_s
+    # Horovod fuses ring messages that queue while an op runs: far fewer ops than messages
+    ring_alone, ring_merged = (same_config(desc, route="allreduce", group=group) for group in (None, 0))
+    t_ring_alone, t_ring_merged = predict_analytic(desc, CLUSTER, [ring_alone, ring_merged])
+    assert t_ring_merged <= t_ring_alone < t_ring_merged + 10 * CostConstants().alpha_ring_s
+    # the same bytes ready early in a long backward pass hide behind it; ready at its end they cannot
+    early = describe("e", [(4096, 256)], backward_s=0.2)
+    early = dataclasses.replace(early, variable_timing={"e.v0": VariableTiming(ready_order=0, ready_s=0.0)})
+    late = dataclasses.replace(early, variable_timing={"e.v0": VariableTiming(ready_order=0, ready_s=0.2)})
+    strategy = Strategy(variables={"e.v0": VarConfig(route="allreduce")})
+    assert predict_analytic(early, CLUSTER, [strategy])[0] < predict_analytic(late, CLUSTER, [strategy])[0] - 0.02
+
+
+def test_sparse_gradients_on_the_ps_send_touched_rows():
+    desc = describe("n", [(100_000, 16), (64, 64)], sparse=(0,))
+    on_ps = Strategy(variables={"n.v0": VarConfig(route="ps"), "n.v1": VarConfig(route="allreduce")})
+    split_ring = Strategy(variables={"n.v0": VarConfig(route="allreduce", partitions=2),
+                                     "n.v1": VarConfig(route="allreduce")})
+    t_ps, t_dense = predict_analytic(desc, CLUSTER, [on_ps, split_ring])
+    assert t_ps < t_dense
+    # ASP/SSP push and pull the parameters themselves: dense, uncompressed, after the step
+    asp, asp_fp16 = (Strategy(variables={"n.v0": VarConfig(route="ps", protocol="asp", compression=c),
+                                         "n.v1": VarConfig(route="allreduce")}) for c in (None, "fp16"))
+    t_asp, t_asp_fp16 = predict_analytic(desc, CLUSTER, [asp, asp_fp16])
+    assert t_asp > t_ps + 0.02 and t_asp_fp16 == pytest.approx(t_asp)
+
+
+def test_units_match_the_routing_plan():
+    """Per route, the batch's message count and wire bytes are those of ``build_plan`` (dense
+    model), and explicitly placed PS bytes per server those of ``RoutingPlan.ps_keys``."""
+    desc = describe("r", [(300, 200), (40, 10), (1000, 64), (7,), (512, 512), (3, 3)])
+    rng = np.random.default_rng(5)
+    bounds = SpaceBounds(num_servers=CLUSTER.num_servers, max_partitions=4)
+    strategies = [random_strategy(desc.variables, bounds, rng) for _ in range(40)]
+    arrays = model_arrays(desc)
+    u = units(arrays, from_strategies(arrays, strategies, CLUSTER), partition_bytes=10**9)
+    names = {"allreduce/ring": 0, "allreduce/hierarchical": 1}
+    checked = 0
+    batch = from_strategies(arrays, strategies, CLUSTER)
+    for i, strategy in enumerate(strategies):  # arrays -> Strategy -> arrays is the identity
+        again = from_strategies(arrays, [batch.to_strategy(i, arrays.names)], CLUSTER)
+        for field in dataclasses.fields(batch):
+            assert np.array_equal(getattr(again, field.name)[0], getattr(batch, field.name)[i]), field.name
+    assert len(StrategyBatch.concatenate([batch, batch.take([3, 1])])) == 42
+    for i, strategy in enumerate(strategies):
+        plan = build_plan(desc.variables, strategy)
+        for route_name, code in names.items():
+            mine = [m for m in plan.messages if m.config.route_name == route_name]
+            assert u.messages[i][u.route[i] == code].sum() == len(mine)
+            assert u.wire_bytes[i][u.route[i] == code].sum() == pytest.approx(sum(m.wire_bytes for m in mine))
+        ps = [m for m in plan.messages if m.config.route == "ps"]
+        assert u.messages[i][u.route[i] >= PS].sum() == len(ps)
+        asp = [m for m in ps if m.exchanges_parameters]  # a key per piece, merged or not
+        assert u.pieces[i][u.route[i] == PS_ASYNC].sum() == sum(len(m.parameter_keys()) for m in asp)
+        explicit = [m for m in ps if m.config.servers is not None and not m.exchanges_parameters]
+        equal_shards = all(len({p.whole for p in m.pieces}) == 1 for m in ps)  # exact case of groups
+        if explicit and len(explicit) == len(ps) and equal_shards:
+            checked += 1
+            loads = np.zeros(CLUSTER.num_servers)
+            for keys in plan.ps_keys(num_servers=CLUSTER.num_servers, partition_bytes=10**9).values():
+                for key in keys:
+                    loads[key.server] += key.nbytes
+            assert u.server_bytes[i] == pytest.approx(loads)
+    assert checked >= 3
+
+
+def test_fit_constants_recovers_a_known_constant():
+    desc = describe("m", [(512, 256)] * 6)
+    rng = np.random.default_rng(0)
+    strategies = [random_strategy(desc.variables, SpaceBounds(num_servers=2), rng) for _ in range(60)]
+    arrays = model_arrays(desc)
+    u = units(arrays, from_strategies(arrays, strategies, CLUSTER), partition_bytes=CostConstants().partition_bytes)
+    truth = CostConstants(alpha_ring_s=0.02, alpha_hier_s=0.02, alpha_ps_s=0.02)
+    measured = analytic_terms(arrays, u, CLUSTER, truth)["step_s"]
+    fitted = fit_constants([(arrays, u, CLUSTER, measured)], CostConstants(), prior_weight=0.001)
+    predicted = analytic_terms(arrays, u, CLUSTER, fitted)["step_s"]
+    assert np.max(np.abs(predicted / measured - 1)) < 0.05
+    assert fitted.alpha_ring_s > 2 * CostConstants().alpha_ring_s  # moved towards the truth (0.02)
+
+
+# --- features -------------------------------------------------------------------------------
+def test_features_have_a_fixed_shape_and_are_deterministic():
+    rng = np.random.default_rng(1)
+    for desc in (describe("a", [(64, 64)] * 3), describe("b", [(1000, 32), (8,)] * 20, sparse=(0,))):
+        strategies = [random_strategy(desc.variables, SpaceBounds(num_servers=2), rng) for _ in range(25)]
+        arrays = model_arrays(desc)
+        batch = from_strategies(arrays, strategies, CLUSTER)
+        constants = CostConstants()
+        runs = []
+        for _ in range(2):
+            u = units(arrays, batch, partition_bytes=constants.partition_bytes)
+            terms = analytic_terms(arrays, u, CLUSTER, constants)
+            runs.append(feature_matrix(arrays, u, CLUSTER, terms))
+        assert runs[0].shape == (25, len(FEATURE_NAMES))
+        assert np.array_equal(runs[0], runs[1])
+        assert np.isfinite(runs[0]).all()
+        assert len(np.unique(runs[0], axis=0)) > 20  # distinct strategies, distinct rows
+
+
+# --- learned simulator ----------------------------------------------------------------------
+def synthetic_samples(seed: int, per_model: int = 40) -> list[Sample]:
+    """Trials of three models on two clusters, timed by a 'true' analytic model whose constants
+    differ from the defaults (slower hierarchical, costlier PS keys), with 5% noise."""
+    rng = np.random.default_rng(seed)
+    truth = CostConstants(alpha_hier_s=0.03, alpha_ps_s=0.015, compute_scale=1.6, cores=2)
+    models = {"wide": describe("wide", [(2048, 512), (512,), (1024, 1024), (8,)]),
+              "deep": describe("deep", [(64, 64), (64,)] * 30),
+              "emb": describe("emb", [(50_000, 16), (50_000, 16), (64, 32), (32,)], sparse=(0, 1))}
+    clusters = (CLUSTER, ClusterSpec(nodes=4, workers_per_node=1, inter_node_bandwidth="500mbit",
+                                     servers_per_node=1))
+    samples = []
+    for name, desc in models.items():
+        for cluster in clusters:
+            bounds = SpaceBounds(num_servers=cluster.num_servers, hierarchical=cluster.workers_per_node > 1)
+            strategies = [random_strategy(desc.variables, bounds, rng) for _ in range(per_model)]
+            times = predict_analytic(desc, cluster, strategies, truth) * rng.lognormal(0.0, 0.05, per_model)
+            samples += [Sample(model=name, description=desc, cluster=cluster, strategy=s, step_s=float(t))
+                        for s, t in zip(strategies, times)]
+    return samples
+
+
+@pytest.fixture(scope="module")
+def samples() -> list[Sample]:
+    return synthetic_samples(seed=7)
+
+
+def test_fit_predict_save_load_round_trip(samples, tmp_path):
+    simulator = Simulator(constants=CostConstants(cores=2), params=FAST_PARAMS).fit(samples[:150])
+    desc, cluster = samples[0].description, samples[0].cluster
+    strategies = [s.strategy for s in samples if s.description is desc and s.cluster == cluster][:30]
+    predicted = simulator.predict(desc, cluster, strategies)
+    assert predicted.shape == (30,) and np.all(predicted > 0)
+    path = tmp_path / "sim.json"
+    simulator.save(path)
+    loaded = Simulator.load(path)
+    assert loaded.kind == "both" and loaded.constants == simulator.constants
+    assert np.allclose(loaded.predict(desc, cluster, strategies), predicted, rtol=1e-6)
+    assert json.loads(path.read_text())["meta"]["samples"] == 150
+    # warm start: more trees, fit to the new trials, base untouched
+    warm = Simulator(constants=CostConstants(cores=2), params=FAST_PARAMS).fit(samples[150:170], base=loaded)
+    assert warm.booster.num_boosted_rounds() == loaded.booster.num_boosted_rounds() + FAST_PARAMS.warm_rounds
+    assert np.allclose(loaded.predict(desc, cluster, strategies), predicted, rtol=1e-6)
+    assert not np.allclose(warm.predict(desc, cluster, strategies), predicted)
+    # same seed and data: same model
+    again = Simulator(constants=CostConstants(cores=2), params=FAST_PARAMS).fit(samples[:150])
+    assert np.array_equal(again.predict(desc, cluster, strategies), predicted)
+
+
+def test_learned_simulator_ranks_held_out_models(samples):
+    """Leave-one-model-out on synthetic trials: the analytic model with default constants
+    misjudges hierarchical and PS costs; fitting its constants, then the trees, ranks the
+    held-out model's strategies well."""
+    rows = cross_validate(samples, split="model", kinds=("analytic", "both"), constants=CostConstants(cores=2),
+                          params=FAST_PARAMS)
+    pooled = {row.kind: row.metrics for row in summarize(rows)}
+    assert pooled["both"].pairwise >= 0.85 and pooled["analytic"].pairwise >= 0.85
+    assert pooled["both"].mape < 0.15
+    unfitted = score(np.concatenate([predict_analytic(s.description, s.cluster, [s.strategy]) for s in samples]),
+                     np.array([s.step_s for s in samples]), [(s.model, s.cluster.nodes) for s in samples])
+    assert pooled["both"].mape < unfitted.mape
+    transfer_rows = transfer(samples, held_out="deep", ks=(0, 10), params=FAST_PARAMS,
+                             constants=CostConstants(cores=2))
+    assert [row.metrics.trials for row in transfer_rows] == [70, 70]
+    assert [row.split for row in transfer_rows] == ["model k=0", "model k=10"]
+
+
+def test_plot_is_written(samples, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = cross_validate(samples[:120], split="cluster", kinds=("analytic",), constants=CostConstants(cores=2))
+    plot_predictions(summarize(rows), str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_metrics():
+    measured = np.array([1.0, 2.0, 3.0, 4.0])
+    perfect = score(measured * 1.1, measured, ["g"] * 4)
+    assert perfect.pairwise == 1.0 and perfect.kendall_tau == pytest.approx(1.0) and perfect.top1_regret == 0.0
+    assert perfect.mape == pytest.approx(0.1)
+    reversed_ = score(measured[::-1].copy(), measured, ["g"] * 4)
+    assert reversed_.pairwise == 0.0 and reversed_.top1_regret == pytest.approx(3.0)
+    # pairs only within a group
+    assert score(np.array([1.0, 2.0, 2.0, 1.0]), measured, ["a", "a", "b", "b"]).pairwise == 0.5
+    steady = split_half([[1.0, 1.0, 1.1], [2.0, 2.1, 2.0], [3.0, 3.0, 3.1]], ["g"] * 3)
+    assert steady.pairwise == 1.0
+
+
+# --- bad inputs -----------------------------------------------------------------------------
+def test_errors_name_the_culprit(tmp_path):
+    desc = describe("m", [(64, 64), (8,)])
+    no_servers = dataclasses.replace(CLUSTER, servers_per_node=0)
+    with pytest.raises(ValueError, match="no samples"):
+        Simulator().fit([])
+    with pytest.raises(ValueError, match="no compute timing"):
+        Simulator(kind="analytic").predict(describe("u", [(4, 4)], timed=False), CLUSTER, [None])
+    with pytest.raises(ValueError, match="'m.v0' is routed to the parameter servers, but the cluster has none"):
+        Simulator(kind="analytic").predict(desc, no_servers, [same_config(desc, route="ps")])
+    with pytest.raises(ValueError, match="names server 5, but the cluster has 2 servers"):
+        Simulator(kind="analytic").predict(desc, CLUSTER, [Strategy(variables={"m.v0": VarConfig(route="ps",
+                                                                                                 servers=(5,))})])
+    with pytest.raises(ValueError, match="configures 'other', which is not a variable of m"):
+        Simulator(kind="analytic").predict(desc, CLUSTER, [Strategy(variables={"other": VarConfig()})])
+    with pytest.raises(ValueError, match="not fitted"):
+        Simulator().predict(desc, CLUSTER, [None])
+    with pytest.raises(ValueError, match="kind 'linear' is not one of"):
+        Simulator(kind="linear")  # type: ignore[arg-type]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="not a saved hybridsync simulator"):
+        Simulator.load(bad)
+    with pytest.raises(ValueError, match="step time"):
+        Simulator().fit([Sample(model="m", description=desc, cluster=CLUSTER, strategy=None, step_s=0.0)])
+    with pytest.raises(ValueError, match="must be finite numbers > 0"):
+        CostConstants(ring_efficiency=0.0)
+
+
+# --- real trials ----------------------------------------------------------------------------
+FIXTURE = Path(__file__).parent / "data" / "simulator_trials.jsonl"
+"""90 measured trials (ncf, bert, vgg on the emulated 2x2 cluster at 1 Gbit/s: the reference row,
+the baselines and random strategies), exported from the runtime dataset (``data/trials.db``)."""
+
+
+def test_ranks_measured_trials_of_a_held_out_model(tmp_path):
+    """Leave-one-model-out on real trials. The measurements' own repeatability bounds what any
+    simulator can reach (two halves of one trial's steps order ~0.93 of pairs alike)."""
+    store = TrialStore(str(tmp_path / "fixture.db"))
+    assert store.import_jsonl(FIXTURE) == (90, 0)
+    samples = load_samples(store)
+    rows = cross_validate(samples, split="model", kinds=("analytic", "both"), constants=CostConstants(cores=2),
+                          params=BoosterParams(rounds=60, seed=0))
+    pooled = {row.kind: row.metrics for row in summarize(rows)}
+    assert pooled["analytic"].pairwise >= 0.75 and pooled["both"].pairwise >= 0.75
+    assert pooled["analytic"].mape < 0.3 and pooled["both"].mape < 0.3
+    defaults = Simulator(kind="analytic", constants=CostConstants(cores=2))
+    unfitted = score(predict_samples(defaults, samples), np.array([s.step_s for s in samples]),
+                     [group_key(s) for s in samples])
+    assert pooled["analytic"].mape < unfitted.mape  # the fit on other models' trials helps
+
+
+def test_the_shipped_simulator_loads_and_predicts(tmp_path):
+    simulator = shipped_simulator()
+    assert simulator.kind == "both" and simulator.constants.cores == 2
+    store = TrialStore(str(tmp_path / "fixture.db"))
+    store.import_jsonl(FIXTURE)
+    samples = load_samples(store)
+    predicted = predict_samples(simulator, samples)
+    assert np.all(np.isfinite(predicted)) and np.all(predicted > 0)
+    assert score(predicted, np.array([s.step_s for s in samples]), [group_key(s) for s in samples]).pairwise > 0.75
