@@ -174,7 +174,8 @@ def test_fit_constants_recovers_a_known_constant():
 def test_features_have_a_fixed_shape_and_are_deterministic():
     rng = np.random.default_rng(1)
     for desc in (describe("a", [(64, 64)] * 3), describe("b", [(1000, 32), (8,)] * 20, sparse=(0,))):
-        strategies = [random_strategy(desc.variables, SpaceBounds(num_servers=2), rng) for _ in range(25)]
+        strategies = list({s.fingerprint(): s for s in (random_strategy(desc.variables, SpaceBounds(num_servers=2),
+                                                                       rng) for _ in range(25))}.values())
         arrays = model_arrays(desc)
         batch = from_strategies(arrays, strategies, CLUSTER)
         constants = CostConstants()
@@ -183,10 +184,10 @@ def test_features_have_a_fixed_shape_and_are_deterministic():
             u = units(arrays, batch, partition_bytes=constants.partition_bytes)
             terms = analytic_terms(arrays, u, CLUSTER, constants)
             runs.append(feature_matrix(arrays, u, CLUSTER, terms))
-        assert runs[0].shape == (25, len(FEATURE_NAMES))
+        assert runs[0].shape == (len(strategies), len(FEATURE_NAMES))
         assert np.array_equal(runs[0], runs[1])
         assert np.isfinite(runs[0]).all()
-        assert len(np.unique(runs[0], axis=0)) > 20  # distinct strategies, distinct rows
+        assert len(np.unique(runs[0], axis=0)) >= 0.8 * len(strategies)  # distinct strategies, distinct rows
 
 
 # --- learned simulator ----------------------------------------------------------------------
