@@ -93,9 +93,9 @@ def worker(variant: str, model_kind: str, out_path: str) -> None:
     data = [(torch.randint(0, 100_000, (64, 26), generator=gen), torch.randn(64, generator=gen))
             for _ in range(8)]
     times = timed_steps(optimizer, model, data, WARMUP_STEPS + TIMED_STEPS)
-    everyone = hvd.allgather_object(times[WARMUP_STEPS:], name="dropin.times")
+    from hybridsync.trials.worker import slowest_rank_times
+    slowest = slowest_rank_times(hvd, times[WARMUP_STEPS:], name="dropin.times")
     if hvd.rank() == 0:
-        slowest = [max(rank_times[i] for rank_times in everyone) for i in range(TIMED_STEPS)]
         with open(out_path, "w") as handle:
             json.dump({"median": statistics.median(slowest), "steps": slowest}, handle)
     hvd.shutdown()

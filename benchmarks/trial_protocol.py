@@ -17,7 +17,6 @@ protocol against the steps after it (w+t .. 49), which shares no step with it.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
@@ -29,14 +28,11 @@ FULL = (10, 40)
 SHORT = ((3, 10), (5, 10), (3, 15), (5, 20), (10, 20))
 
 
-def spread(values: list[float]) -> float:
-    p10, p90 = np.percentile(values, [10, 90])
-    return float((p90 - p10) / statistics.median(values))
-
-
-def pairwise_agreement(a: list[float], b: list[float]) -> float:
-    pairs = [(i, j) for i, j in itertools.combinations(range(len(a)), 2) if a[i] != a[j]]
-    return sum((a[i] < a[j]) == (b[i] < b[j]) for i, j in pairs) / len(pairs)
+def agreement(ranked: list[float], reference: list[float]):
+    """How ``ranked`` orders the trials against ``reference`` (one query group): the simulator's
+    metrics (``pairwise``, ``kendall_tau``)."""
+    from hybridsync.model.evaluate import score
+    return score(np.array(ranked), np.array(reference), [0] * len(ranked))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True, help="trial store URL with full-protocol trials")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from scipy.stats import kendalltau
-
-    from hybridsync.trials.store import TrialStore, cluster_label
+    from hybridsync.trials.store import TrialStore, cluster_label, relative_spread as spread
     groups: dict[tuple[str, str], list[list[float]]] = defaultdict(list)
     with TrialStore(args.store) as store:
         for record in store.trials(status="ok"):
@@ -61,17 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         full = [statistics.median(t[FULL[0]:sum(FULL)]) for t in traces]
         full_spread = statistics.median(spread(t[FULL[0]:sum(FULL)]) for t in traces)
         half = FULL[0] + FULL[1] // 2
-        split = kendalltau([statistics.median(t[FULL[0]:half]) for t in traces],
-                           [statistics.median(t[half:sum(FULL)]) for t in traces]).statistic
+        split = agreement([statistics.median(t[FULL[0]:half]) for t in traces],
+                          [statistics.median(t[half:sum(FULL)]) for t in traces]).kendall_tau
         for warmup, timed in SHORT:
             short = [statistics.median(t[warmup:warmup + timed]) for t in traces]
-            tau = kendalltau(full, short).statistic
+            against_full = agreement(short, full)
             deviation = statistics.median(abs(s / f - 1) for s, f in zip(short, full))
             short_spread = statistics.median(spread(t[warmup:warmup + timed]) for t in traces)
             top1 = int(np.argmin(full)) == int(np.argmin(short))
-            disjoint = kendalltau(short, [statistics.median(t[warmup + timed:sum(FULL)]) for t in traces]).statistic
-            print(f"{model:<8}{cluster:<16}{len(traces):>7}{f'{warmup}+{timed}':>10}{tau:>7.3f}"
-                  f"{pairwise_agreement(full, short):>7.3f}{'yes' if top1 else 'no':>6}{deviation:>7.3f}"
+            disjoint = agreement(short, [statistics.median(t[warmup + timed:sum(FULL)]) for t in traces]).kendall_tau
+            print(f"{model:<8}{cluster:<16}{len(traces):>7}{f'{warmup}+{timed}':>10}{against_full.kendall_tau:>7.3f}"
+                  f"{against_full.pairwise:>7.3f}{'yes' if top1 else 'no':>6}{deviation:>7.3f}"
                   f"{short_spread:>8.3f}{full_spread:>12.3f}{disjoint:>9.3f}{split:>7.3f}")
     return 0
 

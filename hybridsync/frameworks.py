@@ -12,3 +12,17 @@ def horovod_torch(feature: str) -> ModuleType:
     except ImportError as e:
         raise ImportError(f"{feature} needs horovod.torch, which does not import here: {e}. "
                           f"Run `make test` (or scripts/bootstrap.sh) to install it.") from e
+
+
+def versions() -> dict[str, str]:
+    """Versions of what a measured time depends on: torch, Horovod (if it imports), hybridsync."""
+    import torch
+
+    from hybridsync import __version__
+    out = {"torch": torch.__version__, "hybridsync": __version__}
+    try:
+        import horovod
+        out["horovod"] = horovod.__version__
+    except ImportError:
+        pass
+    return out

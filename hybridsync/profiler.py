@@ -233,13 +233,8 @@ def _median_seconds(values: Sequence[float]) -> float:
 
 def _meta() -> dict[str, str]:
     """Where and with what the profile was taken."""
-    from hybridsync import __version__
-    meta = {"torch": torch.__version__, "hybridsync": __version__}
-    try:
-        import horovod
-        meta["horovod"] = horovod.__version__
-    except ImportError:
-        pass
+    from hybridsync.frameworks import versions
+    meta = versions()
     meta.update(host=socket.gethostname(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=shlex.join(getattr(sys, "orig_argv", sys.argv)))

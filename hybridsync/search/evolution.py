@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from hybridsync.search.space import ROUTE_CHOICES, SpaceBounds, random_strategy
+from hybridsync.search.space import SPARSE_ALLGATHER, SpaceBounds, random_strategy
 from hybridsync.strategy import PROTOCOLS, Strategy, VarConfig
 from hybridsync.variables import VariableInfo
 
@@ -139,8 +139,7 @@ def mutate(strategy: Strategy, variables: Mapping[str, VariableInfo], bounds: Sp
     config = configs[name]
     kind = MUTATIONS[int(rng.integers(len(MUTATIONS)))]
     if kind == "route":
-        routes = [c for c in ROUTE_CHOICES if (c[0] != "ps" or bounds.num_servers > 0)
-                  and (c[1] != "hierarchical" or bounds.hierarchical)]
+        routes = bounds.routes
         route, algorithm = routes[int(rng.integers(len(routes)))]
         configs[name] = (VarConfig(route="ps", partitions=config.partitions, group=config.group,
                                    compression=config.compression) if route == "ps"
@@ -191,8 +190,8 @@ def _repair_config(config: VarConfig, info: VariableInfo, bounds: SpaceBounds) -
         config = VarConfig(route="allreduce", partitions=partitions, group=config.group, compression=config.compression)
     if config.route == "allreduce" and config.algorithm == "hierarchical" and not bounds.hierarchical:
         config = dataclasses.replace(config, algorithm="ring")
-    if info.sparse and config.route == "allreduce" and not bounds.densify_sparse:
-        return VarConfig(route="allreduce")  # Horovod's sparse all-gather: its own message, uncompressed
+    if bounds.needs_allgather(info, config.route):
+        return SPARSE_ALLGATHER
     servers = config.servers
     if servers is not None and (len(servers) != partitions or max(servers) >= bounds.num_servers):
         servers = None  # balanced by bytes

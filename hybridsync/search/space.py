@@ -59,12 +59,26 @@ class SpaceBounds:
     baseline for the zoo's ``ncf`` on 2 x 2 hosts at 1 Gbit/s. Off, a sparse variable goes to the PS
     or to Horovod's sparse all-gather (ring, own message)."""
 
+    @property
+    def routes(self) -> list[tuple[str, str]]:
+        """The (route, variant) choices within these bounds (``ROUTE_CHOICES`` less what is missing)."""
+        return [c for c in ROUTE_CHOICES
+                if (c[0] != "ps" or self.num_servers > 0) and (c[1] != "hierarchical" or self.hierarchical)]
+
+    def needs_allgather(self, info: VariableInfo, route: str) -> bool:
+        """Whether ``info``'s gradient on ``route`` must be Horovod's sparse all-gather (ring, a message
+        of its own, uncompressed), anything else making it dense."""
+        return info.sparse and route == "allreduce" and not self.densify_sparse
+
+
+SPARSE_ALLGATHER = VarConfig(route="allreduce")
+"""How a sparse gradient is all-reduced without being made dense (``SpaceBounds.needs_allgather``)."""
+
 
 def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
                     rng: np.random.Generator) -> Strategy:
     """One random valid strategy for ``variables`` within ``bounds``."""
-    routes = [c for c in ROUTE_CHOICES
-              if (c[0] != "ps" or bounds.num_servers > 0) and (c[1] != "hierarchical" or bounds.hierarchical)]
+    routes = bounds.routes
     weights = rng.dirichlet([0.6] * len(routes))
     protocol, staleness = _protocol(rng)
     fp16_share = float(rng.choice([0.0, 0.0, 0.5, 1.0]))
@@ -78,8 +92,8 @@ def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
                             else routes[rng.choice(len(routes), p=weights)])
         partitions = _partitions(info, partition_bytes, bounds.max_partitions)
         compression = "fp16" if info.dtype == "float32" and rng.random() < fp16_share else None
-        if info.sparse and route == "allreduce" and not bounds.densify_sparse:
-            configs[name] = VarConfig(route="allreduce")  # Horovod's sparse all-gather
+        if bounds.needs_allgather(info, route):
+            configs[name] = SPARSE_ALLGATHER
         elif route == "ps":
             servers = (tuple(int(s) for s in rng.integers(bounds.num_servers, size=partitions))
                        if explicit_servers else None)
@@ -88,8 +102,7 @@ def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
         else:
             configs[name] = VarConfig(route="allreduce", algorithm=algorithm, partitions=partitions,
                                       compression=compression)
-    keep_alone = set() if bounds.densify_sparse else {n for n, info in variables.items() if info.sparse
-                                                       and configs[n].route == "allreduce"}
+    keep_alone = {n for n, info in variables.items() if bounds.needs_allgather(info, configs[n].route)}
     strategy = Strategy(variables=_with_groups(configs, num_groups, keep_alone))
     strategy.validate_for(variables)
     return strategy

@@ -85,20 +85,35 @@ blocked in a collective with the dead one: the runner must not wait for horovodr
 
 
 @dataclasses.dataclass
+class LineFollower:
+    """Reads the complete lines appended to a file since the last call, as processes write it
+    (a line still being written waits for the next call; a missing file has no lines yet)."""
+
+    path: str
+    offset: int = 0
+    """Bytes of the file already returned."""
+
+    def new_lines(self) -> list[str]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return complete.decode("utf-8", errors="replace").splitlines()
+
+
+@dataclasses.dataclass
 class _LauncherJob:
     process: subprocess.Popen[Any]
-    log_path: str
-    _offset: int = 0
+    log: LineFollower
     _rank_codes: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def exit_codes(self) -> list[int | None]:
         """The launcher's code, then that of every rank horovodrun reported as exited."""
-        with open(self.log_path, encoding="utf-8", errors="replace") as log:
-            log.seek(self._offset)
-            text = log.read()
-        complete = text[:text.rfind("\n") + 1]
-        self._offset += len(complete.encode("utf-8"))
-        self._rank_codes.update({int(rank): int(code) for rank, code in _RANK_EXIT.findall(complete)})
+        reported = _RANK_EXIT.findall("\n".join(self.log.new_lines()))
+        self._rank_codes.update({int(rank): int(code) for rank, code in reported})
         return [self.process.poll(), *(self._rank_codes[rank] for rank in sorted(self._rank_codes))]
 
     def stop(self) -> None:
@@ -134,4 +149,4 @@ class HostsTarget:
                 "--num-servers", str(self.spec.num_servers), *self.launcher_args, *command]
         process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                    text=True, start_new_session=True)
-        return _LauncherJob(process=process, log_path=log.name)
+        return _LauncherJob(process=process, log=LineFollower(log.name))

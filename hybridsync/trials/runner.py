@@ -27,7 +27,7 @@ import uuid
 from typing import Any, Callable, Sequence
 
 from hybridsync.trials.candidates import Candidate
-from hybridsync.trials.jobs import JobTarget, RunningJob
+from hybridsync.trials.jobs import JobTarget, LineFollower, RunningJob
 from hybridsync.trials.store import TrialRecord, TrialStore
 from hybridsync.trials.worker import utc_now
 
@@ -70,22 +70,11 @@ class RunSummary:
     seconds: float
 
 
-@dataclasses.dataclass
-class _Follower:
-    """Reads the results file's complete lines as the ranks append them."""
-
-    path: str
-    offset: int = 0
+class _Follower(LineFollower):
+    """The results file's events, as the ranks append them."""
 
     def new_events(self) -> list[dict[str, Any]]:
-        if not os.path.exists(self.path):
-            return []
-        with open(self.path, encoding="utf-8") as handle:
-            handle.seek(self.offset)
-            text = handle.read()
-        complete = text[:text.rfind("\n") + 1]
-        self.offset += len(complete.encode("utf-8"))
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+        return [json.loads(line) for line in self.new_lines() if line.strip()]
 
 
 class TrialRunner:

@@ -66,6 +66,14 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def relative_spread(values: list[float]) -> float | None:
+    """(p90 - p10) / median of ``values`` (``None`` if empty or the median is not positive)."""
+    if not values:
+        return None
+    median = statistics.median(values)
+    return (quantile(values, 0.9) - quantile(values, 0.1)) / median if median > 0 else None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrialRecord:
     """One measured strategy: what ran where, and every step's time."""
@@ -130,11 +138,7 @@ class TrialRecord:
     @property
     def spread(self) -> float | None:
         """(p90 - p10) / median of the timed steps: how noisy the measurement was."""
-        timed = self.timed_steps
-        if not timed:
-            return None
-        median = statistics.median(timed)
-        return (quantile(timed, 0.9) - quantile(timed, 0.1)) / median if median > 0 else None
+        return relative_spread(self.timed_steps)
 
     @property
     def cluster_id(self) -> str:

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from hybridsync import envvars
+from hybridsync.frameworks import versions
 
 BATCHES_PER_RANK = 4
 """Batches made before the first step and cycled, so that no data generation is timed."""
@@ -50,15 +51,6 @@ class ResultsFile:
             handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())
-
-
-def versions() -> dict[str, str]:
-    """Versions of what a step time depends on, for the trial store."""
-    import horovod
-    import torch
-
-    import hybridsync
-    return {"torch": torch.__version__, "horovod": horovod.__version__, "hybridsync": hybridsync.__version__}
 
 
 def timed_steps(zoo_model: Any, model: Any, optimizer: Any, batches: list, count: int) -> list[float]:
