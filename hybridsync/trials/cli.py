@@ -108,14 +108,15 @@ def _sweep(args: argparse.Namespace) -> int:
     from hybridsync.trials.jobs import EmulatedTarget
     specs = [ClusterSpec.from_yaml(path) for path in args.clusters]
     with _open_store(args.store) as store:
+        described = {}  # model -> (variables, description id), read (or built) once for every cluster
+        for model in args.models:
+            path = os.path.join(args.descriptions, f"{model}.json") if args.descriptions else None
+            variables, doc, desc_id = model_description(model, path if path and os.path.exists(path) else None)
+            store.add_description(desc_id, model, doc)
+            described[model] = variables, desc_id
         for spec in specs:
-            plans = []
-            for model in args.models:
-                path = os.path.join(args.descriptions, f"{model}.json") if args.descriptions else None
-                variables, doc, desc_id = model_description(model, path if path and os.path.exists(path) else None)
-                store.add_description(desc_id, model, doc)
-                plans.append((model, desc_id, trial_candidates(variables, spec, sample=args.sample,
-                                                               seed=args.seed)))
+            plans = [(model, desc_id, trial_candidates(variables, spec, sample=args.sample, seed=args.seed))
+                     for model, (variables, desc_id) in described.items()]
             with EmulatedTarget(spec) as target:
                 run_with_progress([(m, d, target, c) for m, d, c in plans], store, args)
         if args.export:

@@ -98,7 +98,6 @@ class TrialWorker:
     def horovod_reference(self) -> tuple[Any, Any]:
         """A copy of the model under plain ``horovod.torch.DistributedOptimizer`` (made once)."""
         if self._horovod is None:
-            import torch
             model = copy.deepcopy(self.model)
             optimizer = self.hvd.DistributedOptimizer(
                 self.zoo_model.optimizer(model),
@@ -118,7 +117,6 @@ class TrialWorker:
         self.hvd.barrier()
         times = timed_steps(self.zoo_model, model, optimizer, self.batches, steps)
         return slowest_rank_times(self.hvd, times, name=f"trial.{entry['index']}.times")
-
 
     def _inject_fault(self, kind: str) -> None:
         faults = dict(item.rpartition(":")[::2] for item in os.environ.get(envvars.TRIAL_FAULT, "").split(",") if item)
