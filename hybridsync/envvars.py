@@ -51,3 +51,12 @@ lets a test kill a writer mid-transaction, or make writers contend for the lock)
 TRIAL_FAULT = "HYBRIDSYNC_TRIAL_FAULT"
 """Fault injection for the trial runner's tests (``hybridsync.trials.worker``): comma-separated
 ``KIND:crash`` / ``KIND:hang`` make the last rank exit (or stop responding) at a candidate of that kind."""
+TRIALS = "HYBRIDSYNC_TRIALS"
+"""Schedule (JSON lines) of strategies a training script's optimizer measures in flight
+(``hybridsync.trials.script``); set by the trial runner for ``hybridsync-run --autotune``."""
+TRIALS_RESULTS = "HYBRIDSYNC_TRIALS_RESULTS"
+"""Where rank 0 appends the trials' events (JSON lines)."""
+TRIALS_WARMUP = "HYBRIDSYNC_TRIALS_WARMUP"
+"""Steps after each switch that are recorded but not timed."""
+TRIALS_STEPS = "HYBRIDSYNC_TRIALS_STEPS"
+"""Timed steps per trial."""

@@ -71,6 +71,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
         self._profiler = profiler.from_environment(named, hvd.size())  # None unless HYBRIDSYNC_PROFILE is set
+        self._trials = None
+        if self._synchronizing:
+            from hybridsync.trials import script
+            self._trials = script.from_environment(self, hvd)  # None unless HYBRIDSYNC_TRIALS is set
 
     def _plan_for(self, strategy: Strategy | None) -> tuple[Strategy | None, RoutingPlan, Any]:
         """The strategy with this optimizer's ``groups`` applied, its plan, and the process set it runs on."""
@@ -183,6 +187,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._router.after_step()  # ASP/SSP variables: push the local update, adopt the servers' values
         if self._profiler is not None:
             self._profiler.after_step()  # after the last profiled step: writes the description, exits
+        if self._trials is not None:
+            self._trials.after_step()  # at the end of a trial: records it, switches to the next (or exits)
         return result
 
     def zero_grad(self, set_to_none: bool = True):  # torch's default, which Horovod's zero_grad() gets

@@ -24,7 +24,9 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+from hybridsync import envvars
 
 from hybridsync.trials.candidates import Candidate
 from hybridsync.trials.jobs import JobTarget, LineFollower, RunningJob
@@ -70,6 +72,41 @@ class RunSummary:
     seconds: float
 
 
+class Workload(Protocol):
+    """What a trial job runs on every rank: the command and its environment."""
+
+    def job(self, schedule: str, results: str, protocol: TrialProtocol, seed: int) -> tuple[list[str], dict[str, str]]:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooWorkload:
+    """A zoo model's trial worker (``hybridsync.trials.worker``), which also measures plain Horovod."""
+
+    model: str
+
+    def job(self, schedule: str, results: str, protocol: TrialProtocol, seed: int) -> tuple[list[str], dict[str, str]]:
+        command = [sys.executable, "-m", "hybridsync.trials.worker", "--model", self.model, "--schedule", schedule,
+                   "--results", results, "--warmup-steps", str(protocol.warmup_steps),
+                   "--timed-steps", str(protocol.timed_steps), "--seed", str(seed)]
+        return command, {"PYTHONPATH": _package_root(), "OMP_NUM_THREADS": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptWorkload:
+    """Any training script whose optimizer is ``hybridsync.DistributedOptimizer``: its optimizer
+    measures the schedule in flight (``hybridsync.trials.script``). The script must train at least
+    one trial's steps per run; a run that ends early is restarted for the rest."""
+
+    command: tuple[str, ...]
+
+    def job(self, schedule: str, results: str, protocol: TrialProtocol, seed: int) -> tuple[list[str], dict[str, str]]:
+        path = os.pathsep.join(p for p in (_package_root(), os.environ.get("PYTHONPATH", "")) if p)
+        return list(self.command), {"PYTHONPATH": path, envvars.TRIALS: schedule, envvars.TRIALS_RESULTS: results,
+                                    envvars.TRIALS_WARMUP: str(protocol.warmup_steps),
+                                    envvars.TRIALS_STEPS: str(protocol.timed_steps)}
+
+
 class _Follower(LineFollower):
     """The results file's events, as the ranks append them."""
 
@@ -78,11 +115,17 @@ class _Follower(LineFollower):
 
 
 class TrialRunner:
-    """Measures candidates of one zoo model on one target, writing every trial to ``store``."""
+    """Measures candidates of one model on one target, writing every trial to ``store``.
+
+    ``workload`` is what the jobs run: by default the zoo worker of ``model`` (a zoo name);
+    for a user's script, a ``ScriptWorkload`` (``model`` is then the name its trials are stored under).
+    """
 
     def __init__(self, *, model: str, description_id: str, target: JobTarget, store: TrialStore,
-                 protocol: TrialProtocol = TrialProtocol(), workdir: str | None = None, seed: int = 0) -> None:
+                 protocol: TrialProtocol = TrialProtocol(), workdir: str | None = None, seed: int = 0,
+                 workload: Workload | None = None) -> None:
         self.model, self.description_id, self.target, self.store = model, description_id, target, store
+        self.workload = workload or ZooWorkload(model)
         self.protocol, self.seed = protocol, seed
         self.workdir = workdir or tempfile.mkdtemp(prefix="hybridsync-trials-")
         self.cluster = target.spec.to_dict()
@@ -131,11 +174,7 @@ class TrialRunner:
         with open(f"{base}.schedule.jsonl", "w", encoding="utf-8") as handle:
             for index, candidate in enumerate(candidates):
                 handle.write(json.dumps({"index": index, **candidate.to_dict()}) + "\n")
-        command = [sys.executable, "-m", "hybridsync.trials.worker", "--model", self.model,
-                   "--schedule", f"{base}.schedule.jsonl", "--results", f"{base}.results.jsonl",
-                   "--warmup-steps", str(self.protocol.warmup_steps),
-                   "--timed-steps", str(self.protocol.timed_steps), "--seed", str(self.seed)]
-        env = {"PYTHONPATH": _package_root(), "OMP_NUM_THREADS": "1"}
+        command, env = self.workload.job(f"{base}.schedule.jsonl", f"{base}.results.jsonl", self.protocol, self.seed)
         with open(f"{base}.log", "a", encoding="utf-8") as log:
             job = self.target.start(command, env, log)
             try:
@@ -167,6 +206,13 @@ class TrialRunner:
                     errors.append(f"rank {event['rank']}: {event['reason']}")
                 elif event["event"] == "done":
                     return records, None, True
+                elif event["event"] == "exhausted":  # a script that trains fewer steps than the schedule needs
+                    if records:
+                        return records, None, True  # not a trial's fault: a new run takes the rest
+                    steps = self.protocol.warmup_steps + self.protocol.timed_steps
+                    raise RuntimeError(f"the training script ended after {event['steps']} steps, before its first "
+                                       f"trial was measured: each run must train at least {steps} steps "
+                                       f"(warm-up + timed steps per trial); train it longer")
                 deadline = time.monotonic() + self.protocol.trial_timeout_s
             if errors or ended:
                 time.sleep(SETTLE_S)  # the other ranks' exits and error lines, for the reason

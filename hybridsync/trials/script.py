@@ -1,0 +1,129 @@
+"""Trials inside any training script: the optimizer measures a schedule of strategies in flight.
+
+The zoo's trial worker (``hybridsync.trials.worker``) knows its model; a user's
+``train.py`` is known only through its ``hybridsync.DistributedOptimizer``. When the trial
+runner starts a script with ``HYBRIDSYNC_TRIALS=<schedule.jsonl>`` (and
+``HYBRIDSYNC_TRIALS_RESULTS``, ``_WARMUP``, ``_STEPS``), the first optimizer of each rank
+drives the trials from ``step()``, whatever loop the script runs:
+
+- rank 0 reads the schedule and broadcasts it; the optimizer switches to the first
+  strategy with ``set_strategy`` (collective, at a step boundary);
+- every ``step()`` ends one timed interval (end of the previous step to the end of this
+  one: data, forward, backward, synchronization and update); after ``warmup + timed``
+  intervals the slowest rank's times are written as a ``trial`` event and the next
+  strategy is switched in;
+- a strategy the optimizer refuses (``ValueError`` on every rank) is a failed trial;
+- after the last trial rank 0 writes ``done`` and the script ends (``SystemExit(0)``).
+
+The events are those of the zoo worker (``ready``, ``trial``, ``done``), so one runner
+follows both. A script that ends before the schedule does (it trains fewer steps than the
+trials need) writes ``exhausted`` at exit: the runner then starts it again for the rest.
+A schedule entry whose strategy is null measures the optimizer with no strategy (every
+variable ring all-reduced through Horovod, with Horovod's fusion: the drop-in default).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from hybridsync import envvars
+from hybridsync.frameworks import versions
+from hybridsync.strategy import Strategy
+from hybridsync.trials.worker import ResultsFile, slowest_rank_times, utc_now
+
+_active: "ScriptTrials | None" = None
+"""The trials of this process: only the first optimizer drives them."""
+
+
+def from_environment(optimizer: Any, hvd: Any) -> "ScriptTrials | None":
+    """Started ``ScriptTrials`` for ``optimizer`` if ``HYBRIDSYNC_TRIALS`` is set (and none runs yet)."""
+    global _active
+    schedule = os.environ.get(envvars.TRIALS)
+    if not schedule or _active is not None:
+        return None
+    results = os.environ.get(envvars.TRIALS_RESULTS)
+    if not results:
+        raise ValueError(f"{envvars.TRIALS} is set but {envvars.TRIALS_RESULTS} is not: the trial runner sets both")
+    _active = ScriptTrials(optimizer, hvd, schedule, results, warmup=_count(envvars.TRIALS_WARMUP, 0),
+                           timed=_count(envvars.TRIALS_STEPS, 1))
+    return _active
+
+
+def _count(name: str, minimum: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw.isdigit() or int(raw) < minimum:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum} (set by the trial runner)")
+    return int(raw)
+
+
+class ScriptTrials:
+    """One rank's progress through the schedule; the optimizer calls ``after_step`` after every step."""
+
+    def __init__(self, optimizer: Any, hvd: Any, schedule_path: str, results_path: str, *,
+                 warmup: int, timed: int) -> None:
+        self.optimizer, self.hvd = optimizer, hvd
+        self.warmup, self.timed = warmup, timed
+        self.results = ResultsFile(results_path) if hvd.rank() == 0 else None
+        schedule = None
+        if hvd.rank() == 0:
+            with open(schedule_path, encoding="utf-8") as handle:
+                schedule = [json.loads(line) for line in handle if line.strip()]
+        self.schedule: list[dict[str, Any]] = hvd.broadcast_object(schedule, root_rank=0, name="trials.schedule")
+        self.position = 0
+        """Index into the schedule of the trial being measured (== len(schedule): all done)."""
+        self.steps_seen = 0
+        self._times: list[float] = []
+        self._last = time.perf_counter()
+        self._started = ""
+        self._write({"event": "ready", "time": utc_now(), "host": socket.gethostname(), "size": hvd.size(),
+                     "versions": versions()})
+        atexit.register(self._at_exit)
+        self._begin()
+
+    def after_step(self) -> None:
+        """Ends one step's interval; at the end of a trial, records it and switches to the next."""
+        now = time.perf_counter()
+        self.steps_seen += 1
+        self._times.append(now - self._last)
+        self._last = now
+        if len(self._times) == self.warmup + self.timed:
+            times = slowest_rank_times(self.hvd, self._times, name=f"trials.{self.position}.times")
+            self._trial("ok", None, times)
+            self.position += 1
+            self._begin()
+
+    def _begin(self) -> None:
+        """Switches to the next strategy the optimizer accepts (refusals are failed trials), or ends."""
+        while self.position < len(self.schedule):
+            entry = self.schedule[self.position]
+            self._started = utc_now()
+            try:
+                self.optimizer.set_strategy(Strategy.from_dict(entry["strategy"]) if entry["strategy"] is not None
+                                            else Strategy(variables={}))
+            except ValueError as error:  # raised on every rank; the previous plan stays in force
+                self._trial("failed", f"refused: {error}", [])
+                self.position += 1
+                continue
+            self.hvd.barrier()  # every rank starts the trial's first interval together
+            self._times, self._last = [], time.perf_counter()
+            return
+        self._write({"event": "done", "time": utc_now()})
+        self.hvd.barrier()
+        raise SystemExit(0)
+
+    def _trial(self, status: str, reason: str | None, times: list[float]) -> None:
+        self._write({"event": "trial", "index": self.schedule[self.position]["index"], "status": status,
+                     "reason": reason, "step_times": times, "started": self._started, "finished": utc_now()})
+
+    def _write(self, event: dict[str, Any]) -> None:
+        if self.results is not None:
+            self.results.write(event)
+
+    def _at_exit(self) -> None:
+        if self.position < len(self.schedule):
+            self._write({"event": "exhausted", "index": self.schedule[self.position]["index"],
+                         "steps": self.steps_seen, "time": utc_now()})

@@ -1,0 +1,59 @@
+"""Trials inside a user's script (hybridsync.trials.script) under a real 2-rank job."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import REPO
+from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.strategy import Strategy
+from hybridsync.trials.candidates import Candidate
+from hybridsync.trials.jobs import HostsTarget
+from hybridsync.trials.runner import ScriptWorkload, TrialProtocol, TrialRunner
+from hybridsync.trials.store import TrialStore
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = ClusterSpec(nodes=1, workers_per_node=2, inter_node_bandwidth="1gbit", servers_per_node=1)
+SCRIPT = str(REPO / "tests" / "workers" / "tiny_train.py")
+STRATEGIES = {
+    "ring": {"version": 1, "default": {"route": "allreduce"}},
+    "ps": {"version": 1, "default": {"route": "ps"}},
+    "refused": {"version": 1, "variables": {"no_such.weight": {"route": "ps"}}},
+    "grouped": {"version": 1, "default": {"route": "allreduce", "group": 0}},
+    "mixed": {"version": 1, "default": {"route": "allreduce"}, "variables": {"0.weight": {"route": "ps"}}},
+}
+
+
+def run_script_trials(tmp_path, steps_per_run: int) -> tuple[dict, object]:
+    candidates = [Candidate(kind="drop-in", strategy=None)] + [
+        Candidate(kind=kind, strategy=Strategy.from_dict(doc)) for kind, doc in STRATEGIES.items()]
+    protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120)
+    with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
+        runner = TrialRunner(model="tiny", description_id="tiny-0", target=target, store=store, protocol=protocol,
+                             workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, SCRIPT, "--steps",
+                                                                             str(steps_per_run))))
+        summary = runner.run(candidates)
+        return {r.kind: r for r in store.trials()}, summary
+
+
+def test_the_optimizer_measures_every_strategy_of_the_schedule_in_one_run(tmp_path):
+    records, summary = run_script_trials(tmp_path, steps_per_run=1000)
+    assert set(records) == {"drop-in", *STRATEGIES}
+    for kind in ("drop-in", "ring", "ps", "grouped", "mixed"):
+        assert records[kind].status == "ok", records[kind].reason
+        assert len(records[kind].step_times) == 4 and records[kind].median_s > 0
+    assert records["refused"].status == "failed" and "no_such.weight" in records["refused"].reason
+    assert summary.jobs == 1 and summary.measured == 5 and summary.failed == 1
+
+
+def test_a_script_that_trains_fewer_steps_than_the_schedule_is_started_again_for_the_rest(tmp_path):
+    records, summary = run_script_trials(tmp_path, steps_per_run=9)  # two trials of 4 steps per run
+    assert all(records[k].status == "ok" for k in ("drop-in", "ring", "ps", "grouped", "mixed"))
+    assert summary.jobs == 3, summary
+
+
+def test_a_script_too_short_for_one_trial_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="ended after 3 steps.*at least 4 steps"):
+        run_script_trials(tmp_path, steps_per_run=3)
