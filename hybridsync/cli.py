@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from hybridsync import baselines
+from hybridsync.autotune import cli as autotune_cli
 from hybridsync.explain import explain
 from hybridsync.run import profile
 from hybridsync.strategy import Strategy
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_baseline)
     profile.add_parser(commands)
     trials_cli.add_parser(commands)
+    autotune_cli.add_parser(commands)
     dataset_cli.add_parser(commands)
     commands.add_parser("cluster", help="emulated multi-node cluster: up | run | down | ls (see: cluster --help)")
     return parser

@@ -10,6 +10,14 @@ flags, and for emulated or described clusters a ``cluster:`` spec (see
       strategy: ../strategies/s.json   # a file, relative to this config (like --strategy)
       num_servers: 2                   # like --num-servers
       partition_bytes: 4096000         # like --partition-bytes
+      autotune:                        # hybridsync-run --autotune with these settings
+        trial_budget: 50               # like --trial-budget
+        store: sqlite:///trials.db     # like --store
+        report: autotune-report        # like --autotune-report (relative to the working directory)
+        per_round: 10                  # trials per round
+        search_budget: 20000           # simulator evaluations per round
+        seed: 0
+        enabled: true                  # default true when the section is there; false keeps it off
 
 The strategy is a file, never an inline mapping: every rank reads it from
 ``HYBRIDSYNC_STRATEGY``, and ``hybridsync explain`` and the search read and write files.
@@ -22,7 +30,10 @@ from typing import Any
 
 from hybridsync.strategy import Strategy
 
-_KEYS = {"strategy", "num_servers", "partition_bytes", "cluster"}
+_KEYS = {"strategy", "num_servers", "partition_bytes", "cluster", "autotune"}
+AUTOTUNE_KEYS = {"enabled": bool, "trial_budget": int, "store": str, "report": str, "per_round": int,
+                 "search_budget": int, "seed": int, "simulator": str}
+"""The ``autotune:`` entries and their types (``hybridsync.autotune.launch`` reads them)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +48,9 @@ class RunConfig:
     """``BYTEPS_PARTITION_BYTES`` (as ``--partition-bytes``), or None: the default."""
     cluster: Any = None
     """The ``ClusterSpec`` of the ``cluster:`` entry, if any."""
+    autotune: dict = dataclasses.field(default_factory=dict)
+    """The ``autotune:`` entries, checked against ``AUTOTUNE_KEYS``; ``enabled`` is filled in
+    (true when the section is present, unless it says false)."""
 
     def load_strategy(self) -> Strategy | None:
         return Strategy.load(self.strategy_path) if self.strategy_path else None
@@ -69,7 +83,27 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
         except ValueError as e:
             raise ValueError(f"{path}: hybridsync.cluster: {e}") from e
     return RunConfig(strategy_path=strategy, num_servers=_integer(section, "num_servers", 0, path),
-                     partition_bytes=_integer(section, "partition_bytes", 1, path), cluster=cluster)
+                     partition_bytes=_integer(section, "partition_bytes", 1, path), cluster=cluster,
+                     autotune=_autotune(section, path))
+
+
+def _autotune(section: dict, path: str) -> dict:
+    raw = section.get("autotune")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: hybridsync.autotune must be a mapping of settings, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(AUTOTUNE_KEYS))
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) in 'hybridsync.autotune': {', '.join(unknown)} "
+                         f"(allowed: {', '.join(sorted(AUTOTUNE_KEYS))})")
+    for key, kind in AUTOTUNE_KEYS.items():
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise ValueError(f"{path}: hybridsync.autotune.{key} must be {kind.__name__}, got {value!r}")
+        if kind is int and key != "seed" and value is not None and value < 1:
+            raise ValueError(f"{path}: hybridsync.autotune.{key} must be >= 1, got {value}")
+    return {"enabled": True, **raw}
 
 
 def _integer(section: dict, key: str, minimum: int, path: str) -> int | None:

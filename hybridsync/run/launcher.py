@@ -33,8 +33,12 @@ from hybridsync.run import procs
 from hybridsync.run.ps_servers import ps_environment, server_command, server_environment
 from hybridsync.strategy import Strategy
 
-_OWN_FLAGS = ("--strategy", "--num-servers", "--server-hosts", "--partition-bytes", "--ps-root-port")
-"""hybridsync-run's own flags; each takes one value (``--flag V`` or ``--flag=V``), spelled in full."""
+_OWN_FLAGS = ("--strategy", "--num-servers", "--server-hosts", "--partition-bytes", "--ps-root-port",
+              "--trial-budget", "--store", "--cluster", "--autotune-report")
+"""hybridsync-run's own flags that take one value (``--flag V`` or ``--flag=V``), spelled in full."""
+_OWN_SWITCHES = ("--autotune",)
+"""hybridsync-run's own flags without a value. ``--autotune`` is hybridsync's autotuner; Horovod's
+own stays reachable through the config file's ``autotune:`` section or ``HOROVOD_AUTOTUNE=1``."""
 
 # horovodrun 0.28.1's options (horovod/runner/launch.py) -> how many values each takes. Only
 # the arity matters here: it tells a flag's value from the first word of the command.
@@ -76,6 +80,16 @@ class LaunchOptions:
     """Rendezvous port of server 0; ``None`` picks a free one."""
     server_hosts: tuple[str, ...] | None = None
     """Host of each server (``--server-hosts``); ``None``: colocated with the workers."""
+    autotune: bool = False
+    """Profile, search, measure trials and train with the winner (``hybridsync.autotune.launch``)."""
+    trial_budget: int | None = None
+    """``--autotune``: real trials to spend (default: the config's, else 50)."""
+    store: str | None = None
+    """``--autotune``: trial store URL (default: the config's, else ``sqlite:///trials.db``)."""
+    cluster: str | None = None
+    """Cluster spec YAML: what the simulator assumes, and with no ``-H``/``--hostfile`` the cluster emulated here."""
+    autotune_report: str | None = None
+    """``--autotune``: directory of the report and the winning strategy (default ``autotune-report``)."""
 
 
 def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
@@ -91,6 +105,9 @@ def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
     i = 0
     while i < len(argv) and _is_flag(argv[i]):
         flag, inline = _resolve_flag(argv[i])
+        if flag in _OWN_SWITCHES:
+            own[flag], i = "1", i + 1
+            continue
         if flag in _OWN_FLAGS:
             if inline is None and (i + 1 == len(argv) or _is_flag(argv[i + 1])):
                 raise ValueError(f"{flag} needs a value")
@@ -119,7 +136,7 @@ def _resolve_flag(word: str) -> tuple[str, str | None]:
     An unknown word is returned as is (horovodrun will reject it); an abbreviation that
     could be one of ours or another option is a ``ValueError``, as in argparse.
     """
-    known = (*_OWN_FLAGS, *_HOROVODRUN_ARITY)
+    known = (*_OWN_FLAGS, *_OWN_SWITCHES, *_HOROVODRUN_ARITY)
     name, eq, inline = word.partition("=")
     value = inline if eq else None
     if name in known:
@@ -128,7 +145,7 @@ def _resolve_flag(word: str) -> tuple[str, str | None]:
         matches = [flag for flag in known if flag.startswith(name)]
         if len(matches) == 1:
             return matches[0], value
-        if any(m in _OWN_FLAGS for m in matches):
+        if any(m in _OWN_FLAGS or m in _OWN_SWITCHES for m in matches):
             raise ValueError(f"ambiguous option: {name} could match {', '.join(matches)}")
         return name, value
     if word[:2] in _HOROVODRUN_ARITY and _HOROVODRUN_ARITY[word[:2]] == 1:
@@ -161,7 +178,10 @@ def _options(own: dict[str, str]) -> LaunchOptions:
         raise ValueError(f"--num-servers {num_servers} but --server-hosts names {len(server_hosts)} servers")
     return LaunchOptions(strategy=strategy, num_servers=len(server_hosts) if server_hosts else num_servers,
                          partition_bytes=integer("--partition-bytes", 1), ps_root_port=integer("--ps-root-port", 1),
-                         server_hosts=server_hosts)
+                         server_hosts=server_hosts, autotune="--autotune" in own,
+                         trial_budget=integer("--trial-budget", 1), store=own.get("--store"),
+                         cluster=os.path.abspath(own["--cluster"]) if "--cluster" in own else None,
+                         autotune_report=own.get("--autotune-report"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,6 +195,12 @@ class JobShape:
     """The job's ``-p``/``-i`` ssh settings, reused to start servers on other hosts."""
     config_file: str | None = None
     """horovodrun's ``--config-file``, whose ``hybridsync:`` section fills in our settings."""
+    command: tuple[str, ...] = ()
+    """The training command."""
+    hosts_arg: str | None = None
+    """``-H`` as given."""
+    hostfile: str | None = None
+    """``--hostfile`` as given."""
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -194,7 +220,8 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
     names = tuple(h.hostname for h in horovod_hosts.parse_hosts(spec)) if spec else ()
     ssh_args = (("-p", str(args.ssh_port)) if args.ssh_port else ()) + (
         ("-i", args.ssh_identity_file) if args.ssh_identity_file else ())
-    return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file)
+    return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file,
+                    command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile)
 
 
 def with_run_config(options: LaunchOptions, config_file: str | None) -> LaunchOptions:
@@ -338,6 +365,15 @@ def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
         procs.stop(server)
 
 
+def _config_autotunes(horovodrun_argv: Sequence[str]) -> bool:
+    """Whether the ``--config-file``'s ``hybridsync: autotune:`` section turns the autotuner on."""
+    config_file = horovodrun_job(horovodrun_argv).config_file
+    if config_file is None:
+        return False
+    from hybridsync.run.config import load_run_config
+    return load_run_config(config_file).autotune.get("enabled", False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -348,10 +384,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               "  --server-hosts H,...   host of each server (default: colocated with the workers)\n"
               "  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)\n"
               "  --ps-root-port P       rendezvous port of server 0 (default: a free port)\n"
+              "  --autotune             profile, search, measure trials, then train with the winner\n"
+              "  --trial-budget N       --autotune: real trials to spend, baselines included (default 50)\n"
+              "  --store URL            --autotune: trial store (default sqlite:///trials.db)\n"
+              "  --cluster SPEC.yaml    the cluster (bandwidth, servers); emulated here unless -H/--hostfile\n"
+              "  --autotune-report DIR  --autotune: report and winning strategy (default autotune-report)\n"
               "\nhorovodrun flags: see horovodrun --help")
         return 0
     try:
         options, rest = split_argv(argv)
+        if options.autotune or _config_autotunes(rest):
+            from hybridsync.autotune.launch import run_autotuned  # the autotuner needs numpy, xgboost, the search
+            return run_autotuned(options, rest)
         return run(options, rest)
     except ValueError as e:
         print(f"hybridsync-run: error: {e}", file=sys.stderr)

@@ -1,0 +1,154 @@
+"""``hybridsync-run --autotune``: profile -> search -> trials -> train with the winner, one command.
+
+    hybridsync-run --autotune --cluster spec.yaml -np 4 python train.py          # emulated here (root)
+    hybridsync-run --autotune --cluster spec.yaml -np 4 -H a:2,b:2 python train.py
+    hybridsync-run --config-file run.yaml python train.py    # its hybridsync: autotune: and cluster:
+
+1. profile: the command runs as one process with ``HYBRIDSYNC_PROFILE`` (a few steps);
+2. search and trials (``hybridsync.autotune.loop``): the same command runs as the trial job,
+   its optimizer switching strategies in flight (``hybridsync.trials.script``);
+3. train: the command runs once more, every rank with ``HYBRIDSYNC_STRATEGY`` = the winner.
+
+The cluster spec (``--cluster`` or the config's ``hybridsync: cluster:``) tells the simulator
+the shape, the inter-node bandwidth and the servers per host. Without ``-H``/``--hostfile``
+that spec is emulated on this machine (network namespaces; root); with them, it must
+describe those hosts (as many workers as ``-np``). The report and ``strategy.json`` go to
+``--autotune-report`` (default ``autotune-report/``); the trials to ``--store``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from hybridsync import envvars
+from hybridsync.run.launcher import LaunchOptions, horovodrun_job, run
+
+DEFAULT_TRIAL_BUDGET = 50
+DEFAULT_REPORT_DIR = "autotune-report"
+TRAIN_POLL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Plan:
+    """Everything the run needs, resolved from the flags and the config before any process starts."""
+
+    cluster: Any
+    command: tuple[str, ...]
+    hosts: str | None
+    hostfile: str | None
+    settings: Any
+    store: str
+    report_dir: str
+    simulator: str | None
+
+
+def run_autotuned(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
+    """``hybridsync-run --autotune``: returns the training job's exit code (2 if autotuning failed)."""
+    try:
+        return _run(options, horovodrun_argv)
+    except RuntimeError as error:  # ProfileFailed, a trial job that never started, an empty confirmation
+        print(f"hybridsync-run --autotune: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
+    started = time.monotonic()
+    plan = _plan(options, horovodrun_argv)
+    from hybridsync.autotune.session import autotune, trial_target
+    from hybridsync.run.profile import profile_command
+    from hybridsync.trials.runner import ScriptWorkload
+    os.makedirs(plan.report_dir, exist_ok=True)
+    name = _script_name(plan.command)
+    print(f"hybridsync-run --autotune: profiling {name} (one process)", file=sys.stderr)
+    description = profile_command(list(plan.command), output=os.path.join(plan.report_dir, "model.json"), name=name)
+    description = dataclasses.replace(description, name=f"{name}-{variables_digest(description.variables)}")
+    strategy_path = os.path.join(plan.report_dir, "strategy.json")
+    with trial_target(plan.cluster, hosts=plan.hosts, hostfile=plan.hostfile) as target:
+        result = autotune(description, plan.cluster, target=target, workload=ScriptWorkload(plan.command),
+                          settings=plan.settings, store_url=plan.store, report_dir=plan.report_dir,
+                          simulator=plan.simulator)
+        _winner(result).save(strategy_path)
+        tuned = time.monotonic() - started
+        print(f"hybridsync-run --autotune: {result.winner_kind} won ({strategy_path}); autotuning took "
+              f"{tuned:.0f} s; training with it", file=sys.stderr)
+        if plan.hosts is None and plan.hostfile is None:
+            code = train_on(target, plan.command, strategy_path)
+    if plan.hosts is not None or plan.hostfile is not None:
+        code = run(dataclasses.replace(options, strategy=strategy_path, autotune=False), horovodrun_argv)
+    print(f"hybridsync-run --autotune: done in {time.monotonic() - started:.0f} s (autotune {tuned:.0f} s); "
+          f"report in {plan.report_dir}", file=sys.stderr)
+    return code
+
+
+def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
+    """Flags over the config's ``hybridsync:`` section; ``ValueError`` for what cannot work."""
+    from hybridsync.autotune.loop import AutotuneSettings
+    from hybridsync.autotune.session import load_cluster
+    from hybridsync.run.config import RunConfig, load_run_config
+    from hybridsync.trials.store import DEFAULT_STORE
+    job = horovodrun_job(horovodrun_argv)
+    config = load_run_config(job.config_file) if job.config_file else RunConfig()
+    tune = config.autotune
+    cluster = load_cluster(options.cluster) if options.cluster else config.cluster
+    if cluster is None:
+        raise ValueError("--autotune needs the cluster's spec (shape, inter-node bandwidth, servers per host): "
+                         "give --cluster SPEC.yaml or a hybridsync: cluster: section in --config-file")
+    if cluster.num_workers != job.num_proc:
+        raise ValueError(f"the cluster spec has {cluster.num_workers} workers ({cluster.nodes} nodes x "
+                         f"{cluster.workers_per_node}) but -np is {job.num_proc}")
+    if options.strategy:
+        raise ValueError("--autotune picks the strategy: drop --strategy (or drop --autotune to use that file)")
+    settings = AutotuneSettings(trial_budget=options.trial_budget or tune.get("trial_budget", DEFAULT_TRIAL_BUDGET),
+                                per_round=tune.get("per_round", AutotuneSettings.per_round),
+                                search_budget=tune.get("search_budget", AutotuneSettings.search_budget),
+                                seed=tune.get("seed", 0))
+    return _Plan(cluster=cluster, command=job.command, hosts=job.hosts_arg, hostfile=job.hostfile, settings=settings,
+                 store=options.store or tune.get("store", DEFAULT_STORE),
+                 report_dir=os.path.abspath(options.autotune_report or tune.get("report", DEFAULT_REPORT_DIR)),
+                 simulator=tune.get("simulator"))
+
+
+def _winner(result: Any) -> Any:
+    from hybridsync.strategy import Strategy
+    return result.winner if result.winner is not None else Strategy(variables={})
+
+
+def _script_name(command: Sequence[str]) -> str:
+    """A name for the trials of this command: the script's (``train``), or the module's."""
+    words = list(command)
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1].rpartition(".")[2]
+    scripts = [w for w in words if w.endswith(".py")]
+    return os.path.splitext(os.path.basename(scripts[0] if scripts else words[0]))[0]
+
+
+def variables_digest(variables: Any) -> str:
+    """8 hex digits of the variables' names, shapes, dtypes and sparsity: the trials of one script's
+    model share a name in the store across runs (its timing varies), another model's do not."""
+    canonical = json.dumps(sorted((name, list(info.shape), info.dtype, info.sparse) for name, info in variables.items()))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:8]
+
+
+def train_on(target: Any, command: Sequence[str], strategy_path: str, timeout_s: float | None = None) -> int:
+    """Runs ``command`` on every worker of an entered emulated ``target`` with the strategy; its
+    output goes to this process's stdout. Returns the first non-zero exit code, or 0."""
+    job = target.start(list(command), {envvars.STRATEGY: strategy_path}, sys.stdout)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = job.exit_codes()
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                return 124
+            time.sleep(TRAIN_POLL_S)
+    finally:
+        job.stop()

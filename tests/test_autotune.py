@@ -1,0 +1,173 @@
+"""The autotune loop's pieces: settings, report, run config, launcher flags, `hybridsync search`
+with the simulator alone, and autotuned strategies run by plain MPI jobs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import BIN, REPO, launcher_argv, run_job
+from hybridsync.autotune.loop import AutotuneResult, AutotuneSettings, TrialOutcome
+from hybridsync.autotune.report import markdown, to_dict, write_report
+from hybridsync.cli import main
+from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.run.config import load_run_config
+from hybridsync.run.launcher import split_argv
+from hybridsync.strategy import Strategy
+
+DESCRIPTIONS = REPO / "data" / "descriptions"
+CLUSTER = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="250mbit", servers_per_node=1)
+TINY = str(REPO / "tests" / "workers" / "tiny_train.py")
+
+
+def a_result() -> AutotuneResult:
+    trials = [TrialOutcome(round=0, kind="baseline:allreduce", fingerprint="a", predicted_s=0.20, measured_s=0.21),
+              TrialOutcome(round=0, kind="search:r0", fingerprint="b", predicted_s=0.15, measured_s=0.18),
+              TrialOutcome(round=1, kind="search:r1", fingerprint="c", predicted_s=0.14, measured_s=None,
+                           reason="refused"),
+              TrialOutcome(round=1, kind="search:r1", fingerprint="d", predicted_s=0.13, measured_s=0.16)]
+    winner = Strategy.from_dict({"version": 1, "default": {"route": "allreduce", "compression": "fp16"}})
+    return AutotuneResult(model="m", cluster=CLUSTER, winner_kind="search:top1", winner=winner, trials=trials,
+                          confirmed_s={"search:top1": 0.15, "baseline:allreduce": 0.20, "horovod": 0.24},
+                          seconds={"search": 1.0, "trials": 10.0, "refit": 0.5, "confirm": 5.0, "total": 17.0})
+
+
+@pytest.mark.unit
+def test_settings_reject_empty_budgets():
+    with pytest.raises(ValueError, match="trial_budget"):
+        AutotuneSettings(trial_budget=0)
+    with pytest.raises(ValueError, match="confirm_top"):
+        AutotuneSettings(confirm_top=0)
+
+
+@pytest.mark.unit
+def test_result_speedups_and_best_so_far():
+    result = a_result()
+    assert result.best_baseline == ("baseline:allreduce", 0.20)
+    assert result.speedup_over("horovod") == pytest.approx(1.6)
+    assert result.best_so_far() == [0.21, 0.18, 0.18, 0.16]
+
+
+@pytest.mark.unit
+def test_report_files_say_what_won_and_by_how_much(tmp_path):
+    paths = write_report(a_result(), tmp_path / "report")
+    assert [p.name for p in paths] == ["report.json", "report.md", "report.png"]
+    doc = json.loads(paths[0].read_text())
+    assert doc["speedup_over_best_baseline"] == pytest.approx(0.20 / 0.15)
+    assert Strategy.from_dict(doc["winner"]["strategy"]).default.compression == "fp16"
+    assert paths[2].stat().st_size > 10_000
+    text = markdown(to_dict(a_result()))
+    assert "**1.33x**" in text and "| 3 | 1 | search:r1 | 140.0 | failed |" in text
+
+
+@pytest.mark.unit
+def test_the_autotune_example_config_is_complete():
+    config = load_run_config(REPO / "horovodrun_configs" / "autotune_2x2_250mbit.yaml")
+    assert config.autotune["enabled"] and config.autotune["trial_budget"] == 50
+    assert config.cluster.num_workers == 4 and config.cluster.num_servers == 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("section, message", [
+    ("autotune: 5", "must be a mapping"),
+    ("autotune:\n    trial_budgt: 3", "unknown key\\(s\\) in 'hybridsync.autotune': trial_budgt"),
+    ("autotune:\n    trial_budget: many", "trial_budget must be int"),
+    ("autotune:\n    per_round: 0", "per_round must be >= 1"),
+])
+def test_bad_autotune_sections_are_named(tmp_path, section, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"hybridsync:\n  {section}\n")
+    with pytest.raises(ValueError, match=message):
+        load_run_config(path)
+
+
+@pytest.mark.unit
+def test_launcher_reads_the_autotune_flags_anywhere_before_the_command():
+    options, rest = split_argv(["-np", "4", "--autotune", "--trial-budget", "20", "--cluster=c.yaml",
+                                "--store", "sqlite:///t.db", "python", "train.py", "--autotune"])
+    assert options.autotune and options.trial_budget == 20 and options.cluster.endswith("c.yaml")
+    assert options.store == "sqlite:///t.db"
+    assert rest == ["-np", "4", "python", "train.py", "--autotune"]
+    with pytest.raises(ValueError, match="--trial-budget must be >= 1"):
+        split_argv(["--trial-budget", "0", "python", "train.py"])
+
+
+@pytest.mark.unit
+def test_search_with_the_simulator_alone_beats_the_baselines_it_predicts(tmp_path, capsys):
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("nodes: 2\nworkers_per_node: 2\ninter_node_bandwidth: 250mbit\nservers_per_node: 1\n")
+    out = tmp_path / "s.json"
+    assert main(["search", "--model", str(DESCRIPTIONS / "vgg.json"), "--cluster", str(spec), "-o", str(out),
+                 "--search-budget", "600", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+    speedup = float(printed.rpartition("(")[2].partition("x)")[0])
+    assert speedup >= 1.0, printed  # seeded with every baseline: never predicted slower than the best
+    from hybridsync.description import load_description
+    Strategy.load(out).validate_for(load_description(DESCRIPTIONS / "vgg.json").variables)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("model, cluster, extra, message", [
+    ("no_such_model", "two", [], "neither a file nor a zoo model"),
+    ("plain", "two", [], "has no compute timing"),
+    ("vgg", "one", [], "needs at least 2"),
+    ("vgg", "two", ["-H", "a:2"], "give --trials N as well"),
+])
+def test_search_gives_clear_errors(tmp_path, capsys, model, cluster, extra, message):
+    (tmp_path / "plain.json").write_text('{"variables": [{"name": "w", "shape": [4, 4]}]}')
+    (tmp_path / "one.yaml").write_text("nodes: 1\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
+    (tmp_path / "two.yaml").write_text("nodes: 2\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
+    models = {"plain": str(tmp_path / "plain.json"), "vgg": str(DESCRIPTIONS / "vgg.json")}
+    argv = ["search", "--model", models.get(model, model), "--cluster", str(tmp_path / f"{cluster}.yaml"),
+            "-o", str(tmp_path / "s.json"), "--search-budget", "50", *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_an_empty_store_is_a_clear_error_for_fitting(tmp_path):
+    from hybridsync.model.simulator import Simulator, load_samples
+    from hybridsync.trials.store import TrialStore
+    with TrialStore(tmp_path / "t.db") as store:
+        assert load_samples(store) == []
+        with pytest.raises(ValueError, match="no samples \\(is the trial store empty"):
+            Simulator().fit(load_samples(store))
+
+
+def autotuned_strategy(tmp_path, servers: int) -> str:
+    """A profiled tiny model and a strategy the search picks for one host with 2 ranks."""
+    desc, spec, out = tmp_path / "tiny.json", tmp_path / "cluster.yaml", tmp_path / "s.json"
+    proc = run_job([str(BIN / "hybridsync"), "profile", "-o", str(desc), "--", sys.executable, TINY,
+                    "--steps", "30"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    spec.write_text(f"nodes: 1\nworkers_per_node: 2\ninter_node_bandwidth: 1gbit\nservers_per_node: {servers}\n")
+    proc = run_job([str(BIN / "hybridsync"), "search", "--model", str(desc), "--cluster", str(spec), "-o", str(out),
+                    "--search-budget", "400"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return str(out)
+
+
+def final_loss(output: str) -> float:
+    return float(output.rpartition("final loss ")[2].split()[0])
+
+
+@pytest.mark.multiprocess
+def test_plain_mpirun_trains_with_an_autotuned_strategy(tmp_path):
+    strategy = autotuned_strategy(tmp_path, servers=0)
+    proc = run_job(launcher_argv("mpirun") + ["-x", f"HYBRIDSYNC_STRATEGY={strategy}", sys.executable, TINY,
+                                              "--steps", "60"], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert final_loss(proc.stdout) < 0.5
+
+
+@pytest.mark.multiprocess
+def test_hybridsync_run_mpi_trains_with_an_autotuned_strategy(tmp_path):
+    strategy = autotuned_strategy(tmp_path, servers=1)
+    proc = run_job([str(BIN / "hybridsync-run"), "--mpi", "-np", "2", "-H", "localhost:2", "--strategy", strategy,
+                    sys.executable, TINY, "--steps", "60"], timeout=180, env={"OMPI_ALLOW_RUN_AS_ROOT": "1",
+                                                                             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert final_loss(proc.stdout) < 0.5
