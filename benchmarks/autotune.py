@@ -1,0 +1,245 @@
+"""Autotuned step time vs the best hand-made choice, per zoo model, on the emulated cluster (issue 13 §5).
+
+    sudo .venv/bin/python benchmarks/autotune.py [--models ncf bert vgg resnet]
+        [--cluster horovodrun_configs/cluster_2x2_250mbit.yaml] [--trial-budget 50] [--out DIR]
+
+For each model, on one emulated cluster that lives for the model's whole run:
+
+1. a simulator that has never seen the model: fit on the shipped dataset (``data/trials.jsonl``)
+   without that model's trials (leave-one-model-out), as a user's new model would meet it;
+2. the autotune loop (``hybridsync.autotune``) with the zoo worker, ``--trial-budget`` distinct
+   strategies (baselines and plain Horovod included), ending in its confirmation job, which
+   measures the best search strategies, the fastest baselines and plain Horovod side by side;
+3. Horovod's own autotuner (``HOROVOD_AUTOTUNE=1``, what ``horovodrun --autotune`` sets) on plain
+   Horovod training of the same model; its best fusion threshold / cycle time / cache setting
+   from the autotune log then applies to a second side-by-side job: Horovod with those settings
+   vs the winner and the best baseline, interleaved, under the same settings.
+
+Every ratio comes from one job. The printed table: the winner's speedup over the best of
+{every baseline, plain Horovod} (confirmation job) and over Horovod-autotuned (second job),
+the number of trials and the autotune's wall time. Where 1.2x is not reached, the columns
+"space" (the dataset's best sampled strategy over its best baseline: what the search space
+holds on this cluster) and "sim pairwise" (the simulator's ranking of this run's own trials)
+show which part falls short. Writes ``summary.json``, ``summary.md`` and ``best_so_far.png``
+into ``--out`` and each model's report into ``--out/<model>/``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from hybridsync.autotune.loop import AutotuneSettings  # noqa: E402
+from hybridsync.autotune.session import autotune  # noqa: E402
+from hybridsync.cluster.spec import ClusterSpec  # noqa: E402
+from hybridsync.description import description_id, load_description  # noqa: E402
+from hybridsync.trials.candidates import Candidate  # noqa: E402
+from hybridsync.trials.jobs import EmulatedTarget  # noqa: E402
+from hybridsync.trials.runner import TrialProtocol, TrialRunner, ZooWorkload  # noqa: E402
+from hybridsync.trials.store import HOROVOD_KIND, TrialStore, cluster_label  # noqa: E402
+
+DATASET = os.path.join(REPO, "data", "trials.jsonl")
+DESCRIPTIONS = os.path.join(REPO, "data", "descriptions")
+HOROVOD_TUNED = "horovod-autotuned"
+COMPARE_PROTOCOL = TrialProtocol(warmup_steps=5, timed_steps=20)
+TARGET_SPEEDUP, TOLERANCE = 1.2, 0.97
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvWorkload:
+    """A workload whose every rank also gets ``env`` (Horovod's tuned settings)."""
+
+    inner: ZooWorkload
+    env: tuple[tuple[str, str], ...]
+
+    def job(self, schedule, results, protocol, seed):
+        command, env = self.inner.job(schedule, results, protocol, seed)
+        return command, {**env, **dict(self.env)}
+
+
+def dataset_store() -> TrialStore:
+    """The shipped dataset, imported into a temporary store."""
+    store = TrialStore(os.path.join(tempfile.mkdtemp(), "dataset.db"))
+    store.import_jsonl(DATASET)
+    return store
+
+
+def simulator_without(model: str, dataset: TrialStore, out: str) -> str:
+    """Fits a simulator on the shipped dataset less ``model``'s trials; returns its path."""
+    from hybridsync.model.simulator import Simulator, load_samples
+    path = os.path.join(out, f"simulator-without-{model}.json")
+    Simulator().fit([s for s in load_samples(dataset) if s.model != model]).save(path)
+    return path
+
+
+def dataset_headroom(model: str, cluster: ClusterSpec, dataset: TrialStore) -> float | None:
+    """The shipped dataset's best strategy over its best baseline or Horovod, for this model and cluster."""
+    from hybridsync.trials.dataset import summarize
+    summaries = summarize(dataset.trials(model=model, cluster=cluster.to_dict()))
+    if not summaries or summaries[0].best_baseline is None or not summaries[0].best_s:
+        return None
+    summary = summaries[0]
+    rivals = [summary.best_baseline[1]] + ([summary.horovod_s] if summary.horovod_s else [])
+    return min(rivals) / summary.best_s
+
+
+def horovod_autotune(target: EmulatedTarget, model: str, steps: int, workdir: str) -> dict[str, str]:
+    """Runs plain Horovod training under Horovod's autotuner; returns the env of its best sample."""
+    log_path = os.path.join(workdir, f"horovod-autotune-{model}.csv")
+    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": log_path, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": REPO, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "5"}
+    command = [sys.executable, "-m", "hybridsync.zoo.train", "--model", model, "--optimizer", "horovod",
+               "--steps", str(steps)]
+    with open(os.path.join(workdir, f"horovod-autotune-{model}.log"), "w", encoding="utf-8") as log:
+        job = target.start(command, env, log)
+        try:
+            deadline = time.monotonic() + 1800
+            while any(code is None for code in job.exit_codes()) and time.monotonic() < deadline:
+                if any(code not in (None, 0) for code in job.exit_codes()):
+                    break
+                time.sleep(1)
+        finally:
+            job.stop()
+    with open(log_path, encoding="utf-8") as handle:
+        rows = [{k.strip(): v.strip() for k, v in row.items()} for row in csv.DictReader(handle)]
+    if not rows:
+        raise RuntimeError(f"Horovod's autotuner logged no sample in {steps} steps ({log_path})")
+    best = max(rows, key=lambda row: float(row["score"]))
+    tuned = {"HOROVOD_CYCLE_TIME": best["cycle_time_ms"],
+             "HOROVOD_FUSION_THRESHOLD": str(int(float(best["tensor_fusion_threshold"]) * 1024 * 1024))}
+    if best["cache_enabled"] in ("0", "false"):
+        tuned["HOROVOD_CACHE_CAPACITY"] = "0"
+    return tuned
+
+
+def compare_with_tuned_horovod(target: EmulatedTarget, model: str, description, tuned: dict[str, str],
+                               contenders: list[Candidate], workdir: str) -> dict[str, float]:
+    """One job under Horovod's tuned settings: Horovod, the winner and the best baseline, twice each."""
+    lineup = [Candidate(kind=HOROVOD_TUNED, strategy=None), *contenders] * 2
+    with TrialStore(os.path.join(workdir, f"compare-{model}.db")) as store:
+        runner = TrialRunner(model=model, description_id=description_id(description), target=target, store=store,
+                             protocol=COMPARE_PROTOCOL, workdir=workdir,
+                             workload=EnvWorkload(ZooWorkload(model), tuple(sorted(tuned.items()))))
+        runner.run(lineup)
+        steps: dict[str, list[float]] = {}
+        for record in store.trials(status="ok"):
+            steps.setdefault(record.kind, []).extend(record.timed_steps)
+    return {kind: statistics.median(times) for kind, times in steps.items()}
+
+
+def simulator_pairwise(trials) -> float | None:
+    from hybridsync.model.evaluate import score
+    measured = [(t.predicted_s, t.measured_s) for t in trials if t.measured_s is not None and t.predicted_s]
+    if len(measured) < 3:
+        return None
+    return score([p for p, _ in measured], [m for _, m in measured], ["run"] * len(measured)).pairwise
+
+
+def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argparse.Namespace) -> dict:
+    out = os.path.join(args.out, model)
+    os.makedirs(out, exist_ok=True)
+    description = load_description(os.path.join(DESCRIPTIONS, f"{model}.json"))
+    simulator = simulator_without(model, dataset, args.out)
+    settings = AutotuneSettings(trial_budget=args.trial_budget, seed=args.seed)
+    with EmulatedTarget(cluster) as target:
+        started = time.monotonic()
+        result = autotune(description, cluster, target=target, workload=ZooWorkload(model), settings=settings,
+                          store_url=os.path.join(out, "trials.db"), report_dir=out, simulator=simulator,
+                          workdir=out)
+        autotune_s = time.monotonic() - started
+        tuned = horovod_autotune(target, model, args.horovod_autotune_steps, out)
+        best_kind, _ = result.best_baseline
+        contenders = [Candidate(kind="winner", strategy=result.winner)]
+        if best_kind != HOROVOD_KIND and best_kind != result.winner_kind:
+            best = next(t for t in _reference_candidates(description, cluster) if t.kind == best_kind)
+            contenders.append(best)
+        compared = compare_with_tuned_horovod(target, model, description, tuned, contenders, out)
+    best_kind, best_s = result.best_baseline
+    over_rivals = best_s / result.confirmed_s[result.winner_kind]
+    over_tuned = compared[HOROVOD_TUNED] / compared["winner"]
+    return {"model": model, "winner": result.winner_kind, "best_rival": best_kind,
+            "speedup_over_best_rival": over_rivals, "speedup_over_horovod_autotune": over_tuned,
+            "speedup": min(over_rivals, over_tuned), "horovod_autotune_env": tuned,
+            "trials": len({t.fingerprint for t in result.trials}), "autotune_s": autotune_s,
+            "space": dataset_headroom(model, cluster, dataset), "sim_pairwise": simulator_pairwise(result.trials),
+            "best_so_far_ms": [b * 1e3 for b in result.best_so_far()], "compare_ms": {k: v * 1e3 for k, v in compared.items()},
+            "confirm_ms": {k: v * 1e3 for k, v in result.confirmed_s.items()}}
+
+
+def _reference_candidates(description, cluster):
+    from hybridsync.trials.candidates import baseline_candidates
+    return baseline_candidates(description.variables, cluster)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | winner | best rival (confirm job) | x rival | x Horovod autotune | x (min) | trials | "
+             "autotune s | space | sim pairwise |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        space = "-" if r["space"] is None else f"{r['space']:.2f}x"
+        pairwise = "-" if r["sim_pairwise"] is None else f"{r['sim_pairwise']:.2f}"
+        lines.append(f"| {r['model']} | {r['winner']} | {r['best_rival']} | {r['speedup_over_best_rival']:.2f}x | "
+                     f"{r['speedup_over_horovod_autotune']:.2f}x | {r['speedup']:.2f}x | {r['trials']} | "
+                     f"{r['autotune_s']:.0f} | {space} | {pairwise} |")
+    reached = sum(r["speedup"] >= TARGET_SPEEDUP for r in rows)
+    never_slower = all(r["speedup"] >= TOLERANCE for r in rows)
+    lines += ["", f">= {TARGET_SPEEDUP}x on {reached} of {len(rows)} models (target: >= 2 of 4); "
+              f"never more than 3% slower: {'yes' if never_slower else 'NO'}"]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        ax.plot(range(1, len(r["best_so_far_ms"]) + 1), r["best_so_far_ms"], drawstyle="steps-post")
+        rival = r["confirm_ms"][r["best_rival"]]
+        ax.axhline(rival, color="tab:orange", linestyle="--", label=f"{r['best_rival']} (confirmed)")
+        ax.axhline(r["confirm_ms"][r["winner"]], color="tab:green", linestyle=":", label="winner (confirmed)")
+        ax.set(title=r["model"], xlabel="trials", ylabel="best ms per step so far")
+        ax.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["ncf", "bert", "vgg", "resnet"])
+    parser.add_argument("--cluster", default=os.path.join(REPO, "horovodrun_configs", "cluster_2x2_250mbit.yaml"))
+    parser.add_argument("--trial-budget", type=int, default=50)
+    parser.add_argument("--horovod-autotune-steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "hybridsync-autotune-bench"))
+    args = parser.parse_args()
+    from hybridsync.autotune.session import load_cluster
+    cluster = load_cluster(args.cluster)
+    os.makedirs(args.out, exist_ok=True)
+    print(f"autotune benchmark on {cluster_label(cluster.to_dict())}, load {os.getloadavg()[0]:.1f}", flush=True)
+    rows = []
+    with dataset_store() as dataset:
+        for model in args.models:
+            rows.append(run_model(model, cluster, dataset, args))
+            print(table(rows[-1:]).split("\n")[2], flush=True)
+    text = table(rows)
+    print(text)
+    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as handle:
+        json.dump(rows, handle, indent=1)
+    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as handle:
+        handle.write(text + "\n")
+    plot(rows, os.path.join(args.out, "best_so_far.png"))
+    print(f"load {os.getloadavg()[0]:.1f}; written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

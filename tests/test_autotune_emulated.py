@@ -1,0 +1,56 @@
+"""`hybridsync-run --autotune` end to end on the emulated 2 x 2 cluster, on a small budget: profile,
+search, trials in one job per round (the script's own optimizer switching), confirmation, then
+training with the winner. Needs root; skips cleanly without it. No namespace may be left."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO, run_job
+
+IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+pytestmark = [pytest.mark.emulated,
+              pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")]
+
+
+def test_autotune_picks_measures_and_trains_with_a_winner(tmp_path):
+    from hybridsync.cluster.netns import NAMESPACE_PREFIX, leftovers
+    from hybridsync.description import load_description
+    from hybridsync.strategy import Strategy
+    from hybridsync.trials.store import TrialStore
+    before = set(leftovers(NAMESPACE_PREFIX))
+    config = yaml.safe_load((REPO / "horovodrun_configs" / "autotune_2x2_250mbit.yaml").read_text())
+    config["hybridsync"]["autotune"].update(trial_budget=10, per_round=3, search_budget=400)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    report, store = tmp_path / "report", f"sqlite:///{tmp_path / 'trials.db'}"
+    argv = [str(BIN / "hybridsync-run"), "-np", "4", "--config-file", str(tmp_path / "run.yaml"),
+            "--store", store, "--autotune-report", str(report),
+            sys.executable, str(REPO / "tests" / "workers" / "tiny_train.py"), "--steps", "120"]
+    proc = run_job(argv, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+    doc = json.loads((report / "report.json").read_text())
+    assert doc["cluster"]["nodes"] == 2 and doc["best_baseline"]["kind"].startswith("baseline:")
+    assert doc["speedups"][doc["winner"]["kind"]] == 1.0
+    assert min(doc["confirmed_s"].values()) == doc["winner"]["step_s"]  # the fastest of the confirmation wins
+    assert (report / "report.png").stat().st_size > 10_000 and (report / "report.md").exists()
+    variables = load_description(report / "model.json").variables
+    Strategy.load(report / "strategy.json").validate_for(variables)
+
+    with TrialStore(store) as trials:
+        records = trials.trials()
+    distinct = {r.fingerprint for r in records}
+    assert len(distinct) == 10, "the budget counts distinct strategies, baselines included"
+    assert sum(r.kind.startswith("search:") for r in records) >= 3
+    assert all(r.status == "ok" for r in records), [(r.kind, r.reason) for r in records if r.status != "ok"]
+    assert len({r.job for r in records}) >= 2, "one job per round"
+    # the winner trained: the script's own output, one line from rank 0, loss well below the start (~5)
+    loss = float(proc.stdout.rpartition("final loss ")[2].split()[0])
+    assert loss < 0.5
+    assert "won (" in proc.stdout and "done in" in proc.stdout
+    assert set(leftovers(NAMESPACE_PREFIX)) <= before  # (a cluster another process runs meanwhile would show)
