@@ -108,12 +108,12 @@ def _scoring_speed(simulator: object, samples: list, count: int = 10_000) -> str
     """Candidates per second of a fitted simulator on the model with most variables, from
     encoded batches (what a search mutates) and from ``Strategy`` objects."""
     from hybridsync.model.encoding import StrategyBatch, from_strategies, model_arrays
-    from hybridsync.search.space import SpaceBounds, random_strategy
+    from hybridsync.search.space import bounds_for, random_strategy
 
     largest = max(samples, key=lambda s: len(s.description.variables))
     arrays, cluster = model_arrays(largest.description), largest.cluster
     rng = np.random.default_rng(0)
-    bounds = SpaceBounds(num_servers=cluster.num_servers, hierarchical=cluster.workers_per_node > 1)
+    bounds = bounds_for(cluster)
     strategies = [random_strategy(largest.description.variables, bounds, rng) for _ in range(200)]
     start = time.perf_counter()
     small = from_strategies(arrays, strategies, cluster)

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
+from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.variables import VariableInfo
 
@@ -58,6 +59,16 @@ class SpaceBounds:
     constraints: a dense all-reduce of an embedding table was 7-17x slower than the best
     baseline for the zoo's ``ncf`` on 2 x 2 hosts at 1 Gbit/s. Off, a sparse variable goes to the PS
     or to Horovod's sparse all-gather (ring, own message)."""
+    server_memory_bytes: int | None = None
+    """Parameter bytes one server may hold (None: no bound). The search's repair keeps each
+    server's explicit placement plus its even share of the balanced bytes under it, moving
+    the largest PS variables to ring all-reduce when the servers cannot hold them all."""
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 0 or self.max_partitions < 1:
+            raise ValueError(f"SpaceBounds: need num_servers >= 0 and max_partitions >= 1, got {self}")
+        if self.server_memory_bytes is not None and self.server_memory_bytes < 1:
+            raise ValueError(f"SpaceBounds: server_memory_bytes must be >= 1 or None, got {self.server_memory_bytes}")
 
     @property
     def routes(self) -> list[tuple[str, str]]:
@@ -69,6 +80,12 @@ class SpaceBounds:
         """Whether ``info``'s gradient on ``route`` must be Horovod's sparse all-gather (ring, a message
         of its own, uncompressed), anything else making it dense."""
         return info.sparse and route == "allreduce" and not self.densify_sparse
+
+
+def bounds_for(cluster: ClusterSpec, **overrides: Any) -> SpaceBounds:
+    """The bounds of ``cluster``: its servers, and hierarchical all-reduce only with more than one
+    rank per node; ``overrides`` set other fields (``max_partitions=...``)."""
+    return SpaceBounds(num_servers=cluster.num_servers, hierarchical=cluster.workers_per_node > 1, **overrides)
 
 
 SPARSE_ALLGATHER = VarConfig(route="allreduce")

@@ -13,7 +13,7 @@ import numpy as np
 
 from hybridsync import baselines
 from hybridsync.cluster.spec import ClusterSpec
-from hybridsync.search.space import SpaceBounds, random_strategy
+from hybridsync.search.space import bounds_for, random_strategy
 from hybridsync.strategy import Strategy
 from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND
 from hybridsync.variables import VariableInfo
@@ -68,7 +68,7 @@ def random_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec, 
     interrupted run resume where it stopped.
     """
     rng = np.random.default_rng(seed)
-    bounds = SpaceBounds(num_servers=spec.num_servers, hierarchical=spec.workers_per_node > 1)
+    bounds = bounds_for(spec)
     seen, out = set(exclude), []
     for _ in range(count * RANDOM_ATTEMPTS_PER_SAMPLE):
         if len(out) == count:
