@@ -260,14 +260,13 @@ def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec,
             progress: bool = True) -> list[tuple[float, Strategy]]:
     """The ``count`` strategies with the lowest predicted step time that the evolutionary search
     found in ``budget`` simulator evaluations, none of them in ``exclude`` (fingerprints)."""
-    from hybridsync.search.evolution import EvolutionarySearch, run_search
-    from hybridsync.search.space import SpaceBounds
-    bounds = SpaceBounds(num_servers=cluster.num_servers, hierarchical=cluster.workers_per_node > 1)
-    search = EvolutionarySearch(description.variables, bounds, rng, seeds=seeds)
-    run_search(search, lambda strategies: simulator.predict(description, cluster, strategies), budget,
-               progress=progress)
-    ranked = sorted(search._scored.values(), key=lambda item: item[0])
-    return [(cost, s) for cost, s in ranked if s.fingerprint() not in exclude][:count]
+    from hybridsync.model.encoding import model_arrays
+    from hybridsync.search.evolution import EvolutionarySearch, run_search, simulator_cost
+    from hybridsync.search.space import bounds_for
+    arrays = model_arrays(description)
+    search = EvolutionarySearch(arrays, cluster, bounds_for(cluster), rng, seeds=seeds)
+    run_search(search, simulator_cost(simulator, arrays, cluster), budget, progress=progress)
+    return search.ranked(count, exclude=exclude)
 
 
 def check_fits(description: ModelDescription, cluster: ClusterSpec) -> None:
