@@ -2,6 +2,7 @@
 
     hybridsync-run [hybridsync and horovodrun flags, in any order] command...
     hybridsync-run -np 2 -H localhost:2 --num-servers 2 --strategy s.json python train.py
+    hybridsync-run --autotune --cluster spec.yaml -np 4 python train.py   # hybridsync.autotune.launch
 
 hybridsync's own flags may stand anywhere before the command; every other word goes to
 horovodrun unchanged, in order, and everything from the command on is the command's.
