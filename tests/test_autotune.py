@@ -171,3 +171,16 @@ def test_hybridsync_run_mpi_trains_with_an_autotuned_strategy(tmp_path):
                                                                              "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert final_loss(proc.stdout) < 0.5
+
+
+@pytest.mark.unit
+def test_a_round_picks_strategies_that_differ_in_more_than_one_variable():
+    from hybridsync.autotune.loop import diverse
+    names = ["a", "b", "c"]
+
+    def strategy(**routes) -> Strategy:
+        return Strategy.from_dict({"version": 1, "variables": {n: {"route": routes.get(n, "allreduce")} for n in names}})
+    ranked = [(1.0, strategy()), (1.1, strategy(a="ps")), (1.2, strategy(a="ps", b="ps")), (1.3, strategy(c="ps"))]
+    picks = diverse(ranked, 2, names)
+    assert [cost for cost, _ in picks] == [1.0, 1.2]  # 1.1 differs from the best in one variable only
+    assert [cost for cost, _ in diverse(ranked, 4, names)] == [1.0, 1.1, 1.2, 1.3]  # topped up in rank order

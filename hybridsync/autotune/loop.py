@@ -266,7 +266,29 @@ def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec,
     arrays = model_arrays(description)
     search = EvolutionarySearch(arrays, cluster, bounds_for(cluster), rng, seeds=seeds)
     run_search(search, simulator_cost(simulator, arrays, cluster), budget, progress=progress)
-    return search.ranked(count, exclude=exclude)
+    return diverse(search.ranked(count * CANDIDATES_PER_PICK, exclude=exclude), count, list(description.variables))
+
+
+CANDIDATES_PER_PICK = 20
+MIN_DIFFERENT_VARIABLES = 2
+"""A round's picks differ pairwise in at least this many variables' configs where the ranking
+allows: the search's top strategies are mostly one-variable variations of its best, and ten
+trials of nearly one strategy teach the simulator little about the rest of the space."""
+
+
+def diverse(ranked: list[tuple[float, Strategy]], count: int, names: Sequence[str]) -> list[tuple[float, Strategy]]:
+    """The best ``count`` of ``ranked`` (ascending cost) such that each differs from every better
+    pick in ``MIN_DIFFERENT_VARIABLES`` variables; topped up in rank order if too few do."""
+    picks: list[tuple[float, Strategy]] = []
+    for cost, strategy in ranked:
+        if len(picks) == count:
+            break
+        if all(sum(strategy.config_for(n) != other.config_for(n) for n in names) >= MIN_DIFFERENT_VARIABLES
+               for _, other in picks):
+            picks.append((cost, strategy))
+    chosen = {s.fingerprint() for _, s in picks}
+    picks += [(c, s) for c, s in ranked if s.fingerprint() not in chosen][:count - len(picks)]
+    return sorted(picks, key=lambda item: item[0])
 
 
 def check_fits(description: ModelDescription, cluster: ClusterSpec) -> None:
