@@ -116,10 +116,6 @@ class AutotuneResult:
         return out
 
 
-Searcher = Callable[[Any, ClusterSpec, Any, Sequence[Strategy | None], set[str], int, int],
-                    list[tuple[float, Strategy]]]
-
-
 class Autotuner:
     """Spends a trial budget on one model and cluster; ``run`` returns an ``AutotuneResult``.
 
