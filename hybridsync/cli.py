@@ -8,6 +8,7 @@ from hybridsync import baselines
 from hybridsync.explain import explain
 from hybridsync.run import profile
 from hybridsync.strategy import Strategy
+from hybridsync.syncswitch import cli as syncswitch_cli
 from hybridsync.model_source import load_model_variables
 from hybridsync.trials import cli as trials_cli
 from hybridsync.trials import dataset_cli
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_parser(commands)
     trials_cli.add_parser(commands)
     dataset_cli.add_parser(commands)
+    syncswitch_cli.add_parser(commands)
     commands.add_parser("cluster", help="emulated multi-node cluster: up | run | down | ls (see: cluster --help)")
     return parser
 

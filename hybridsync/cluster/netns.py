@@ -85,6 +85,7 @@ class EmulatedCluster:
         self.hostnames: tuple[str, ...] = tuple(f"n{i}" for i in range(spec.nodes))
         """What ``hostname`` says on each host; each resolves to its host's address."""
         self._processes: list[subprocess.Popen[Any]] = []
+        self._cleanups: list[Any] = []
         self._created: list[str] = []
         self._workdir: str | None = None
         self._state = "new"  # new -> up -> closing -> closed
@@ -124,6 +125,11 @@ class EmulatedCluster:
             kill_pids(sorted({pid for name in self._created for pid in namespace_pids(name)}))
             for proc in self._processes:
                 _wait_quietly(proc)
+            for cleanup in reversed(self._cleanups):
+                try:
+                    cleanup()
+                except Exception:  # noqa: BLE001 - teardown goes on; the namespaces must still go
+                    pass
             for name in reversed(self._created):
                 delete_namespace(name)
             if self._workdir is not None:
@@ -131,6 +137,11 @@ class EmulatedCluster:
         finally:
             self._state = "closed"
             _registry.discard(self)
+
+    def add_cleanup(self, cleanup: Any) -> None:
+        """Run ``cleanup()`` at teardown, after the processes are gone and before the namespaces
+        (e.g. removing a straggler's cgroup: ``hybridsync.cluster.stragglers``)."""
+        self._cleanups.append(cleanup)
 
     def detach(self) -> None:
         """Leaves the cluster up past this process (no teardown at exit); ``remove_leftovers``
@@ -179,6 +190,11 @@ class EmulatedCluster:
             lines.append(f"{ip} {names}")
         with open(os.path.join(directory, "hosts"), "w", encoding="ascii") as handle:
             handle.write("\n".join(lines) + "\n")
+        # No DNS server is reachable from inside: point lookups of names not in the hosts file
+        # at loopback, which refuses at once, instead of the machine's resolver, which times
+        # out (c10d's reverse lookup of each RPC peer took ~5 s apiece: ~22 s per PS job).
+        with open(os.path.join(directory, "resolv.conf"), "w", encoding="ascii") as handle:
+            handle.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     def _shape(self, namespace: str, device: str) -> None:
         """Limits ``device``'s egress to the uplink rate, plus half the one-way latency."""
