@@ -190,11 +190,6 @@ class EmulatedCluster:
             lines.append(f"{ip} {names}")
         with open(os.path.join(directory, "hosts"), "w", encoding="ascii") as handle:
             handle.write("\n".join(lines) + "\n")
-        # No DNS server is reachable from inside: point lookups of names not in the hosts file
-        # at loopback, which refuses at once, instead of the machine's resolver, which times
-        # out (c10d's reverse lookup of each RPC peer took ~5 s apiece: ~22 s per PS job).
-        with open(os.path.join(directory, "resolv.conf"), "w", encoding="ascii") as handle:
-            handle.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     def _shape(self, namespace: str, device: str) -> None:
         """Limits ``device``'s egress to the uplink rate, plus half the one-way latency."""
