@@ -45,11 +45,11 @@ def table(results: list[Any], policies: list[str], stragglers: list[str]) -> lis
         seeds = sorted({seed for _, seed in cell})
         for policy in policies:
             runs = [cell[policy, s] for s in seeds if (policy, s) in cell]
-            base = [cell["bsp", s] for s in seeds if (policy, s) in cell and ("bsp", s) in cell]
+            pairs = [(cell[policy, s], cell["bsp", s]) for s in seeds if (policy, s) in cell and ("bsp", s) in cell]
             times = [r.time_to_target_s for r in runs if r.time_to_target_s is not None]
-            time_ratios = [r.time_to_target_s / b.time_to_target_s for r, b in zip(runs, base)
+            time_ratios = [r.time_to_target_s / b.time_to_target_s for r, b in pairs
                            if r.time_to_target_s is not None and b.time_to_target_s is not None]
-            speed_ratios = [r.throughput / b.throughput for r, b in zip(runs, base)]
+            speed_ratios = [r.throughput / b.throughput for r, b in pairs]
             switches = statistics.mean(len(r.switches) for r in runs) if runs else 0
             lines.append(f"| {straggler} | {policy} | {_spread(times, '.1f')} | {_spread(time_ratios, '.2f')} | "
                          f"{_spread([r.throughput for r in runs], '.0f')} | {_spread(speed_ratios, '.2f')} | "

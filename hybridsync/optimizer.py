@@ -107,6 +107,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         resolved = resolve_strategy(strategy)
         self._replace_plan(resolved)
+        if self._sync_controller is not None:
+            self._sync_controller.restore_hyperparameters()  # a policy that left them scaled for ASP
         self._sync_controller = self._controller_for(resolved)
 
     def _replace_plan(self, strategy: Strategy | None) -> None:

@@ -115,15 +115,23 @@ class SyncController:
             self._hvd.barrier()  # every rank's last ASP push is on the servers
             optimizer._router.pull_parameters()
             self._average_optimizer_state(index)
-            for group, momentum in zip(optimizer.param_groups, self._saved_momentum):
-                group["lr"] /= self._lr_scale
-                if momentum is not None:
-                    group["momentum"] = momentum
+            self.restore_hyperparameters()
         optimizer._replace_plan(self.strategy.with_ps_protocol(protocol))
         self.protocol = protocol
         self.switches.append(SwitchEvent(step=self.step, protocol=protocol, reason=reason))
         print(f"hybridsync rank {self.rank}: PS variables switched to {protocol} after step {self.step} "
               f"({reason})", file=sys.stderr, flush=True)
+
+    def restore_hyperparameters(self) -> None:
+        """Undo the ASP scaling of ``lr`` and ``momentum`` (also when ``set_strategy`` replaces the
+        policy while in ASP: the new strategy starts from the user's values)."""
+        if self.protocol != "asp":
+            return
+        for group, momentum in zip(self._optimizer.param_groups, self._saved_momentum):
+            group["lr"] /= self._lr_scale
+            if momentum is not None:
+                group["momentum"] = momentum
+        self._saved_momentum = []
 
     def _average_optimizer_state(self, index: int) -> None:
         """Average every tensor of the optimizer state over the ranks (they diverged under ASP)."""

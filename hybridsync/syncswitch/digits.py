@@ -36,7 +36,9 @@ class TaskConfig:
     hidden: int = 64
     """Width of the MLP's two hidden layers."""
     lr: float = 0.05
+    """SGD learning rate (BSP's; a Sync-Switch policy scales it in ASP)."""
     momentum: float = 0.9
+    """SGD momentum."""
     seed: int = 0
     """Initial weights and batch order."""
     eval_every: int = 10

@@ -49,16 +49,21 @@ class RunSpec:
     """One run: a policy, a straggler schedule, a seed."""
 
     policy: PolicyName
+    """Static ``bsp`` / ``asp`` / ``ssp``, or the ``switch`` / ``elastic`` policy."""
     straggler: StragglerName = "none"
+    """When host 1 is slow: never, from the first step, or on and off."""
     kind: Literal["net", "cpu"] = "net"
     """How the straggler is slow: its uplink (``net``) or its CPU (``cpu``)."""
     seed: int = 0
+    """Initial weights and batch order."""
     steps: int = 200
+    """Steps per rank."""
     switch_at: float = 0.25
     """``switch``: fraction of ``steps`` run under BSP."""
     target: float = 0.95
     """Test accuracy whose first reaching is timed."""
     timeout_s: float = 240.0
+    """Bound on the run (a job's bound is the sum over its runs)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,11 +76,13 @@ class RunResult:
     throughput: float
     """Images per second, all ranks, while every rank was training."""
     final_accuracy: float
+    """Test accuracy of the final model."""
     wall_s: float
     """First step of any rank to last step of any rank."""
     switches: list[dict[str, Any]]
     """Rank 0's switches (``step``, ``protocol``, ``reason``)."""
     straggler_log: list[tuple[float, str]]
+    """When the straggler went on and off (seconds after the first step)."""
 
 
 def strategy_for(policy: PolicyName, steps: int, switch_at: float) -> dict[str, Any]:
