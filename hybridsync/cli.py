@@ -9,6 +9,7 @@ from hybridsync.autotune import cli as autotune_cli
 from hybridsync.explain import explain
 from hybridsync.run import profile
 from hybridsync.strategy import Strategy
+from hybridsync.syncswitch import cli as syncswitch_cli
 from hybridsync.model_source import load_model_variables
 from hybridsync.trials import cli as trials_cli
 from hybridsync.trials import dataset_cli
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     trials_cli.add_parser(commands)
     autotune_cli.add_parser(commands)
     dataset_cli.add_parser(commands)
+    syncswitch_cli.add_parser(commands)
     commands.add_parser("cluster", help="emulated multi-node cluster: up | run | down | ls (see: cluster --help)")
     return parser
 

@@ -24,6 +24,7 @@ from hybridsync.horovod_options import (called_from_horovod_state_init, check_pr
 from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.router.runtime import Router
 from hybridsync.strategy import Strategy, resolve_strategy
+from hybridsync.syncswitch.controller import controller_for
 from hybridsync.variables import variables_from_parameters
 
 # Horovod's reduce-op constants (horovod.common.basics), so hs.Average == hvd.Average.
@@ -71,10 +72,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
         self._profiler = profiler.from_environment(named, hvd.size())  # None unless HYBRIDSYNC_PROFILE is set
+        self._sync_controller = self._controller_for(strategy)
         self._trials = None
         if self._synchronizing:
             from hybridsync.trials import script
             self._trials = script.from_environment(self, hvd)  # None unless HYBRIDSYNC_TRIALS is set
+
+    def _controller_for(self, strategy: Strategy | None) -> Any:
+        """The Sync-Switch controller of ``strategy``'s dynamic ``sync`` policy (``None`` without one)."""
+        if not self._synchronizing:
+            return None
+        return controller_for(self, strategy, job=f"opt{self._router.instance}")
+
+    @property
+    def sync_controller(self) -> Any:
+        """The Sync-Switch controller (``hybridsync.syncswitch.controller.SyncController``) or ``None``."""
+        return self._sync_controller
 
     def _plan_for(self, strategy: Strategy | None) -> tuple[Strategy | None, RoutingPlan, Any]:
         """The strategy with this optimizer's ``groups`` applied, its plan, and the process set it runs on."""
@@ -96,11 +109,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         segments and groups are released once the new plan is ready. ASP/SSP variables join
         the servers at the next ``step()`` with their current values.
         """
+        resolved = resolve_strategy(strategy)
+        self._replace_plan(resolved)
+        if self._sync_controller is not None:
+            self._sync_controller.restore_hyperparameters()  # a policy that left them scaled for ASP
+        self._sync_controller = self._controller_for(resolved)
+
+    def _replace_plan(self, strategy: Strategy | None) -> None:
+        """``set_strategy`` without touching the Sync-Switch controller (which calls this to switch)."""
         if self._router.pending or self._fired:
             raise ValueError("set_strategy() was called while gradients of this step are in flight (after "
                              "loss.backward(), before optimizer.step() or optimizer.synchronize()); call it "
                              "between steps, on every rank")
-        resolved, plan, process_set = self._plan_for(resolve_strategy(strategy))
+        resolved, plan, process_set = self._plan_for(strategy)
         if self._synchronizing and process_set.size() > 1:
             # Before building anything: the new router's construction may be collective (hierarchical
             # groups, joining the servers), and a rank building another plan would leave the rest waiting.
@@ -152,6 +173,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._synchronizing:
             self._synchronized = True
             return
+        if self._sync_controller is not None:
+            self._sync_controller.before_sync()
         try:
             self._router.finish()
         finally:
@@ -187,6 +210,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._router.after_step()  # ASP/SSP variables: push the local update, adopt the servers' values
         if self._profiler is not None:
             self._profiler.after_step()  # after the last profiled step: writes the description, exits
+        if self._sync_controller is not None:
+            self._sync_controller.after_step()  # may switch the PS variables' protocol now
         if self._trials is not None:
             self._trials.after_step()  # at the end of a trial: records it, switches to the next (or exits)
         return result

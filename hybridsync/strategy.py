@@ -8,7 +8,12 @@ plain, versioned document (JSON or YAML) of this shape::
      "variables": {
        "emb.weight": {"route": "ps", "partitions": 4, "protocol": "bsp"},
        "fc1.weight": {"route": "allreduce", "partitions": 2, "group": 1, "compression": "fp16"},
-       "fc1.bias":   {"route": "allreduce", "group": 1}}}
+       "fc1.bias":   {"route": "allreduce", "group": 1}},
+     "sync": {"policy": "switch", "switch_at": 0.25, "total_steps": 400}}
+
+``sync`` (optional) is the Sync-Switch policy of the PS-routed variables: ``static`` (each
+keeps its ``protocol``), ``switch`` (BSP first, then ASP) or ``elastic`` (ASP while a
+straggler lasts); see ``hybridsync/syncswitch/policy.py`` for its keys.
 
 Every user mistake is reported at once, as a ``ValueError`` that names every culprit,
 so a bad file fails before the first step instead of half-way through training.
@@ -22,6 +27,7 @@ import os
 from typing import Any, Literal, Mapping
 
 from hybridsync import envvars
+from hybridsync.syncswitch.policy import SyncPolicy, policy_errors
 from hybridsync.variables import VariableInfo
 
 STRATEGY_VERSION = 1
@@ -39,7 +45,7 @@ KEYS_BY_ROUTE: dict[str, frozenset[str]] = {
     "allreduce": frozenset(_COMMON_KEYS | {"algorithm"}),
     "ps": frozenset(_COMMON_KEYS | {"protocol", "staleness", "servers"}),
 }
-_TOP_LEVEL_KEYS = {"version", "default", "variables"}
+_TOP_LEVEL_KEYS = {"version", "default", "variables", "sync"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,6 +114,18 @@ class VarConfig:
     def message_key(self) -> tuple:
         """What two variables must share to be fused into one message."""
         return (self.route, self.variant, self.compression, self.staleness, self.group)
+
+
+def _sync_protocol_errors(sync: SyncPolicy, default: VarConfig, variables: Mapping[str, VarConfig]) -> list[str]:
+    """A dynamic policy starts every PS variable in BSP and switches them all together."""
+    configs = [("default", default), *((f"variable {name!r}", c) for name, c in variables.items())]
+    errors = [f"{where}: protocol {config.protocol!r} conflicts with sync.policy {sync.policy!r} (the policy "
+              f"starts every PS-routed variable in 'bsp' and switches them together; use policy 'static' "
+              f"for per-variable protocols)" for where, config in configs
+              if config.route == "ps" and config.protocol != "bsp"]
+    if not any(config.route == "ps" for _, config in configs):
+        errors.append(f"sync.policy {sync.policy!r} needs PS-routed variables (route 'ps'); this strategy has none")
+    return errors
 
 
 def _field_errors(config: VarConfig) -> list[str]:
@@ -204,10 +222,18 @@ class Strategy:
     """Applies to every variable not listed in ``variables``."""
     variables: Mapping[str, VarConfig] = dataclasses.field(default_factory=dict)
     """Variable name (as in ``named_parameters``) -> its config (kept as a read-only copy)."""
+    sync: SyncPolicy | None = None
+    """Sync-Switch policy of the PS-routed variables; ``None`` (or ``static``): their own protocols."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.default, VarConfig):
             raise ValueError(f"default must be a VarConfig, got {type(self.default).__name__}")
+        if self.sync is not None and not isinstance(self.sync, SyncPolicy):
+            raise ValueError(f"sync must be a SyncPolicy, got {type(self.sync).__name__}")
+        if self.sync is not None and self.sync.dynamic:
+            errors = _sync_protocol_errors(self.sync, self.default, self.variables)
+            if errors:
+                raise ValueError("invalid strategy: " + "; ".join(errors))
         bad = sorted(str(name) for name, config in self.variables.items() if not isinstance(config, VarConfig))
         if bad:
             raise ValueError(f"variables must map names to VarConfig; not one: {', '.join(bad)}")
@@ -242,15 +268,34 @@ class Strategy:
             variables_raw = {}
         for name, raw in variables_raw.items():
             errors += _config_errors(f"variable {name!r}", raw)
+        if "sync" in doc:
+            errors += policy_errors(doc["sync"])
         if errors:
             raise ValueError("invalid strategy:\n  - " + "\n  - ".join(errors))
-        return cls(default=_config_from_raw(default_raw),
-                   variables={name: _config_from_raw(raw) for name, raw in variables_raw.items()})
+        default = _config_from_raw(default_raw)
+        variables = {name: _config_from_raw(raw) for name, raw in variables_raw.items()}
+        sync = SyncPolicy.from_dict(doc["sync"]) if "sync" in doc else None
+        if sync is not None and sync.dynamic:
+            errors = _sync_protocol_errors(sync, default, variables)
+            if errors:
+                raise ValueError("invalid strategy:\n  - " + "\n  - ".join(errors))
+        return cls(default=default, variables=variables, sync=sync)
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical document (sorted variables, defaults omitted)."""
-        return {"version": STRATEGY_VERSION, "default": self.default.to_dict(),
-                "variables": {name: self.variables[name].to_dict() for name in sorted(self.variables)}}
+        doc = {"version": STRATEGY_VERSION, "default": self.default.to_dict(),
+               "variables": {name: self.variables[name].to_dict() for name in sorted(self.variables)}}
+        if self.sync is not None and self.sync.dynamic:  # static is what no section means
+            doc["sync"] = self.sync.to_dict()
+        return doc
+
+    def with_ps_protocol(self, protocol: Protocol) -> "Strategy":
+        """This strategy with every PS-routed variable (and a PS default) on ``protocol``: the plan a
+        Sync-Switch policy runs between switches; its ``sync`` section is dropped (the policy's
+        controller applies such plans, it does not start another one)."""
+        def swap(config: VarConfig) -> VarConfig:
+            return dataclasses.replace(config, protocol=protocol) if config.route == "ps" else config
+        return Strategy(default=swap(self.default), variables={n: swap(c) for n, c in self.variables.items()})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Strategy":

@@ -110,6 +110,10 @@ class ParameterSync(Protocol):
         """Push the local update since the last pull; adopt the servers' current values."""
         ...
 
+    def pull(self) -> None:
+        """Adopt the servers' current values without pushing (a switch back to BSP)."""
+        ...
+
     def close(self) -> None:
         """Stop using these parameters' keys (``Router.close``: the plan was replaced)."""
         ...

@@ -85,6 +85,7 @@ class EmulatedCluster:
         self.hostnames: tuple[str, ...] = tuple(f"n{i}" for i in range(spec.nodes))
         """What ``hostname`` says on each host; each resolves to its host's address."""
         self._processes: list[subprocess.Popen[Any]] = []
+        self._cleanups: list[Any] = []
         self._created: list[str] = []
         self._workdir: str | None = None
         self._state = "new"  # new -> up -> closing -> closed
@@ -124,6 +125,11 @@ class EmulatedCluster:
             kill_pids(sorted({pid for name in self._created for pid in namespace_pids(name)}))
             for proc in self._processes:
                 _wait_quietly(proc)
+            for cleanup in reversed(self._cleanups):
+                try:
+                    cleanup()
+                except Exception:  # noqa: BLE001 - teardown goes on; the namespaces must still go
+                    pass
             for name in reversed(self._created):
                 delete_namespace(name)
             if self._workdir is not None:
@@ -131,6 +137,11 @@ class EmulatedCluster:
         finally:
             self._state = "closed"
             _registry.discard(self)
+
+    def add_cleanup(self, cleanup: Any) -> None:
+        """Run ``cleanup()`` at teardown, after the processes are gone and before the namespaces
+        (e.g. removing a straggler's cgroup: ``hybridsync.cluster.stragglers``)."""
+        self._cleanups.append(cleanup)
 
     def detach(self) -> None:
         """Leaves the cluster up past this process (no teardown at exit); ``remove_leftovers``

@@ -141,6 +141,12 @@ class Router:
         for sync in self._parameter_syncs or ():
             sync.push_pull()
 
+    def pull_parameters(self) -> None:
+        """ASP/SSP variables: adopt the servers' current values, pushing nothing. Called on every
+        rank once every rank's last push is in, it makes their parameters identical again."""
+        for sync in self._parameter_syncs or ():
+            sync.pull()
+
     def close(self) -> None:
         """Release what this plan holds beyond a step: its PS keys (here and, once every worker
         released them, on the servers), its shared-memory segments, its share of the

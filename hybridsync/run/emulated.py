@@ -134,7 +134,7 @@ def launch_gloo(
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 
     num_proc = num_proc or cluster.spec.num_workers
-    plan = get_host_assignments(parse_hosts(cluster.spec.horovod_hosts), num_proc)
+    plan = get_host_assignments(parse_hosts(cluster.spec.horovod_hosts), num_proc, num_proc)
     rendezvous, port = start_rendezvous(cluster, num_proc=num_proc)
     job = Job(processes=[], helpers=[rendezvous])
     try:

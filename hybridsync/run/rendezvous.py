@@ -18,7 +18,7 @@ def serve(hosts: str, num_proc: int) -> None:
 
     server = RendezvousServer(verbose=0)
     port = server.start()
-    server.init(get_host_assignments(parse_hosts(hosts), num_proc))
+    server.init(get_host_assignments(parse_hosts(hosts), num_proc, num_proc))
     print(f"port {port}", flush=True)
     try:
         sys.stdin.read()  # returns at EOF: the launcher closed the pipe or died

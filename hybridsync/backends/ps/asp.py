@@ -73,6 +73,11 @@ class AsyncParameterSync(ParameterSync):
             pulled[chunk.start:chunk.stop].copy_(value)
         self.waited_s += time.monotonic() - started
 
+    def pull(self) -> None:
+        """Adopt the servers' current values without pushing (e.g. once every worker's last push is in)."""
+        self.client.check_usable()
+        self._pulled = [self._init(name, param) for name, param in self._params]
+
     def close(self) -> None:
         """Stop using these keys: released on the servers once every worker closed them (needs a namespace)."""
         if self.namespace:

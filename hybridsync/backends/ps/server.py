@@ -22,6 +22,7 @@ from torch.futures import Future
 from hybridsync import envvars
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
+from hybridsync.backends.ps.coordinator import Schedule, SwitchCoordinator
 from hybridsync.backends.ps.store import KeyStore, SparsePayload
 from hybridsync.backends.ps.watchdog import Watchdog
 
@@ -34,6 +35,7 @@ class Server:
     def __init__(self, config: PSConfig) -> None:
         self.config = config
         self.store = KeyStore(num_workers=config.num_workers)
+        self.coordinator = SwitchCoordinator(config.num_workers, config.name)
         self._attached = set(range(config.num_workers))
         self._lock = threading.Lock()
         self._finished = threading.Event()
@@ -103,6 +105,21 @@ def rpc_init_async(key: str, worker: int, value: Any, staleness: int | None) -> 
 def rpc_push_delta(key: str, worker: int, clock: int, delta: Any) -> Future:
     """ASP/SSP: add a parameter delta; the future resolves to the current parameter."""
     return _server().store.push_delta(key, worker, clock, delta)
+
+
+def rpc_sync_report(job: str, policy: dict[str, Any], worker: int, step: int) -> Schedule:
+    """Sync-Switch ``elastic``: ``worker`` finished computing ``step``; returns the job's switch schedule."""
+    return _server().coordinator.report(job, policy, worker, step)
+
+
+def rpc_sync_switched(job: str, worker: int, index: int, step: int, protocol: str, reason: str) -> None:
+    """Sync-Switch: ``worker`` made its ``index``-th switch of ``job`` after ``step`` (for the server's log)."""
+    _server().coordinator.switched(job, worker, index, step, protocol, reason)
+
+
+def rpc_sync_events() -> list[dict[str, Any]]:
+    """Sync-Switch: every switch all workers made, as this server logged it."""
+    return list(_server().coordinator.events)
 
 
 def rpc_goodbye(worker: int) -> dict[str, int]:
