@@ -50,7 +50,8 @@ from hybridsync.trials.store import HOROVOD_KIND, TrialStore, cluster_label  # n
 DATASET = os.path.join(REPO, "data", "trials.jsonl")
 DESCRIPTIONS = os.path.join(REPO, "data", "descriptions")
 HOROVOD_TUNED = "horovod-autotuned"
-COMPARE_PROTOCOL = TrialProtocol(warmup_steps=5, timed_steps=20)
+COMPARE_PROTOCOL = AutotuneSettings().confirm_protocol
+COMPARE_REPEATS = AutotuneSettings().confirm_repeats
 TARGET_SPEEDUP, TOLERANCE = 1.2, 0.97
 
 
@@ -123,8 +124,9 @@ def horovod_autotune(target: EmulatedTarget, model: str, steps: int, workdir: st
 
 def compare_with_tuned_horovod(target: EmulatedTarget, model: str, description, tuned: dict[str, str],
                                contenders: list[Candidate], workdir: str) -> dict[str, float]:
-    """One job under Horovod's tuned settings: Horovod, the winner and the best baseline, twice each."""
-    lineup = [Candidate(kind=HOROVOD_TUNED, strategy=None), *contenders] * 2
+    """One job under Horovod's tuned settings: Horovod, the winner and the best baseline, interleaved
+    as in the autotuner's confirmation job."""
+    lineup = [Candidate(kind=HOROVOD_TUNED, strategy=None), *contenders] * COMPARE_REPEATS
     with TrialStore(os.path.join(workdir, f"compare-{model}.db")) as store:
         runner = TrialRunner(model=model, description_id=description_id(description), target=target, store=store,
                              protocol=COMPARE_PROTOCOL, workdir=workdir,

@@ -54,9 +54,11 @@ class AutotuneSettings:
     confirm_top: int = 3
     """Best measured search strategies measured again in the confirmation job; as many of the
     fastest baselines (by their first measurement) join them, and plain Horovod."""
-    confirm_protocol: TrialProtocol = TrialProtocol(warmup_steps=5, timed_steps=20)
-    confirm_repeats: int = 2
-    """Times each confirmation candidate is measured, interleaved (A B C A B C)."""
+    confirm_protocol: TrialProtocol = TrialProtocol(warmup_steps=3, timed_steps=10)
+    confirm_repeats: int = 4
+    """Times each confirmation candidate is measured, interleaved (A B C A B C ...): on shared cores
+    the step time drifts by +-15% within a job, and four short passes average that drift out
+    better than two long ones for the same steps."""
 
     def __post_init__(self) -> None:
         if self.trial_budget < 1 or self.per_round < 1 or self.search_budget < 1:
