@@ -100,7 +100,8 @@ def _repeatability(url: str) -> str:
             r for r in records if len(r.timed_steps) == max(len(x.timed_steps) for x in records)])):
         m = split_half([r.timed_steps for r in kept], [(r.model, cluster_label(r.cluster)) for r in kept])
         lines.append(f"measurement repeatability, {label} ({len(kept)}; odd vs even timed steps of each trial): "
-                     f"pairwise {m.pairwise:.3f}, tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
+                     f"pairwise {m.pairwise:.3f} (pairs the noise resolves: {m.pairwise_resolved:.3f}), "
+                     f"tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
     return "\n".join(lines)
 
 

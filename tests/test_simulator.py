@@ -15,7 +15,7 @@ import pytest
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming
-from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
+from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants, reference_terms
 from hybridsync.model.encoding import PS, PS_ASYNC, StrategyBatch, from_strategies, model_arrays, units
 from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score,
                                        split_half, summarize, transfer)
@@ -183,7 +183,8 @@ def test_features_have_a_fixed_shape_and_are_deterministic():
         for _ in range(2):
             u = units(arrays, batch, partition_bytes=constants.partition_bytes)
             terms = analytic_terms(arrays, u, CLUSTER, constants)
-            runs.append(feature_matrix(arrays, u, CLUSTER, terms))
+            reference = reference_terms(arrays, CLUSTER, constants)["step_s"][0]
+            runs.append(feature_matrix(arrays, u, CLUSTER, terms, reference_s=reference))
         assert runs[0].shape == (len(strategies), len(FEATURE_NAMES))
         assert np.array_equal(runs[0], runs[1])
         assert np.isfinite(runs[0]).all()
