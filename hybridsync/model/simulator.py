@@ -90,6 +90,10 @@ class BoosterParams:
     log(measured / analytic) from its trials' targets; ``log_ratio`` keeps it. A warm start
     fits the plain log ratio, so a few trials of a new job also correct its level."""
 
+    def __post_init__(self) -> None:
+        if self.target not in ("centered", "log_ratio"):
+            raise ValueError(f"BoosterParams.target must be 'centered' or 'log_ratio', got {self.target!r}")
+
     def xgboost(self) -> dict[str, Any]:
         """The parameter dictionary of ``xgboost.train`` (one thread, squared error on logs)."""
         return {"objective": "reg:squarederror", "max_depth": self.max_depth, "eta": self.learning_rate,
