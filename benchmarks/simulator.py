@@ -8,7 +8,10 @@ ranking accuracy, Kendall tau, MAPE and top-1 regret (per held-out set, then poo
 warm-start transfer to each held-out model with k = 0, 5, 10, 20 of its trials; and how
 many candidate strategies per second a fitted simulator scores (features + XGBoost, one
 thread) on the largest model. For scale, the measurements' own repeatability: how well the
-median of each trial's odd steps ranks trials as the median of its even steps does.
+median of each trial's odd steps ranks trials as the median of its even steps does. Column
+``pw>noise``: pairwise accuracy over the pairs whose measured difference exceeds twice its
+standard error (``evaluate.NOISE_Z``, each trial's from its timed steps), the pairs the
+measurements resolve; ``pairwise`` counts every pair.
 Targets on a held-out model: pairwise >= 0.90, MAPE <= 10%. One process, one xgboost
 thread: seconds to a minute, depending on the store's size.
 """
@@ -100,7 +103,8 @@ def _repeatability(url: str) -> str:
             r for r in records if len(r.timed_steps) == max(len(x.timed_steps) for x in records)])):
         m = split_half([r.timed_steps for r in kept], [(r.model, cluster_label(r.cluster)) for r in kept])
         lines.append(f"measurement repeatability, {label} ({len(kept)}; odd vs even timed steps of each trial): "
-                     f"pairwise {m.pairwise:.3f}, tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
+                     f"pairwise {m.pairwise:.3f} (pairs the noise resolves: {m.pairwise_resolved:.3f}), "
+                     f"tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
     return "\n".join(lines)
 
 

@@ -15,12 +15,13 @@ import pytest
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming
-from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
+from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants, reference_terms
 from hybridsync.model.encoding import PS, PS_ASYNC, StrategyBatch, from_strategies, model_arrays, units
 from hybridsync.model.evaluate import (cross_validate, group_key, plot_predictions, predict_samples, score,
                                        split_half, summarize, transfer)
 from hybridsync.model.features import FEATURE_NAMES, feature_matrix
-from hybridsync.model.simulator import BoosterParams, Sample, Simulator, load_samples, shipped_simulator
+from hybridsync.model.simulator import (BoosterParams, Sample, Simulator, load_samples, median_standard_error,
+                                        shipped_simulator)
 from hybridsync.router.plan import build_plan
 from hybridsync.search.space import SpaceBounds, random_strategy
 from hybridsync.strategy import Strategy, VarConfig
@@ -117,6 +118,27 @@ def test_sparse_gradients_on_the_ps_send_touched_rows():
     assert t_asp > t_ps + 0.02 and t_asp_fp16 == pytest.approx(t_asp)
 
 
+def test_fp16_on_the_ps_asp_and_hierarchical_hops_have_their_own_constants():
+    desc = describe("m", [(8192, 1024)])
+    four_nodes = dataclasses.replace(CLUSTER, nodes=4, workers_per_node=1)
+    ring16, ps16, asp, hier = (same_config(desc, **config) for config in (
+        {"route": "allreduce", "compression": "fp16"}, {"route": "ps", "compression": "fp16"},
+        {"route": "ps", "protocol": "asp"}, {"route": "allreduce", "algorithm": "hierarchical", "partitions": 8}))
+    base = CostConstants()
+    costly_ps_fp16 = dataclasses.replace(base, fp16_ps_bytes_per_s=1e6)
+    t_ring, t_ps = predict_analytic(desc, CLUSTER, [ring16, ps16], base)
+    t_ring_after, t_ps_after = predict_analytic(desc, CLUSTER, [ring16, ps16], costly_ps_fp16)
+    assert t_ring_after == pytest.approx(t_ring) and t_ps_after > t_ps + 10  # 16 MB at 1 MB/s
+    t_asp = predict_analytic(desc, CLUSTER, [asp], base)[0]
+    t_asp_half = predict_analytic(desc, CLUSTER, [asp], dataclasses.replace(base, async_scale=0.5))[0]
+    assert t_asp_half < t_asp - 0.05  # the push-pull after the step is the 32 MB model's biggest term
+    # hierarchical pays a per-message cost per step of its cross-node ring: 2 (nodes - 1)
+    hop = dataclasses.replace(base, alpha_hier_hop_s=0.01)
+    extra = [predict_analytic(desc, cluster, [hier], hop)[0] - predict_analytic(desc, cluster, [hier], base)[0]
+             for cluster in (CLUSTER, four_nodes)]
+    assert extra[0] == pytest.approx(8 * 2 * 0.009, rel=0.05) and extra[1] == pytest.approx(8 * 6 * 0.009, rel=0.05)
+
+
 def test_units_match_the_routing_plan():
     """Per route, the batch's message count and wire bytes are those of ``build_plan`` (dense
     model), and explicitly placed PS bytes per server those of ``RoutingPlan.ps_keys``."""
@@ -183,7 +205,8 @@ def test_features_have_a_fixed_shape_and_are_deterministic():
         for _ in range(2):
             u = units(arrays, batch, partition_bytes=constants.partition_bytes)
             terms = analytic_terms(arrays, u, CLUSTER, constants)
-            runs.append(feature_matrix(arrays, u, CLUSTER, terms))
+            reference = reference_terms(arrays, CLUSTER, constants)["step_s"][0]
+            runs.append(feature_matrix(arrays, u, CLUSTER, terms, reference_s=reference))
         assert runs[0].shape == (len(strategies), len(FEATURE_NAMES))
         assert np.array_equal(runs[0], runs[1])
         assert np.isfinite(runs[0]).all()
@@ -277,6 +300,21 @@ def test_metrics():
     assert steady.pairwise == 1.0
 
 
+def test_noise_aware_pairwise_counts_only_the_pairs_the_measurements_resolve():
+    measured = np.array([1.0, 1.01, 2.0, 3.0])
+    predicted = np.array([1.1, 1.0, 2.0, 3.0])  # misorders only the two trials 1% apart
+    noise = np.full(4, 0.02)
+    m = score(predicted, measured, ["g"] * 4, noise)
+    assert m.pairwise == pytest.approx(5 / 6) and m.pairwise_resolved == 1.0
+    assert m.resolved_share == pytest.approx(5 / 6)
+    assert np.isnan(score(predicted, measured, ["g"] * 4).pairwise_resolved)  # no noise estimates: not computed
+    # the standard error of a median: zero for identical steps, and one stalled step barely moves it
+    assert median_standard_error([0.1] * 10) == 0.0 and median_standard_error([0.1]) == 0.0
+    steady = median_standard_error([0.10, 0.11, 0.09, 0.10, 0.11, 0.09, 0.10, 0.10])
+    assert 0 < steady < 0.01
+    assert median_standard_error([0.10, 0.11, 0.09, 0.10, 0.11, 0.09, 0.10, 5.0]) <= 2 * steady  # the std grows 200x
+
+
 # --- bad inputs -----------------------------------------------------------------------------
 def test_errors_name_the_culprit(tmp_path):
     desc = describe("m", [(64, 64), (8,)])
@@ -304,6 +342,8 @@ def test_errors_name_the_culprit(tmp_path):
         Simulator().fit([Sample(model="m", description=desc, cluster=CLUSTER, strategy=None, step_s=0.0)])
     with pytest.raises(ValueError, match="must be finite numbers > 0"):
         CostConstants(ring_efficiency=0.0)
+    with pytest.raises(ValueError, match="target must be 'centered' or 'log_ratio'"):
+        BoosterParams(target="rank")  # type: ignore[arg-type]
 
 
 # --- real trials ----------------------------------------------------------------------------

@@ -17,7 +17,8 @@ For each candidate (vectorized over a ``StrategyBatch``'s ``Units``):
   w(L - L_n) + (W - w) L_n (incast on the servers' hosts when placement is uneven); and
   each server's CPU handles W pushes and pulls of its load.
 - fp16 halves dense bytes; sparse gradients send touched rows (``encoding.Units``).
-- a per-operation cost (alpha) per message (per key on the PS).
+- a per-operation cost (alpha) per message (per key on the PS); hierarchical adds one per
+  step of its cross-node ring.
 
 Overlap: a unit can start when its last gradient is ready (profiled ``ready_s``, scaled
 like compute); the units of one channel (Horovod's ring thread, the hierarchical path,
@@ -26,10 +27,10 @@ max_j(ready_j + cost of the channel's units from j on), the textbook single-serv
 on Horovod's channel the messages that become ready while an op runs are fused into the
 next op, which pays one alpha (tensor fusion). The channels run at once but share the
 cores and uplinks (``concurrency_penalty``). ASP/SSP parameters travel after
-``synchronize()`` and the local step, exposed. The step is compute + the part of
-communication not hidden behind the backward pass, and never faster than the busiest
-uplink allows. Compute is slowed when more ranks than
-cores share a machine (``cores``: the emulated cluster runs every rank on one machine).
+``synchronize()`` and the local step, exposed, their keys all at once (``async_scale``).
+The step is compute + the part of communication not hidden behind the backward pass, and
+never faster than the busiest uplink allows. Compute is slowed when more ranks than cores
+share a machine (``cores``: the emulated cluster runs every rank on one machine).
 
 Every constant's default comes from a measurement in ``benchmarks/RESULTS.md`` (named in
 its docstring); ``fit_constants`` refits them by least squares on measured trials.
@@ -43,7 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridsync.cluster.spec import ClusterSpec
-from hybridsync.model.encoding import GATHER, HIER, PS, PS_ASYNC, RING, ModelArrays, Units
+from hybridsync.model.encoding import GATHER, HIER, PS, PS_ASYNC, RING, ModelArrays, Units, from_strategies, units
 from hybridsync.placement import DEFAULT_PARTITION_BYTES
 
 
@@ -56,6 +57,10 @@ class CostConstants:
     4.06, 4.41, 4.60 ms."""
     alpha_hier_s: float = 4.8e-3
     """Per hierarchical all-reduce: collectives.py 4-byte hier: 3.69, 4.82 ms (one outlier 10.5 ms)."""
+    alpha_hier_hop_s: float = 1.0e-3
+    """Per step of a hierarchical all-reduce's cross-node ring (2 (nodes - 1) of them), on top of
+    ``alpha_hier_s``: with one rank per node the 110-message baseline of 4 nodes measured twice
+    its 2-node cost per message. Fitted."""
     alpha_ps_s: float = 7.2e-3
     """Per PS key push-pull: collectives.py 4-byte ps: 7.43, 6.30, 7.72 ms."""
     ring_efficiency: float = 0.93
@@ -76,8 +81,16 @@ class CostConstants:
     """Densifying a sparse gradient that travels whole (split, merged, hierarchical): per dense
     byte, on every rank. No benchmark isolates it; the initial value is a memory-copy rate, fitted."""
     fp16_bytes_per_s: float = 1.0e9
-    """fp16 compression's CPU work per half-precision byte sent (casts both ways, float16
-    sums on the CPU), on every rank. No benchmark isolates it; a memory-copy rate, fitted."""
+    """fp16 compression's CPU work per half-precision byte all-reduced (casts both ways, Gloo's
+    float16 sums on the CPU), on every rank. No benchmark isolates it; a memory-copy rate, fitted."""
+    fp16_ps_bytes_per_s: float = 1.0e9
+    """The same per half-precision byte on the BSP parameter servers (casts only; the servers
+    sum): fitted apart, as the dataset's fp16 PS trials ran ~1.6x faster than the all-reduce
+    rate predicted and its fp16 ring trials slower."""
+    async_scale: float = 1.0
+    """ASP/SSP's push-pull after the step, as a share of the same bytes' BSP cost: it sends
+    every key at once and no server waits for the other workers. Fitted (the dataset's pure
+    ASP trials ran ~0.6x as long as pure BSP)."""
     concurrency_penalty: float = 0.5
     """Channels (Horovod, hierarchical, PS) run at once but share cores and uplinks: each
     channel's busy time beyond the busiest one's adds this fraction of itself (0: perfectly
@@ -112,20 +125,30 @@ class CostConstants:
         return cls(**doc)
 
 
-FITTED = ("alpha_ring_s", "alpha_hier_s", "alpha_ps_s", "ring_efficiency", "hier_efficiency", "ps_efficiency",
-          "shm_bytes_per_s", "ps_server_bytes_per_s", "densify_bytes_per_s", "fp16_bytes_per_s",
+FITTED = ("alpha_ring_s", "alpha_hier_s", "alpha_hier_hop_s", "alpha_ps_s", "ring_efficiency", "hier_efficiency",
+          "ps_efficiency", "shm_bytes_per_s", "ps_server_bytes_per_s", "densify_bytes_per_s", "fp16_bytes_per_s",
+          "fp16_ps_bytes_per_s", "async_scale",
           "concurrency_penalty", "compute_scale", "step_overhead_s")
 """The constants ``fit_constants`` adjusts (the others describe the machine, not the software)."""
 TERMS = ("step_s", "compute_s", "backward_s", "comm_end_s", "exposed_s", "ring_s", "hier_s", "ps_s",
          "ps_async_s", "contention_s", "ps_network_s", "ps_server_s", "uplink_s", "alpha_s", "max_server_bytes",
          "slowdown")
 """The arrays ``analytic_terms`` returns, in feature order."""
+TIME_TERMS = tuple(term for term in TERMS if term not in ("max_server_bytes", "slowdown"))
+"""The terms in seconds."""
 
 
 def slowdown(cluster: ClusterSpec, constants: CostConstants) -> float:
     """How much slower compute runs than profiled on one process: ranks sharing cores, times the fit."""
     shared = max(1.0, cluster.num_workers / constants.cores) if constants.cores else 1.0
     return shared * constants.compute_scale
+
+
+def reference_terms(arrays: ModelArrays, cluster: ClusterSpec, constants: CostConstants) -> dict[str, np.ndarray]:
+    """``analytic_terms`` of plain Horovod (every variable ring all-reduced, one candidate) on
+    ``cluster``: the yardstick that makes a candidate's terms comparable across models."""
+    batch = from_strategies(arrays, [None], cluster)
+    return analytic_terms(arrays, units(arrays, batch, partition_bytes=constants.partition_bytes), cluster, constants)
 
 
 def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
@@ -150,7 +173,8 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     is_ring, is_hier, is_gather = route == RING, route == HIER, route == GATHER
     is_ps = (route == PS) | (route == PS_ASYNC)
     # ring all-reduce ops are paid per Horovod op, not per message (its fusion: _fused_channel_end)
-    alpha = np.where(is_hier, c.alpha_hier_s * u.messages, 0.0) + c.alpha_ps_s * u.keys
+    alpha_hier = c.alpha_hier_s + c.alpha_hier_hop_s * 2 * (nodes - 1)
+    alpha = np.where(is_hier, alpha_hier * u.messages, 0.0) + c.alpha_ps_s * u.keys
     network = (np.where(is_ring, ring_net, 0.0) + np.where(is_hier, hier_net, 0.0)
                + np.where(is_gather, gather_net, 0.0))
     cost = alpha + network + np.where(is_hier, hier_shm, 0.0) + np.where(is_ps, ps_net_share + ps_cpu, 0.0)
@@ -180,10 +204,11 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     comm_end = np.maximum.reduce([ends[0], ends[1], ends[2], first_ready + uplink_s,
                                   first_ready + ps_server]) + contention
     # ASP/SSP: the parameters go after synchronize() and the local step, one after the other
-    async_s = np.where(is_async, cost, 0.0).sum(axis=1)
+    async_s = c.async_scale * np.where(is_async, cost, 0.0).sum(axis=1)
     exposed = np.maximum(comm_end - backward, 0.0) + async_s
     compute = (scale * (arrays.forward_s + arrays.optimizer_s + arrays.other_s) + backward
-               + u.densified_bytes / c.densify_bytes_per_s + u.fp16_bytes / c.fp16_bytes_per_s)
+               + u.densified_bytes / c.densify_bytes_per_s + (u.fp16_bytes - u.fp16_ps_bytes) / c.fp16_bytes_per_s
+               + u.fp16_ps_bytes / c.fp16_ps_bytes_per_s)
     synced = active.any(axis=1) & (workers > 1)
     # a per-variable overhead was tried: fit on models of 12-38 variables it overpredicted the
     # 110-variable one by 1.3-1.5x when held out, so one fixed cost per step remains

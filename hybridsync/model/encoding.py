@@ -263,6 +263,8 @@ class Units:
     """(N,): the largest balanced PS key's bytes (placement granularity)."""
     fp16_bytes: np.ndarray
     """(N,): bytes sent as float16."""
+    fp16_ps_bytes: np.ndarray
+    """(N,): the part of ``fp16_bytes`` sent to the BSP parameter servers."""
     densified_bytes: np.ndarray
     """(N,): dense bytes of sparse gradients sent whole (split, merged or hierarchical: the
     router densifies them every step, a CPU cost on every rank)."""
@@ -288,7 +290,8 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
     server_bytes = np.einsum("nv,nvs->ns", np.where(explicit, ps_wire, 0.0), share)
     balanced = np.where(explicit, 0.0, ps_wire)
     key = np.minimum(balanced / parts, partition_bytes)
-    fp16_bytes = np.where(batch.fp16 & ~touched & ~asynchronous, dense, 0.0).sum(axis=1)
+    fp16_sent = np.where(batch.fp16 & ~touched & ~asynchronous, dense, 0.0)
+    fp16_bytes, fp16_ps_bytes = fp16_sent.sum(axis=1), np.where(is_ps, fp16_sent, 0.0).sum(axis=1)
     densified_bytes = np.where(sparse & ~touched & ~asynchronous, arrays.nbytes, 0.0).sum(axis=1)
 
     order = arrays.ready_order  # units: columns in ready order
@@ -320,7 +323,7 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
                  ready_s=np.broadcast_to(arrays.ready_s[order], (n, v)), sparse_bytes=unit_sparse,
                  server_bytes=server_bytes, balanced_bytes=balanced.sum(axis=1),
                  largest_key=key.max(axis=1) if v else np.zeros(n),
-                 fp16_bytes=fp16_bytes, densified_bytes=densified_bytes)
+                 fp16_bytes=fp16_bytes, fp16_ps_bytes=fp16_ps_bytes, densified_bytes=densified_bytes)
 
 
 def _group_placement(share: np.ndarray, group: np.ndarray) -> np.ndarray:

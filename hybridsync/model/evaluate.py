@@ -6,6 +6,9 @@ their trials:
 
 - pairwise ranking accuracy: of the pairs of trials with different measured times, the
   share the prediction orders the same way (AutoSync's metric; ~0.84-0.92 there);
+- noise-aware pairwise accuracy: the same over the pairs whose measured difference exceeds
+  ``NOISE_Z`` standard errors of the difference (each trial's ``Sample.noise_s``); pairs closer
+  than that are coin flips of the measurement, which no simulator can be asked to order;
 - Kendall tau (scipy) of predicted vs measured;
 - MAPE: mean |predicted - measured| / measured;
 - top-1 regret: measured time of the predicted-best trial over the measured best, minus 1.
@@ -23,10 +26,13 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 
 from hybridsync.model.analytic import CostConstants
-from hybridsync.model.simulator import BoosterParams, Sample, Simulator
+from hybridsync.model.simulator import BoosterParams, Sample, Simulator, median_standard_error
 from hybridsync.trials.store import cluster_label
 
 Split = Literal["model", "cluster"]
+NOISE_Z = 2.0
+"""A pair counts for the noise-aware accuracy when |m_i - m_j| > NOISE_Z * sqrt(se_i^2 + se_j^2)
+(about 95% sure of the measured order)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +44,10 @@ class Metrics:
     mape: float
     top1_regret: float
     trials: int
+    pairwise_resolved: float = float("nan")
+    """Pairwise accuracy over the pairs the measurements resolve (``NOISE_Z``; nan without noise estimates)."""
+    resolved_share: float = float("nan")
+    """Share of the pairs of different measured times that the measurements resolve."""
 
 
 def group_key(sample: Sample) -> tuple[str, str]:
@@ -45,12 +55,19 @@ def group_key(sample: Sample) -> tuple[str, str]:
     return sample.model, cluster_label(sample.cluster.to_dict())
 
 
-def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object]) -> Metrics:
-    """Metrics of ``predicted`` vs ``measured`` seconds; ``groups[i]`` is trial i's query group."""
+def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object],
+          noise: np.ndarray | None = None) -> Metrics:
+    """Metrics of ``predicted`` vs ``measured`` seconds; ``groups[i]`` is trial i's query group;
+    ``noise[i]`` the standard error of ``measured[i]`` (the noise-aware pairwise accuracy; all
+    zero or ``None``: not computed)."""
     predicted, measured = np.asarray(predicted, float), np.asarray(measured, float)
     if predicted.shape != measured.shape or len(predicted) != len(groups) or len(predicted) == 0:
         raise ValueError(f"score: need as many predictions ({predicted.shape}), measurements ({measured.shape}) "
                          f"and groups ({len(groups)}), at least one")
+    noise = None if noise is None or not np.any(noise) else np.asarray(noise, float)
+    if noise is not None and noise.shape != measured.shape:
+        raise ValueError(f"score: need a noise estimate per measurement, got {noise.shape} for {measured.shape}")
+    resolved_agree = resolved = 0
     by_group: dict[object, list[int]] = defaultdict(list)
     for i, group in enumerate(groups):
         by_group[group].append(i)
@@ -64,6 +81,11 @@ def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object])
         counted = dm != 0
         agree += int((dm[counted] == dp[counted]).sum())
         pairs += int(counted.sum())
+        if noise is not None:
+            se = noise[members]
+            clear = np.abs(m[:, None] - m[None, :])[upper] > NOISE_Z * np.hypot(se[:, None], se[None, :])[upper]
+            resolved_agree += int((dm[clear] == dp[clear]).sum())
+            resolved += int(clear.sum())
         if len(members) >= 2:
             taus.append(_kendall(p, m))
             tau_weights.append(len(members))
@@ -72,17 +94,21 @@ def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object])
     return Metrics(pairwise=agree / pairs if pairs else float("nan"),
                    kendall_tau=float(np.average(taus, weights=tau_weights)) if taus else float("nan"),
                    mape=float(np.mean(np.abs(predicted - measured) / measured)),
-                   top1_regret=float(np.average(regrets, weights=regret_weights)), trials=len(predicted))
+                   top1_regret=float(np.average(regrets, weights=regret_weights)), trials=len(predicted),
+                   pairwise_resolved=resolved_agree / resolved if resolved else float("nan"),
+                   resolved_share=resolved / pairs if noise is not None and pairs else float("nan"))
 
 
 def split_half(step_times: Sequence[Sequence[float]], groups: Sequence[object]) -> Metrics:
     """How well the measurements agree with themselves: the median of each trial's odd timed
     steps "predicting" the median of its even ones. No simulator can rank measured trials much
-    better than their own halves rank each other (trials with fewer than 2 steps are skipped)."""
+    better than their own halves rank each other (trials with fewer than 2 steps are skipped).
+    Its noise-aware accuracy takes the even halves' standard errors as the noise."""
     kept = [i for i, times in enumerate(step_times) if len(times) >= 2]
     odd = np.array([np.median(step_times[i][1::2]) for i in kept])
     even = np.array([np.median(step_times[i][0::2]) for i in kept])
-    return score(odd, even, [groups[i] for i in kept])
+    noise = np.array([median_standard_error(step_times[i][0::2]) for i in kept])
+    return score(odd, even, [groups[i] for i in kept], noise)
 
 
 def _kendall(predicted: np.ndarray, measured: np.ndarray) -> float:
@@ -119,13 +145,17 @@ class Row:
     """Each test trial's query group (model, cluster label)."""
     timed_steps: tuple[int, ...] = dataclasses.field(repr=False, default=())
     """Each test trial's number of timed steps."""
+    noise: tuple[float, ...] = dataclasses.field(repr=False, default=())
+    """Each test trial's ``Sample.noise_s`` (empty: unknown)."""
 
     def where(self, keep: np.ndarray) -> "Row":
         """This row scored on the test trials ``keep`` (a boolean mask) selects."""
         groups = tuple(g for g, k in zip(self.groups, keep) if k)
+        noise = tuple(np.asarray(self.noise)[keep]) if self.noise else ()
         return dataclasses.replace(self, predicted=self.predicted[keep], measured=self.measured[keep], groups=groups,
-                                   timed_steps=tuple(np.asarray(self.timed_steps)[keep]),
-                                   metrics=score(self.predicted[keep], self.measured[keep], groups))
+                                   timed_steps=tuple(np.asarray(self.timed_steps)[keep]), noise=noise,
+                                   metrics=score(self.predicted[keep], self.measured[keep], groups,
+                                                 np.array(noise) if noise else None))
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -163,10 +193,11 @@ def _row(simulator: Simulator, kind: str, split: str, held_out: str, train_trial
          test: Sequence[Sample]) -> Row:
     predicted = predict_samples(simulator, test)
     measured = np.array([s.step_s for s in test])
+    noise = np.array([s.noise_s for s in test])
     return Row(kind=kind, split=split, held_out=held_out, train_trials=train_trials,
-               metrics=score(predicted, measured, [group_key(s) for s in test]), predicted=predicted,
+               metrics=score(predicted, measured, [group_key(s) for s in test], noise), predicted=predicted,
                measured=measured, groups=tuple(group_key(s) for s in test),
-               timed_steps=tuple(s.timed_steps for s in test))
+               timed_steps=tuple(s.timed_steps for s in test), noise=tuple(noise))
 
 
 def transfer(samples: Sequence[Sample], *, held_out: str, split: Split = "model", ks: Sequence[int] = (0, 5, 10, 20),
@@ -194,11 +225,12 @@ def transfer(samples: Sequence[Sample], *, held_out: str, split: Split = "model"
 def format_table(rows: Sequence[Row]) -> str:
     """The rows as a fixed-width text table."""
     lines = [f"{'split':<14} {'held out':<16} {'kind':<9} {'train':>6} {'test':>5} {'pairwise':>9} "
-             f"{'tau':>6} {'MAPE':>7} {'regret':>7}"]
+             f"{'pw>noise':>9} {'tau':>6} {'MAPE':>7} {'regret':>7}"]
     for row in rows:
         m = row.metrics
         lines.append(f"{row.split:<14} {row.held_out:<16} {row.kind:<9} {row.train_trials:>6} {m.trials:>5} "
-                     f"{m.pairwise:>9.3f} {m.kendall_tau:>6.3f} {m.mape:>6.1%} {m.top1_regret:>6.1%}")
+                     f"{m.pairwise:>9.3f} {m.pairwise_resolved:>9.3f} {m.kendall_tau:>6.3f} {m.mape:>6.1%} "
+                     f"{m.top1_regret:>6.1%}")
     return "\n".join(lines)
 
 
@@ -213,10 +245,12 @@ def summarize(rows: Sequence[Row], *, key: Callable[[Row], str] = lambda row: f"
         predicted = np.concatenate([r.predicted for r in members])
         measured = np.concatenate([r.measured for r in members])
         groups = tuple(g for r in members for g in r.groups)
+        noise = tuple(n for r in members for n in r.noise) if all(r.noise for r in members) else ()
         out.append(Row(kind=members[0].kind, split=members[0].split, held_out="all",
                        train_trials=int(np.mean([r.train_trials for r in members])),
-                       metrics=score(predicted, measured, groups), predicted=predicted, measured=measured,
-                       groups=groups, timed_steps=tuple(n for r in members for n in r.timed_steps)))
+                       metrics=score(predicted, measured, groups, np.array(noise) if noise else None),
+                       predicted=predicted, measured=measured, groups=groups, noise=noise,
+                       timed_steps=tuple(n for r in members for n in r.timed_steps)))
     return out
 
 

@@ -10,8 +10,10 @@ operations, so thousands of candidates of one (description, cluster) featurize a
   densified and parameter-server shares; the busiest server's share; PS keys; how many
   routes are mixed; a histogram of message sizes; overlap estimates (where in the
   backward pass the bytes become ready);
-- the analytic model's prediction and its terms (``ANALYTIC_FEATURES``: left out when the
-  learned model runs alone, to measure what the analytic part adds).
+- the analytic model's prediction and its terms, in seconds and relative to its prediction
+  of plain Horovod on the same model and cluster (``ANALYTIC_FEATURES``: left out when the
+  learned model runs alone, to measure what the analytic part adds). The relative terms
+  mean the same for a model of any size: seconds of a 5 ms model and of a 0.5 s one do not.
 
 Byte counts are shares of the model's dense bytes or log-scaled, so that a model of a
 size the training set never saw still lands inside the trees' ranges.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridsync.cluster.spec import ClusterSpec
-from hybridsync.model.analytic import TERMS
+from hybridsync.model.analytic import TERMS, TIME_TERMS
 from hybridsync.model.encoding import GATHER, HIER, PS, PS_ASYNC, RING, ROUTE_NAMES, ModelArrays, Units
 
 SIZE_BINS = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
@@ -35,16 +37,18 @@ _BASE = (["nodes", "workers_per_node", "workers", "servers", "log_uplink_bytes_p
             "densified_share", "ps_keys", "max_server_share", "balanced_ps_share", "largest_key_share"]
          + [f"messages_under_{edge // 1024}k" for edge in SIZE_BINS] + ["messages_over_4096k"]
          + ["ready_mean_share", "late_bytes_share", "first_ready_share"])
-ANALYTIC_FEATURES = tuple(f"analytic_{term}" for term in TERMS) + ("analytic_log_step_s", "analytic_exposed_share")
+ANALYTIC_FEATURES = (tuple(f"analytic_{term}" for term in TERMS) + ("analytic_log_step_s", "analytic_exposed_share")
+                     + tuple(f"relative_{term}" for term in TIME_TERMS) + ("relative_log_step_s",))
 """The analytic model's outputs as features."""
 FEATURE_NAMES = tuple(_BASE) + ANALYTIC_FEATURES
 """Column names of ``feature_matrix``, in order."""
 
 
-def feature_matrix(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
-                   terms: dict[str, np.ndarray]) -> np.ndarray:
-    """(N, len(FEATURE_NAMES)) float32 features of a batch's units (``encoding.units``) and
-    its analytic terms (``analytic.analytic_terms``)."""
+def feature_matrix(arrays: ModelArrays, u: Units, cluster: ClusterSpec, terms: dict[str, np.ndarray], *,
+                   reference_s: float) -> np.ndarray:
+    """(N, len(FEATURE_NAMES)) float32 features of a batch's units (``encoding.units``), its
+    analytic terms (``analytic.analytic_terms``) and the analytic step time of plain Horovod
+    on the same model and cluster (``analytic.reference_terms``), which the relative terms divide by."""
     n = u.wire_bytes.shape[0]
     model_bytes = max(float(arrays.nbytes.sum()), 1.0)
     uplink = cluster.inter_node_bytes_per_second
@@ -80,6 +84,7 @@ def feature_matrix(arrays: ModelArrays, u: Units, cluster: ClusterSpec,
     columns[-1] = np.where(np.isfinite(columns[-1]), columns[-1], 1.0)
     columns += [terms[term] for term in TERMS]
     columns += [np.log(terms["step_s"]), terms["exposed_s"] / terms["step_s"]]
+    columns += [terms[term] / reference_s for term in TIME_TERMS] + [np.log(terms["step_s"] / reference_s)]
     out = np.empty((n, len(FEATURE_NAMES)), dtype=np.float32)
     for j, column in enumerate(columns):
         out[:, j] = column

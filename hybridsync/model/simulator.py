@@ -13,7 +13,10 @@ Three kinds, to compare what each part brings:
   regressing log step time;
 - ``both`` (default): trees regress log(measured / analytic) on every feature, so they
   learn what the analytic model misses (contention for the cores, densifying, mixing
-  routes) and fall back to it where they know nothing.
+  routes) and fall back to it where they know nothing. By default (``BoosterParams.target``)
+  that log ratio is centered within each (model, cluster) before the fit: the trees learn
+  how strategies of one job differ, not how far off the analytic level of each training
+  model was, which does not carry over to another model; the level is the analytic model's.
 
 Warm start (``fit(..., base=...)``): keeps the base's constants and adds ``warm_rounds``
 trees fit to the new trials on top of the base's (xgboost's ``xgb_model=`` continuation).
@@ -33,12 +36,13 @@ import numpy as np
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id, parse_description
-from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants
+from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants, reference_terms
 from hybridsync.model.encoding import ModelArrays, StrategyBatch, Units, from_strategies, model_arrays, units
 from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
 from hybridsync.strategy import Strategy
 
 Kind = Literal["both", "xgboost", "analytic"]
+Target = Literal["centered", "log_ratio"]
 KINDS: tuple[str, ...] = ("both", "xgboost", "analytic")
 FORMAT = "hybridsync-simulator"
 FORMAT_VERSION = 1
@@ -59,6 +63,9 @@ class Sample:
     """Measured median step time in seconds."""
     timed_steps: int = 0
     """How many timed steps the median is taken over (0: unknown)."""
+    noise_s: float = 0.0
+    """Standard error of ``step_s`` estimated from the timed steps (``median_standard_error``;
+    0: unknown): how far apart two trials must be before their order means anything."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,6 +85,14 @@ class BoosterParams:
     reg_lambda: float = 1.0
     seed: int = 0
     """xgboost's seed: equal seeds and data give equal models."""
+    target: Target = "centered"
+    """``both`` only, fresh fits: ``centered`` subtracts each (model, cluster)'s mean of
+    log(measured / analytic) from its trials' targets; ``log_ratio`` keeps it. A warm start
+    fits the plain log ratio, so a few trials of a new job also correct its level."""
+
+    def __post_init__(self) -> None:
+        if self.target not in ("centered", "log_ratio"):
+            raise ValueError(f"BoosterParams.target must be 'centered' or 'log_ratio', got {self.target!r}")
 
     def xgboost(self) -> dict[str, Any]:
         """The parameter dictionary of ``xgboost.train`` (one thread, squared error on logs)."""
@@ -126,8 +141,20 @@ def samples_from_records(records: Iterable[Any], descriptions: Mapping[str, Mode
         out.append(Sample(model=record.model, description=descriptions[record.description_id],
                           cluster=ClusterSpec.from_dict(record.cluster), step_s=float(record.median_s),
                           strategy=None if record.strategy is None else Strategy.from_dict(record.strategy),
-                          timed_steps=len(record.timed_steps)))
+                          timed_steps=len(record.timed_steps),
+                          noise_s=median_standard_error(record.timed_steps)))
     return out
+
+
+def median_standard_error(times: Sequence[float]) -> float:
+    """Standard error of the median of ``times`` (seconds; 0 for fewer than 2): 1.2533 sigma /
+    sqrt(n), sigma from the median absolute deviation (1.4826 MAD), so that one stalled step
+    does not make a whole trial look noisy."""
+    if len(times) < 2:
+        return 0.0
+    values = np.asarray(times, dtype=float)
+    sigma = 1.4826 * float(np.median(np.abs(values - np.median(values))))
+    return 1.2533 * sigma / float(np.sqrt(len(values)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,9 +236,13 @@ class Simulator:
         target = np.zeros(count)
         for p in problems:
             terms = analytic_terms(p.arrays, p.units, p.cluster, self.constants)
-            matrix = feature_matrix(p.arrays, p.units, p.cluster, terms)
+            reference = reference_terms(p.arrays, p.cluster, self.constants)["step_s"][0]
+            matrix = feature_matrix(p.arrays, p.units, p.cluster, terms, reference_s=reference)
             features[p.indices] = matrix[:, self._columns]
-            target[p.indices] = np.log(p.step_s) - (np.log(terms["step_s"]) if self.kind == "both" else 0.0)
+            ratio = np.log(p.step_s) - (np.log(terms["step_s"]) if self.kind == "both" else 0.0)
+            if self.kind == "both" and base is None and self.params.target == "centered":
+                ratio = ratio - ratio.mean()
+            target[p.indices] = ratio
         train = xgboost.DMatrix(features, label=target, feature_names=self.feature_names)
         rounds = self.params.warm_rounds if base is not None else self.params.rounds
         start = base.booster.copy() if base is not None and base.booster is not None else None
@@ -242,7 +273,8 @@ class Simulator:
             return terms["step_s"]
         import xgboost
 
-        matrix = feature_matrix(arrays, u, cluster, terms)
+        reference = reference_terms(arrays, cluster, self.constants)["step_s"][0]
+        matrix = feature_matrix(arrays, u, cluster, terms, reference_s=reference)
         data = xgboost.DMatrix(matrix[:, self._columns], feature_names=self.feature_names, nthread=1)
         learned = self.booster.predict(data)
         return np.exp(learned + (np.log(terms["step_s"]) if self.kind == "both" else 0.0))
