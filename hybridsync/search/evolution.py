@@ -46,11 +46,11 @@ MAX_DRAWS_PER_ASK = 20
 class EvolutionSettings:
     """How the population evolves."""
 
-    population: int = 64
+    population: int = 32
     """Best candidates told so far that parents are picked from."""
-    initial: int = 64
+    initial: int = 128
     """Random candidates proposed after the seeds, before any child."""
-    elite: int = 8
+    elite: int = 4
     """Best candidates that 10% of the children are mutants of (and that always stay in the population)."""
     tournament: int = 3
     """Candidates per tournament when picking a parent."""
