@@ -202,7 +202,12 @@ class EvolutionarySearch:
         if len(batch) == 0:
             return
         costs = np.where(np.isnan(costs), np.inf, costs)
-        keys = self._asked[1] if self._asked is not None and self._asked[0] is batch else operators.row_keys(batch)
+        if self._asked is not None and self._asked[0] is batch:
+            keys = self._asked[1]
+        else:  # rows made elsewhere (e.g. measured strategies): this search's server columns and group numbers
+            batch = operators.copy_batch(_with_width(batch, self._archive.server_share.shape[2]))
+            batch.group[:] = operators.canonical_groups(batch)
+            keys = operators.row_keys(batch)
         self._proposed.update(keys)
         if len(self._archive_costs) >= self.settings.archive:  # only what can enter the archive (or replace a cost)
             known = set(self._archive_keys)
@@ -225,16 +230,16 @@ class EvolutionarySearch:
     # --- results ------------------------------------------------------------------------------
     @property
     def best(self) -> tuple[float, Strategy] | None:
-        """The lowest cost told so far and its strategy."""
+        """The lowest finite cost told so far and its strategy."""
         ranked = self.ranked(1)
         return ranked[0] if ranked else None
 
     def ranked(self, k: int, exclude: Collection[str] = ()) -> list[tuple[float, Strategy]]:
-        """The ``k`` best distinct candidates told (of the ``settings.archive`` best kept), best
-        first, skipping strategies whose fingerprint is in ``exclude``."""
+        """The ``k`` best distinct candidates told with a finite cost (of the ``settings.archive``
+        best kept), best first, skipping strategies whose fingerprint is in ``exclude``."""
         out: list[tuple[float, Strategy]] = []
         for i, key in enumerate(self._archive_keys):
-            if len(out) >= k:
+            if len(out) >= k or not np.isfinite(self._archive_costs[i]):
                 break
             strategy = self._originals.get(key) or self._archive.to_strategy(i, self.arrays.names)
             if strategy.fingerprint() not in exclude:
@@ -274,7 +279,7 @@ def run_search(search: Searcher, cost: Callable[[StrategyBatch], np.ndarray], bu
             if search.best is not None:
                 bar.set_postfix_str(f"best {search.best[0] * 1e3:.2f} ms", refresh=False)
     if search.best is None:
-        raise ValueError("the search evaluated no strategy")
+        raise ValueError("the search found no strategy with a finite cost (did every candidate fail?)")
     return search.best
 
 
