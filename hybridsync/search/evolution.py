@@ -100,6 +100,7 @@ class EvolutionarySearch:
         self._archive_keys: list[bytes] = []
         self._untold: StrategyBatch | None = None  # parents before the first costs arrive
         self._asked: tuple[StrategyBatch, list[bytes]] | None = None
+        self._fresh_share = 0.8  # of children never proposed before (the rest repeat)
 
     def _encode_seeds(self, seeds: Sequence[Strategy | None]) -> StrategyBatch | None:
         """The seeds as repaired rows; a seed that repair leaves unchanged is returned as given
@@ -129,7 +130,10 @@ class EvolutionarySearch:
         for _ in range(MAX_DRAWS_PER_ASK):
             if wanted <= 0:
                 break
-            fresh, fresh_keys = self._fresh(self._draw(wanted), wanted)
+            drawn, from_children = self._draw(wanted)
+            fresh, fresh_keys, share = self._fresh(drawn, wanted)
+            if from_children:  # oversample the next children by the share of repeats seen
+                self._fresh_share = 0.5 * self._fresh_share + 0.5 * max(share, 0.05)
             parts.append(fresh)
             keys += fresh_keys
             wanted -= len(fresh)
@@ -140,29 +144,32 @@ class EvolutionarySearch:
             self._untold = out if self._untold is None else StrategyBatch.concatenate([self._untold, out])
         return out
 
-    def _draw(self, count: int) -> StrategyBatch:
+    def _draw(self, count: int) -> tuple[StrategyBatch, bool]:
+        """Up to ``count`` candidates (seeds, random ones, or more children than that: some repeat)
+        and whether they are children."""
         if self._queue is not None and len(self._queue):
             taken, self._queue = self._queue.take(np.arange(min(count, len(self._queue)))), \
                 self._queue.take(np.arange(min(count, len(self._queue)), len(self._queue)))
-            return taken
+            return taken, False
         if self._random_left > 0:
             count = min(count, self._random_left)
             self._random_left -= count
-            return operators.sample(self.arrays, self.bounds, self.rng, count)
-        return self._children(count + count // 4 + 8)  # a few spares: some children repeat
+            return operators.sample(self.arrays, self.bounds, self.rng, count), False
+        return self._children(int(count / self._fresh_share * 1.1) + 8), True
 
-    def _fresh(self, batch: StrategyBatch, most: int) -> tuple[StrategyBatch, list[bytes]]:
+    def _fresh(self, batch: StrategyBatch, most: int) -> tuple[StrategyBatch, list[bytes], float]:
         """Up to ``most`` candidates of ``batch`` never proposed (the first of each duplicate), now
-        marked proposed, and their keys."""
-        keep, keys = [], []
+        marked proposed, their keys, and the share of new ones among those looked at."""
+        keep, keys, looked = [], [], 0
         for i, key in enumerate(operators.row_keys(batch)):
             if len(keep) == most:
                 break
+            looked += 1
             if key not in self._proposed:
                 self._proposed.add(key)
                 keep.append(i)
                 keys.append(key)
-        return batch.take(np.array(keep, dtype=np.int64)), keys
+        return batch.take(np.array(keep, dtype=np.int64)), keys, len(keep) / max(looked, 1)
 
     def _children(self, count: int) -> StrategyBatch:
         parents = self._parents()
