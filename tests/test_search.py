@@ -121,7 +121,7 @@ def test_seeds_come_first_and_come_back_as_given():
 
 
 def test_ask_never_repeats_and_tell_keeps_the_latest_cost():
-    _, arrays = zoo("ncf")
+    description, arrays = zoo("ncf")
     search = EvolutionarySearch(arrays, CLUSTER, bounds_for(CLUSTER), np.random.default_rng(1),
                                 settings=EvolutionSettings(population=8, elite=2, initial=8))
     seen: set[bytes] = set()
@@ -135,6 +135,14 @@ def test_ask_never_repeats_and_tell_keeps_the_latest_cost():
     row = from_strategies(arrays, [best], CLUSTER)
     search.tell(row, np.array([best_cost + 1.0]))  # a measurement replacing the prediction
     assert search.best[0] < best_cost + 1.0 and best.fingerprint() not in {s.fingerprint() for _, s in search.ranked(1)}
+    fused = from_strategies(arrays, [baselines.horovod_hierarchical(description.variables)], CLUSTER)
+    mixed = operators.copy_batch(fused)
+    mixed.group[:] = np.where(fused.group >= 0, 10 - fused.group, -1)  # other group numbers, same strategy
+    search.tell(mixed, np.array([-1.0]))
+    told = from_strategies(arrays, [search.best[1]], CLUSTER)
+    assert search.best[0] == -1.0 and operators.row_keys(told) == operators.row_keys(fused)
+    search.tell(mixed, np.array([np.inf]))  # it failed when measured
+    assert search.best[0] >= 0
     with pytest.raises(ValueError, match="40 candidates but 1 costs"):
         search.tell(batch, np.array([1.0]))
 

@@ -46,11 +46,11 @@ MAX_DRAWS_PER_ASK = 20
 class EvolutionSettings:
     """How the population evolves."""
 
-    population: int = 64
+    population: int = 32
     """Best candidates told so far that parents are picked from."""
-    initial: int = 64
+    initial: int = 128
     """Random candidates proposed after the seeds, before any child."""
-    elite: int = 8
+    elite: int = 4
     """Best candidates that 10% of the children are mutants of (and that always stay in the population)."""
     tournament: int = 3
     """Candidates per tournament when picking a parent."""
@@ -100,6 +100,7 @@ class EvolutionarySearch:
         self._archive_keys: list[bytes] = []
         self._untold: StrategyBatch | None = None  # parents before the first costs arrive
         self._asked: tuple[StrategyBatch, list[bytes]] | None = None
+        self._fresh_share = 0.8  # of children never proposed before (the rest repeat)
 
     def _encode_seeds(self, seeds: Sequence[Strategy | None]) -> StrategyBatch | None:
         """The seeds as repaired rows; a seed that repair leaves unchanged is returned as given
@@ -129,7 +130,10 @@ class EvolutionarySearch:
         for _ in range(MAX_DRAWS_PER_ASK):
             if wanted <= 0:
                 break
-            fresh, fresh_keys = self._fresh(self._draw(wanted), wanted)
+            drawn, from_children = self._draw(wanted)
+            fresh, fresh_keys, share = self._fresh(drawn, wanted)
+            if from_children:  # oversample the next children by the share of repeats seen
+                self._fresh_share = 0.5 * self._fresh_share + 0.5 * max(share, 0.05)
             parts.append(fresh)
             keys += fresh_keys
             wanted -= len(fresh)
@@ -140,29 +144,32 @@ class EvolutionarySearch:
             self._untold = out if self._untold is None else StrategyBatch.concatenate([self._untold, out])
         return out
 
-    def _draw(self, count: int) -> StrategyBatch:
+    def _draw(self, count: int) -> tuple[StrategyBatch, bool]:
+        """Up to ``count`` candidates (seeds, random ones, or more children than that: some repeat)
+        and whether they are children."""
         if self._queue is not None and len(self._queue):
             taken, self._queue = self._queue.take(np.arange(min(count, len(self._queue)))), \
                 self._queue.take(np.arange(min(count, len(self._queue)), len(self._queue)))
-            return taken
+            return taken, False
         if self._random_left > 0:
             count = min(count, self._random_left)
             self._random_left -= count
-            return operators.sample(self.arrays, self.bounds, self.rng, count)
-        return self._children(count + count // 4 + 8)  # a few spares: some children repeat
+            return operators.sample(self.arrays, self.bounds, self.rng, count), False
+        return self._children(int(count / self._fresh_share * 1.1) + 8), True
 
-    def _fresh(self, batch: StrategyBatch, most: int) -> tuple[StrategyBatch, list[bytes]]:
+    def _fresh(self, batch: StrategyBatch, most: int) -> tuple[StrategyBatch, list[bytes], float]:
         """Up to ``most`` candidates of ``batch`` never proposed (the first of each duplicate), now
-        marked proposed, and their keys."""
-        keep, keys = [], []
+        marked proposed, their keys, and the share of new ones among those looked at."""
+        keep, keys, looked = [], [], 0
         for i, key in enumerate(operators.row_keys(batch)):
             if len(keep) == most:
                 break
+            looked += 1
             if key not in self._proposed:
                 self._proposed.add(key)
                 keep.append(i)
                 keys.append(key)
-        return batch.take(np.array(keep, dtype=np.int64)), keys
+        return batch.take(np.array(keep, dtype=np.int64)), keys, len(keep) / max(looked, 1)
 
     def _children(self, count: int) -> StrategyBatch:
         parents = self._parents()
@@ -202,7 +209,12 @@ class EvolutionarySearch:
         if len(batch) == 0:
             return
         costs = np.where(np.isnan(costs), np.inf, costs)
-        keys = self._asked[1] if self._asked is not None and self._asked[0] is batch else operators.row_keys(batch)
+        if self._asked is not None and self._asked[0] is batch:
+            keys = self._asked[1]
+        else:  # rows made elsewhere (e.g. measured strategies): this search's server columns and group numbers
+            batch = operators.copy_batch(_with_width(batch, self._archive.server_share.shape[2]))
+            batch.group[:] = operators.canonical_groups(batch)
+            keys = operators.row_keys(batch)
         self._proposed.update(keys)
         if len(self._archive_costs) >= self.settings.archive:  # only what can enter the archive (or replace a cost)
             known = set(self._archive_keys)
@@ -225,16 +237,16 @@ class EvolutionarySearch:
     # --- results ------------------------------------------------------------------------------
     @property
     def best(self) -> tuple[float, Strategy] | None:
-        """The lowest cost told so far and its strategy."""
+        """The lowest finite cost told so far and its strategy."""
         ranked = self.ranked(1)
         return ranked[0] if ranked else None
 
     def ranked(self, k: int, exclude: Collection[str] = ()) -> list[tuple[float, Strategy]]:
-        """The ``k`` best distinct candidates told (of the ``settings.archive`` best kept), best
-        first, skipping strategies whose fingerprint is in ``exclude``."""
+        """The ``k`` best distinct candidates told with a finite cost (of the ``settings.archive``
+        best kept), best first, skipping strategies whose fingerprint is in ``exclude``."""
         out: list[tuple[float, Strategy]] = []
         for i, key in enumerate(self._archive_keys):
-            if len(out) >= k:
+            if len(out) >= k or not np.isfinite(self._archive_costs[i]):
                 break
             strategy = self._originals.get(key) or self._archive.to_strategy(i, self.arrays.names)
             if strategy.fingerprint() not in exclude:
@@ -274,7 +286,7 @@ def run_search(search: Searcher, cost: Callable[[StrategyBatch], np.ndarray], bu
             if search.best is not None:
                 bar.set_postfix_str(f"best {search.best[0] * 1e3:.2f} ms", refresh=False)
     if search.best is None:
-        raise ValueError("the search evaluated no strategy")
+        raise ValueError("the search found no strategy with a finite cost (did every candidate fail?)")
     return search.best
 
 

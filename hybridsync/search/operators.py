@@ -349,29 +349,32 @@ def canonical_groups(batch: StrategyBatch) -> np.ndarray:
 
 
 # --- keys ---------------------------------------------------------------------------------------
-_MIX = np.array([0xBF58476D1CE4E5B9, 0x94D049BB133111EB], dtype=np.uint64)
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 
 def row_keys(batch: StrategyBatch) -> list[bytes]:
     """A 16-byte digest of each candidate's arrays: equal for equal (repaired) candidates.
 
-    The row's bytes as 64-bit words, each mixed with its position (splitmix64's finalizer),
-    summed twice with different seeds: vectorized, so keying 10,000 candidates a second
-    costs little (a Python hash per row would cost as much as the rest of the search).
+    The row's bytes (server shares as whole shards) as 64-bit words, each mixed with its
+    position by splitmix64's finalizer, then summed plainly and with per-position odd
+    weights: vectorized, so keying 10,000 candidates a second costs little (a Python hash
+    per row would cost as much as the rest of the search).
     """
     n = len(batch)
-    packed = np.concatenate([batch.route.astype(np.int8).view(np.uint8), batch.protocol.astype(np.int8).view(np.uint8),
-                             batch.fp16.view(np.uint8), batch.staleness.astype(np.int16).view(np.uint8),
-                             batch.partitions.astype(np.int16).view(np.uint8), batch.group.astype(np.int16).view(np.uint8),
-                             batch.server_share.reshape(n, -1).astype(np.float32).view(np.uint8)], axis=1)
-    pad = -packed.shape[1] % 8
-    words = np.ascontiguousarray(np.pad(packed, ((0, 0), (0, pad)))).view(np.uint64)
-    position = np.arange(1, words.shape[1] + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    digest = np.empty((n, 2), np.uint64)
+    code = (batch.route.astype(np.uint8) | (batch.protocol.astype(np.uint8) << 2)
+            | (batch.fp16.astype(np.uint8) << 4))
+    shards = np.rint(batch.server_share * batch.partitions[:, :, None]).astype(np.int16).reshape(n, -1)
+    packed = np.concatenate([code, *(a.astype(np.int16).view(np.uint8) for a in
+                                     (batch.staleness, batch.partitions, batch.group, shards))], axis=1)
+    width = -(-packed.shape[1] // 8) * 8
+    words = np.zeros((n, width), np.uint8)
+    words[:, :packed.shape[1]] = packed
+    words = words.view(np.uint64)
+    position = np.arange(1, words.shape[1] + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for j, seed in enumerate((np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344))):
-            z = words ^ (position + seed)
-            z = (z ^ (z >> np.uint64(30))) * _MIX[0]
-            z = (z ^ (z >> np.uint64(27))) * _MIX[1]
-            digest[:, j] = (z ^ (z >> np.uint64(31))).sum(axis=1)
+        z = words ^ (position * np.uint64(0x9E3779B97F4A7C15))
+        z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+        z ^= z >> np.uint64(31)
+        digest = np.stack([z.sum(axis=1), (z * (position * _MIX[0] | np.uint64(1))).sum(axis=1)], axis=1)
     return digest.view("S16")[:, 0].tolist()
