@@ -23,7 +23,7 @@ from hybridsync.model.features import FEATURE_NAMES, feature_matrix
 from hybridsync.model.simulator import (BoosterParams, Sample, Simulator, load_samples, median_standard_error,
                                         shipped_simulator)
 from hybridsync.router.plan import build_plan
-from hybridsync.search.space import SpaceBounds, random_strategy
+from hybridsync.search.space import SpaceBounds, bounds_for, random_strategy
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.trials.store import TrialStore
 from hybridsync.variables import VariableInfo
@@ -227,7 +227,7 @@ def synthetic_samples(seed: int, per_model: int = 40) -> list[Sample]:
     samples = []
     for name, desc in models.items():
         for cluster in clusters:
-            bounds = SpaceBounds(num_servers=cluster.num_servers, hierarchical=cluster.workers_per_node > 1)
+            bounds = bounds_for(cluster)
             strategies = [random_strategy(desc.variables, bounds, rng) for _ in range(per_model)]
             times = predict_analytic(desc, cluster, strategies, truth) * rng.lognormal(0.0, 0.05, per_model)
             samples += [Sample(model=name, description=desc, cluster=cluster, strategy=s, step_s=float(t))
