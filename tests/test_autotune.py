@@ -184,3 +184,16 @@ def test_a_round_picks_strategies_that_differ_in_more_than_one_variable():
     picks = diverse(ranked, 2, names)
     assert [cost for cost, _ in picks] == [1.0, 1.2]  # 1.1 differs from the best in one variable only
     assert [cost for cost, _ in diverse(ranked, 4, names)] == [1.0, 1.1, 1.2, 1.3]  # topped up in rank order
+
+
+@pytest.mark.unit
+def test_exact_search_keeps_plain_horovod_numerics(tmp_path):
+    from hybridsync.autotune.loop import propose
+    from hybridsync.description import load_description
+    from hybridsync.model.simulator import shipped_simulator
+    description = load_description(DESCRIPTIONS / "bert.json")
+    picks = propose(shipped_simulator(), description, CLUSTER, seeds=[], exclude=set(), count=20, budget=600,
+                    rng=np.random.default_rng(0), progress=False, exact=True)
+    configs = [s.config_for(name) for _, s in picks for name in description.variables]
+    assert len(picks) == 20
+    assert all(c.compression is None and (c.route != "ps" or c.protocol == "bsp") for c in configs)

@@ -49,6 +49,8 @@ def add_autotune_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"simulator evaluations per search round (default {DEFAULT_SEARCH_BUDGET})")
     p.add_argument("--per-round", type=int, default=10, help="trials per round (default 10)")
     p.add_argument("--simulator", help="a saved simulator (default: the one shipped with hybridsync)")
+    p.add_argument("--exact", action="store_true",
+                   help="only strategies with plain Horovod's numerics: no fp16 compression, BSP only")
 
 
 def _search(args: argparse.Namespace) -> int:
@@ -61,7 +63,7 @@ def _search(args: argparse.Namespace) -> int:
         return _simulator_only(args, description, cluster)
     from hybridsync.autotune.loop import AutotuneSettings
     settings = AutotuneSettings(trial_budget=args.trials, per_round=args.per_round, search_budget=args.search_budget,
-                                seed=args.seed)
+                                seed=args.seed, exact=args.exact)
     workload = workload_for(description.name, command)
     report = args.report or os.path.join(os.path.dirname(os.path.abspath(args.output)), "autotune-report")
     with trial_target(cluster, hosts=args.hosts, hostfile=args.hostfile) as target:
@@ -88,7 +90,7 @@ def _simulator_only(args: argparse.Namespace, description: Any, cluster: Any) ->
     baseline_s, baseline = min(zip(predicted, references), key=lambda item: item[0])
     [(step_s, strategy)] = propose(simulator, description, cluster, seeds=[c.strategy for c in references],
                                    exclude=set(), count=1, budget=args.search_budget,
-                                   rng=np.random.default_rng(args.seed))
+                                   rng=np.random.default_rng(args.seed), exact=args.exact)
     kind = "the search's best"
     if baseline_s < step_s:  # a baseline outside the search's bounds (e.g. hierarchical, one rank per node)
         step_s, strategy, kind = baseline_s, baseline.strategy, baseline.kind

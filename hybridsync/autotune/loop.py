@@ -48,6 +48,8 @@ class AutotuneSettings:
     """Search proposals measured per round (one job each round)."""
     search_budget: int = 20_000
     """Simulator evaluations the search spends per round."""
+    exact: bool = False
+    """Search only strategies with plain Horovod's numerics (no fp16, BSP only): ``SpaceBounds.exact``."""
     seed: int = 0
     protocol: TrialProtocol = TrialProtocol(warmup_steps=3, timed_steps=10)
     """Per search trial: the dataset's protocol, which ranks like 10 + 40 up to the noise floor."""
@@ -189,7 +191,8 @@ class Autotuner:
         seeds += [s for _, s in self._best_measured(self.settings.confirm_top * 2)]
         exclude = self._measured() | {c.fingerprint for c in self._references()}  # those are measured anyway
         ranked = propose(self.simulator, self.description, self.cluster, seeds=seeds, exclude=exclude,
-                         count=count, budget=self.settings.search_budget, rng=self.rng, progress=self.progress)
+                         count=count, budget=self.settings.search_budget, rng=self.rng, progress=self.progress,
+                         exact=self.settings.exact)
         self.seconds["search"] += time.monotonic() - started
         return [Candidate(kind=f"{SEARCH_KIND}:r{round_index}", strategy=s) for _, s in ranked]
 
@@ -255,14 +258,15 @@ class Autotuner:
 
 def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec, *, seeds: Sequence[Strategy],
             exclude: set[str], count: int, budget: int, rng: np.random.Generator,
-            progress: bool = True) -> list[tuple[float, Strategy]]:
+            progress: bool = True, exact: bool = False) -> list[tuple[float, Strategy]]:
     """The ``count`` strategies with the lowest predicted step time that the evolutionary search
-    found in ``budget`` simulator evaluations, none of them in ``exclude`` (fingerprints)."""
+    found in ``budget`` simulator evaluations, none of them in ``exclude`` (fingerprints);
+    ``exact``: only plain Horovod's numerics (no fp16, BSP)."""
     from hybridsync.model.encoding import model_arrays
     from hybridsync.search.evolution import EvolutionarySearch, run_search, simulator_cost
     from hybridsync.search.space import bounds_for
     arrays = model_arrays(description)
-    search = EvolutionarySearch(arrays, cluster, bounds_for(cluster), rng, seeds=seeds)
+    search = EvolutionarySearch(arrays, cluster, bounds_for(cluster, exact=exact), rng, seeds=seeds)
     run_search(search, simulator_cost(simulator, arrays, cluster), budget, progress=progress)
     return diverse(search.ranked(count * CANDIDATES_PER_PICK, exclude=exclude), count, list(description.variables))
 

@@ -17,6 +17,7 @@ flags, and for emulated or described clusters a ``cluster:`` spec (see
         per_round: 10                  # trials per round
         search_budget: 20000           # simulator evaluations per round
         seed: 0
+        exact: false                   # true: no fp16, BSP only (plain Horovod's numerics)
         enabled: true                  # default true when the section is there; false keeps it off
 
 The strategy is a file, never an inline mapping: every rank reads it from
@@ -32,7 +33,7 @@ from hybridsync.strategy import Strategy
 
 _KEYS = {"strategy", "num_servers", "partition_bytes", "cluster", "autotune"}
 AUTOTUNE_KEYS = {"enabled": bool, "trial_budget": int, "store": str, "report": str, "per_round": int,
-                 "search_budget": int, "seed": int, "simulator": str}
+                 "search_budget": int, "seed": int, "simulator": str, "exact": bool}
 """The ``autotune:`` entries and their types (``hybridsync.autotune.launch`` reads them)."""
 
 

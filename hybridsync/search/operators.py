@@ -256,8 +256,8 @@ def repair(batch: StrategyBatch, arrays: ModelArrays, bounds: SpaceBounds) -> St
     PS (SSP staleness >= 0); sparse gradients all-reduced as Horovod's all-gather (ring, one
     message, no group, no fp16) unless ``densify_sparse``; explicit server shares that are
     not whole shards, or name servers that do not exist, become balanced; the server-memory
-    bound; then merge groups split into one group per message kind, groups of one dissolved
-    and groups numbered by their first member.
+    bound; ``exact``: no fp16 and BSP only; then merge groups split into one group per message
+    kind, groups of one dissolved and groups numbered by their first member.
     """
     route = batch.route.astype(np.int8, copy=True)
     if not bounds.hierarchical:
@@ -265,7 +265,7 @@ def repair(batch: StrategyBatch, arrays: ModelArrays, bounds: SpaceBounds) -> St
     if bounds.num_servers == 0:
         route[route == PS] = RING
     partitions = np.clip(batch.partitions, 1, np.minimum(arrays.rows, bounds.max_partitions))
-    fp16 = batch.fp16 & arrays.floating
+    fp16 = batch.fp16 & arrays.floating & (not bounds.exact)
     group = batch.group.copy()
     share = _repair_shares(batch.server_share, route, partitions, bounds)
     if bounds.server_memory_bytes is not None:
@@ -274,7 +274,7 @@ def repair(batch: StrategyBatch, arrays: ModelArrays, bounds: SpaceBounds) -> St
         gather = arrays.sparse & (route != PS)
         route[gather], partitions[gather], fp16[gather], group[gather] = RING, 1, False, -1
     on_ps = route == PS
-    protocol = np.where(on_ps, batch.protocol, 0).astype(np.int8)
+    protocol = np.where(on_ps & (not bounds.exact), batch.protocol, 0).astype(np.int8)
     staleness = np.where(on_ps & (protocol == SSP), np.maximum(batch.staleness, 0), 0)
     repaired = StrategyBatch(route=route, protocol=protocol, staleness=staleness, partitions=partitions,
                              group=group, fp16=fp16, server_share=share)

@@ -59,6 +59,10 @@ class SpaceBounds:
     constraints: a dense all-reduce of an embedding table was 7-17x slower than the best
     baseline for the zoo's ``ncf`` on 2 x 2 hosts at 1 Gbit/s. Off, a sparse variable goes to the PS
     or to Horovod's sparse all-gather (ring, own message)."""
+    exact: bool = False
+    """Only strategies whose numerics are plain Horovod's (up to summation order): no fp16
+    compression and only BSP on the parameter servers. Off by default: fp16 and ASP/SSP are
+    part of the space, and most of the larger measured gains use fp16."""
     server_memory_bytes: int | None = None
     """Parameter bytes one server may hold (None: no bound). The search's repair keeps each
     server's explicit placement plus its even share of the balanced bytes under it, moving
