@@ -197,3 +197,21 @@ def test_exact_search_keeps_plain_horovod_numerics(tmp_path):
     configs = [s.config_for(name) for _, s in picks for name in description.variables]
     assert len(picks) == 20
     assert all(c.compression is None and (c.route != "ps" or c.protocol == "bsp") for c in configs)
+
+
+@pytest.mark.multiprocess
+def test_autotune_on_hosts_from_the_config_alone(tmp_path):
+    """`hybridsync-run -H ... --config-file run.yaml`: the config's autotune: section turns it on; trials
+    and the final job go through hybridsync-run on those hosts (here: this one, two ranks, one server)."""
+    (tmp_path / "run.yaml").write_text(
+        "hybridsync:\n  cluster: {nodes: 1, workers_per_node: 2, inter_node_bandwidth: 1gbit, servers_per_node: 1}\n"
+        "  autotune: {trial_budget: 8, per_round: 3, search_budget: 300}\n")
+    report = tmp_path / "report"
+    proc = run_job([str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", "--config-file",
+                    str(tmp_path / "run.yaml"), "--store", f"sqlite:///{tmp_path / 't.db'}", "--autotune-report",
+                    str(report), sys.executable, TINY, "--steps", "100"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    doc = json.loads((report / "report.json").read_text())
+    assert len({t["fingerprint"] for t in doc["trials"]}) == 8
+    assert doc["winner"]["kind"] in doc["confirmed_s"]
+    assert final_loss(proc.stdout) < 0.5
