@@ -38,11 +38,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from hybridsync.autotune.launch import run_on  # noqa: E402
 from hybridsync.autotune.loop import AutotuneSettings  # noqa: E402
 from hybridsync.autotune.session import autotune  # noqa: E402
 from hybridsync.cluster.spec import ClusterSpec  # noqa: E402
 from hybridsync.description import description_id, load_description  # noqa: E402
-from hybridsync.trials.candidates import Candidate  # noqa: E402
+from hybridsync.trials.candidates import Candidate, baseline_candidates  # noqa: E402
 from hybridsync.trials.jobs import EmulatedTarget  # noqa: E402
 from hybridsync.trials.runner import TrialProtocol, TrialRunner, ZooWorkload  # noqa: E402
 from hybridsync.trials.store import HOROVOD_KIND, TrialStore, cluster_label  # noqa: E402
@@ -101,15 +102,7 @@ def horovod_autotune(target: EmulatedTarget, model: str, steps: int, workdir: st
     command = [sys.executable, "-m", "hybridsync.zoo.train", "--model", model, "--optimizer", "horovod",
                "--steps", str(steps)]
     with open(os.path.join(workdir, f"horovod-autotune-{model}.log"), "w", encoding="utf-8") as log:
-        job = target.start(command, env, log)
-        try:
-            deadline = time.monotonic() + 1800
-            while any(code is None for code in job.exit_codes()) and time.monotonic() < deadline:
-                if any(code not in (None, 0) for code in job.exit_codes()):
-                    break
-                time.sleep(1)
-        finally:
-            job.stop()
+        run_on(target, command, env, log, timeout_s=1800)
     with open(log_path, encoding="utf-8") as handle:
         rows = [{k.strip(): v.strip() for k, v in row.items()} for row in csv.DictReader(handle)]
     if not rows:
@@ -162,7 +155,7 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
         best_kind, _ = result.best_baseline
         contenders = [Candidate(kind="winner", strategy=result.winner)]
         if best_kind != HOROVOD_KIND and best_kind != result.winner_kind:
-            best = next(t for t in _reference_candidates(description, cluster) if t.kind == best_kind)
+            best = next(t for t in baseline_candidates(description.variables, cluster) if t.kind == best_kind)
             contenders.append(best)
         compared = compare_with_tuned_horovod(target, model, description, tuned, contenders, out)
     best_kind, best_s = result.best_baseline
@@ -175,11 +168,6 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
             "space": dataset_headroom(model, cluster, dataset), "sim_pairwise": simulator_pairwise(result.trials),
             "best_so_far_ms": [b * 1e3 for b in result.best_so_far()], "compare_ms": {k: v * 1e3 for k, v in compared.items()},
             "confirm_ms": {k: v * 1e3 for k, v in result.confirmed_s.items()}}
-
-
-def _reference_candidates(description, cluster):
-    from hybridsync.trials.candidates import baseline_candidates
-    return baseline_candidates(description.variables, cluster)
 
 
 def table(rows: list[dict]) -> str:

@@ -3,6 +3,7 @@ with the simulator alone, and autotuned strategies run by plain MPI jobs."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -151,7 +152,8 @@ def autotuned_strategy(tmp_path, servers: int) -> str:
 
 
 def final_loss(output: str) -> float:
-    return float(output.rpartition("final loss ")[2].split()[0])
+    """Rank 0's last reported loss (under mpirun another rank's line may follow it without a newline)."""
+    return float(re.findall(r"final loss (\d+\.\d+)", output)[-1])
 
 
 @pytest.mark.multiprocess

@@ -69,11 +69,7 @@ def _search(args: argparse.Namespace) -> int:
     with trial_target(cluster, hosts=args.hosts, hostfile=args.hostfile) as target:
         result = autotune(description, cluster, target=target, workload=workload, settings=settings,
                           store_url=args.store, report_dir=report, simulator=args.simulator)
-    if result.winner is not None:
-        result.winner.save(args.output)
-    else:
-        from hybridsync.strategy import Strategy
-        Strategy(variables={}).save(args.output)
+    result.winner.save(args.output)
     print(f"wrote {args.output}: {result.winner_kind}")
     return 0
 

@@ -72,12 +72,12 @@ def _run(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
         result = autotune(description, plan.cluster, target=target, workload=ScriptWorkload(plan.command),
                           settings=plan.settings, store_url=plan.store, report_dir=plan.report_dir,
                           simulator=plan.simulator)
-        _winner(result).save(strategy_path)
+        result.winner.save(strategy_path)
         tuned = time.monotonic() - started
         print(f"hybridsync-run --autotune: {result.winner_kind} won ({strategy_path}); autotuning took "
               f"{tuned:.0f} s; training with it", file=sys.stderr)
         if plan.hosts is None and plan.hostfile is None:
-            code = train_on(target, plan.command, strategy_path)
+            code = run_on(target, plan.command, {envvars.STRATEGY: strategy_path})
     if plan.hosts is not None or plan.hostfile is not None:
         code = run(dataclasses.replace(options, strategy=strategy_path, autotune=False), horovodrun_argv)
     print(f"hybridsync-run --autotune: done in {time.monotonic() - started:.0f} s (autotune {tuned:.0f} s); "
@@ -113,11 +113,6 @@ def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
                  simulator=tune.get("simulator"))
 
 
-def _winner(result: Any) -> Any:
-    from hybridsync.strategy import Strategy
-    return result.winner if result.winner is not None else Strategy(variables={})
-
-
 def _script_name(command: Sequence[str]) -> str:
     """A name for the trials of this command: the script's (``train``), or the module's."""
     words = list(command)
@@ -134,10 +129,11 @@ def variables_digest(variables: Any) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:8]
 
 
-def train_on(target: Any, command: Sequence[str], strategy_path: str, timeout_s: float | None = None) -> int:
-    """Runs ``command`` on every worker of an entered emulated ``target`` with the strategy; its
-    output goes to this process's stdout. Returns the first non-zero exit code, or 0."""
-    job = target.start(list(command), {envvars.STRATEGY: strategy_path}, sys.stdout)
+def run_on(target: Any, command: Sequence[str], env: dict[str, str], out: Any = sys.stdout,
+           timeout_s: float | None = None) -> int:
+    """Runs ``command`` on every worker of an entered emulated ``target`` with ``env``, output to
+    ``out``, until it ends (or ``timeout_s``: 124). Returns the first non-zero exit code, or 0."""
+    job = target.start(list(command), env, out)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:

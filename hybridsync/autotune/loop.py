@@ -90,8 +90,9 @@ class AutotuneResult:
     model: str
     cluster: ClusterSpec
     winner_kind: str
-    winner: Strategy | None
-    """The strategy to train with (``None``: no strategy, plain Horovod behaviour, won)."""
+    winner: Strategy
+    """The strategy to train with (when plain Horovod wins: the empty strategy, every variable ring
+    all-reduced through Horovod, which is what hybridsync does without a strategy)."""
     trials: list[TrialOutcome]
     confirmed_s: dict[str, float]
     """Kind -> median step time in the confirmation job (all repeats' timed steps)."""
@@ -146,12 +147,14 @@ class Autotuner:
         self.trials: list[TrialOutcome] = []
         self.seconds = {"search": 0.0, "trials": 0.0, "refit": 0.0, "confirm": 0.0}
         check_fits(description, cluster)
+        self.references = self._references()
+        """Plain Horovod (when the workload can) and every baseline: measured first, and seeds of every search."""
 
     def run(self) -> AutotuneResult:
         start = time.monotonic()
         self.store.add_description(description_id(self.description), self.model, self.description.to_dict())
         self._refit()  # trials of this model and cluster already in the store (a resumed run) count
-        references = self._references()
+        references = self.references
         round_index = 0
         while True:
             left = self.settings.trial_budget - len(self._measured())
@@ -166,10 +169,10 @@ class Autotuner:
             round_index += 1
             if len(self._measured()) >= self.settings.trial_budget:
                 break
-        winner_kind, confirmed = self._confirm(references)
+        winner, confirmed = self._confirm()
         self.seconds["total"] = time.monotonic() - start
-        winner = self._strategy_of(winner_kind, references)
-        return AutotuneResult(model=self.model, cluster=self.cluster, winner_kind=winner_kind, winner=winner,
+        return AutotuneResult(model=self.model, cluster=self.cluster, winner_kind=winner.kind,
+                              winner=winner.strategy or Strategy(variables={}),
                               trials=list(self.trials), confirmed_s=confirmed, seconds=dict(self.seconds))
 
     # --- steps ------------------------------------------------------------------------------
@@ -187,9 +190,9 @@ class Autotuner:
         if count <= 0:
             return []
         started = time.monotonic()
-        seeds = [c.strategy for c in self._references() if c.strategy is not None]
+        seeds = [c.strategy for c in self.references if c.strategy is not None]
         seeds += [s for _, s in self._best_measured(self.settings.confirm_top * 2)]
-        exclude = self._measured() | {c.fingerprint for c in self._references()}  # those are measured anyway
+        exclude = self._measured() | {c.fingerprint for c in self.references}  # those are measured anyway
         ranked = propose(self.simulator, self.description, self.cluster, seeds=seeds, exclude=exclude,
                          count=count, budget=self.settings.search_budget, rng=self.rng, progress=self.progress,
                          exact=self.settings.exact)
@@ -224,11 +227,13 @@ class Autotuner:
                     if r.status == "ok" and r.strategy is not None and r.kind.startswith(SEARCH_KIND)]
         return sorted(measured, key=lambda item: item[0])[:count]
 
-    def _confirm(self, references: list[Candidate]) -> tuple[str, dict[str, float]]:
-        """Measures the best search strategies, the baselines and Horovod again in one job."""
+    def _confirm(self) -> tuple[Candidate, dict[str, float]]:
+        """Measures the best search strategies, the baselines and Horovod again in one job; returns
+        the fastest of them and every kind's median step time there."""
         contenders = [Candidate(kind=f"{SEARCH_KIND}:top{i + 1}", strategy=s)
                       for i, (_, s) in enumerate(self._best_measured(self.settings.confirm_top))]
-        schedule = (self._fastest_references(references) + contenders) * self.settings.confirm_repeats
+        lineup = self._fastest_references() + contenders
+        schedule = lineup * self.settings.confirm_repeats
         store = self.confirm_store or TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-confirm-"), "confirm.db"))
         started = time.monotonic()
         self.runner_for(self.settings.confirm_protocol, store).run(schedule)
@@ -239,21 +244,18 @@ class Autotuner:
         confirmed = {kind: statistics.median(times) for kind, times in steps.items() if times}
         if not confirmed:
             raise RuntimeError("the confirmation job measured nothing (every trial failed); see the trial logs")
-        return min(confirmed, key=confirmed.__getitem__), confirmed
+        fastest = min(confirmed, key=confirmed.__getitem__)
+        return next(c for c in lineup if c.kind == fastest), confirmed
 
-    def _fastest_references(self, references: list[Candidate]) -> list[Candidate]:
+    def _fastest_references(self) -> list[Candidate]:
         """Plain Horovod and the ``confirm_top`` baselines measured fastest in the first round (a
         baseline 2x slower than the best one cannot win a re-measurement; timing it would only
         lengthen the confirmation job)."""
         measured = {r.fingerprint: r.median_s for r in self._records() if r.status == "ok"}
-        baselines = sorted((c for c in references if c.kind.startswith(BASELINE_PREFIX) and c.fingerprint in measured),
+        baselines = sorted((c for c in self.references
+                            if c.kind.startswith(BASELINE_PREFIX) and c.fingerprint in measured),
                            key=lambda c: measured[c.fingerprint])
-        return [c for c in references if c.kind == HOROVOD_KIND] + baselines[:self.settings.confirm_top]
-
-    def _strategy_of(self, kind: str, references: list[Candidate]) -> Strategy | None:
-        if kind.startswith(f"{SEARCH_KIND}:top"):
-            return self._best_measured(self.settings.confirm_top)[int(kind.rpartition("top")[2]) - 1][1]
-        return next(c.strategy for c in references if c.kind == kind)
+        return [c for c in self.references if c.kind == HOROVOD_KIND] + baselines[:self.settings.confirm_top]
 
 
 def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec, *, seeds: Sequence[Strategy],

@@ -25,7 +25,7 @@ def to_dict(result: AutotuneResult) -> dict[str, Any]:
     return {
         "model": result.model, "cluster": result.cluster.to_dict(), "cluster_label": cluster_label(result.cluster.to_dict()),
         "winner": {"kind": result.winner_kind, "step_s": result.confirmed_s[result.winner_kind],
-                   "strategy": None if result.winner is None else result.winner.to_dict()},
+                   "strategy": result.winner.to_dict()},
         "best_baseline": None if best is None else {"kind": best[0], "step_s": best[1]},
         "speedup_over_best_baseline": None if best is None else best[1] / result.confirmed_s[result.winner_kind],
         "speedups": {kind: result.speedup_over(kind) for kind in sorted(result.confirmed_s)},

@@ -81,8 +81,9 @@ class LaunchOptions:
     """Rendezvous port of server 0; ``None`` picks a free one."""
     server_hosts: tuple[str, ...] | None = None
     """Host of each server (``--server-hosts``); ``None``: colocated with the workers."""
-    autotune: bool = False
-    """Profile, search, measure trials and train with the winner (``hybridsync.autotune.launch``)."""
+    autotune: bool | None = None
+    """Profile, search, measure trials and train with the winner (``hybridsync.autotune.launch``);
+    ``None``: as the config's ``hybridsync: autotune:`` section says (off without one)."""
     trial_budget: int | None = None
     """``--autotune``: real trials to spend (default: the config's, else 50)."""
     store: str | None = None
@@ -179,7 +180,7 @@ def _options(own: dict[str, str]) -> LaunchOptions:
         raise ValueError(f"--num-servers {num_servers} but --server-hosts names {len(server_hosts)} servers")
     return LaunchOptions(strategy=strategy, num_servers=len(server_hosts) if server_hosts else num_servers,
                          partition_bytes=integer("--partition-bytes", 1), ps_root_port=integer("--ps-root-port", 1),
-                         server_hosts=server_hosts, autotune="--autotune" in own,
+                         server_hosts=server_hosts, autotune=True if "--autotune" in own else None,
                          trial_budget=integer("--trial-budget", 1), store=own.get("--store"),
                          cluster=os.path.abspath(own["--cluster"]) if "--cluster" in own else None,
                          autotune_report=own.get("--autotune-report"))
@@ -227,7 +228,7 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
 
 def with_run_config(options: LaunchOptions, config_file: str | None) -> LaunchOptions:
     """``options`` with what the command line left unset taken from the config's ``hybridsync:``
-    section (``strategy``, ``num_servers``, ``partition_bytes``): the command line wins."""
+    section (``strategy``, ``num_servers``, ``partition_bytes``, ``autotune``): the command line wins."""
     if config_file is None:
         return options
     from hybridsync.run.config import load_run_config
@@ -241,7 +242,8 @@ def with_run_config(options: LaunchOptions, config_file: str | None) -> LaunchOp
     return dataclasses.replace(
         options, strategy=strategy,
         num_servers=options.num_servers if options.num_servers is not None else config.num_servers,
-        partition_bytes=options.partition_bytes or config.partition_bytes)
+        partition_bytes=options.partition_bytes or config.partition_bytes,
+        autotune=options.autotune if options.autotune is not None else config.autotune.get("enabled"))
 
 
 def server_placement(options: LaunchOptions, job: JobShape, num_servers: int) -> tuple[str, ...] | None:
@@ -330,7 +332,11 @@ def _raise_on_sigterm(signum, frame) -> None:
 def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_s: float = 60.0) -> int:
     """Start servers (if any), run horovodrun to the end, then stop everything it started."""
     job_shape = horovodrun_job(horovodrun_argv)
-    options = with_run_config(options, job_shape.config_file)
+    configured = with_run_config(options, job_shape.config_file)
+    if configured.autotune:  # the autotuner reads the config itself; it trains with its winner through run()
+        from hybridsync.autotune.launch import run_autotuned  # the autotuner needs numpy, xgboost, the search
+        return run_autotuned(dataclasses.replace(options, autotune=True), horovodrun_argv)
+    options = configured
     num_servers = options.num_servers if options.num_servers is not None else int(_uses_ps(options.strategy))
     if num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
@@ -366,15 +372,6 @@ def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
         procs.stop(server)
 
 
-def _config_autotunes(horovodrun_argv: Sequence[str]) -> bool:
-    """Whether the ``--config-file``'s ``hybridsync: autotune:`` section turns the autotuner on."""
-    config_file = horovodrun_job(horovodrun_argv).config_file
-    if config_file is None:
-        return False
-    from hybridsync.run.config import load_run_config
-    return load_run_config(config_file).autotune.get("enabled", False)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -394,9 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         options, rest = split_argv(argv)
-        if options.autotune or _config_autotunes(rest):
-            from hybridsync.autotune.launch import run_autotuned  # the autotuner needs numpy, xgboost, the search
-            return run_autotuned(options, rest)
         return run(options, rest)
     except ValueError as e:
         print(f"hybridsync-run: error: {e}", file=sys.stderr)
