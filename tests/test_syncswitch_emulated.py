@@ -70,7 +70,7 @@ def test_compute_straggler_slows_the_host_while_on_and_goes_with_the_cluster():
         throttled = max(counts(3)[1:])
         time.sleep(max(0.0, 2.2 - 0.4 - 0.9))
         counts(1)  # the interval the cap was lifted in
-        recovered = max(counts(3))
+        recovered = max(counts(5))  # more samples: another process's burst on the 2 cores can fill a few
         schedule.stop()
         path = straggler.path
         assert os.path.isdir(path)
