@@ -268,7 +268,7 @@ class TrialStore:
             raise
 
     def _prepare(self) -> None:
-        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        mode = self._switch_to_wal()
         if mode != "wal":
             warnings.warn(f"trial store {self.path}: journal mode {mode}, not WAL (writers will block readers)")
         self._db.execute("PRAGMA synchronous=FULL")  # a returned add() survives a power cut too
@@ -283,6 +283,20 @@ class TrialStore:
                 if statement.strip():
                     db.execute(statement)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _switch_to_wal(self) -> str:
+        """``PRAGMA journal_mode=WAL``, retried while another connection holds the lock. Two
+        runners opening a fresh store at once both try to convert it, and SQLite answers the
+        loser "database is locked" at once instead of calling the busy handler; once the winner
+        is done the file is WAL already and the pragma succeeds without a lock."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                return self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
