@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 import torch
 
@@ -39,7 +39,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _is_hybridsync = True
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set, strategy):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, strategy, frontend):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
         self._hvd = hvd
@@ -71,7 +71,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self.process_set.size() > 1:
                 _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
-        self._profiler = profiler.from_environment(named, hvd.size())  # None unless HYBRIDSYNC_PROFILE is set
+        self.frontend = frontend
+        """``torch``, or ``tensorflow`` when ``hybridsync.tensorflow`` drives this optimizer over mirrors of its
+        variables (it then reports the backward pass to the profiler itself: no torch hook sees it)."""
+        self._profiler = profiler.from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
         self._sync_controller = self._controller_for(strategy)
         self._trials = None
         if self._synchronizing:
@@ -300,6 +303,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     ``process_set`` (``None``: every rank) synchronizes among its ranks only, by ring
     all-reduce; ranks outside it step on their local gradients.
     """
+    return wrap(optimizer, named_parameters, compression=compression,
+                backward_passes_per_step=backward_passes_per_step, op=op,
+                gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, groups=groups,
+                sparse_as_dense=sparse_as_dense, process_set=process_set, strategy=strategy)
+
+
+def wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None, *, compression: Any,
+         backward_passes_per_step: int, op: int, gradient_predivide_factor: float, num_groups: int,
+         groups: int | list | None, sparse_as_dense: bool, process_set: Any,
+         strategy: Strategy | Mapping[str, Any] | str | os.PathLike | None,
+         frontend: Literal["torch", "tensorflow"] = "torch") -> torch.optim.Optimizer:
+    """``DistributedOptimizer`` for a given ``frontend``: ``tensorflow`` when ``hybridsync.tensorflow``
+    drives it over torch mirrors of a TensorFlow model's variables."""
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if op not in (Average, Sum):
@@ -310,4 +326,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     resolved = resolve_strategy(strategy)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set, resolved)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, resolved, frontend)

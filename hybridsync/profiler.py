@@ -46,8 +46,10 @@ _active: "Profiler | None" = None
 """The profiler of this process: only the first optimizer is profiled."""
 
 
-def from_environment(named_parameters: Sequence[tuple[str, Any]], num_ranks: int) -> "Profiler | None":
-    """A started ``Profiler`` if ``HYBRIDSYNC_PROFILE`` is set (and none runs yet), else None."""
+def from_environment(named_parameters: Sequence[tuple[str, Any]], num_ranks: int,
+                     torch_hooks: bool = True) -> "Profiler | None":
+    """A started ``Profiler`` if ``HYBRIDSYNC_PROFILE`` is set (and none runs yet), else None.
+    ``torch_hooks=False``: the frontend reports each backward pass (``record_backward``)."""
     global _active
     path = os.environ.get(envvars.PROFILE)
     if not path:
@@ -61,7 +63,7 @@ def from_environment(named_parameters: Sequence[tuple[str, Any]], num_ranks: int
         return None
     steps = _int_from_env(envvars.PROFILE_STEPS, envvars.PROFILE_STEPS_DEFAULT, minimum=1)
     warmup = _int_from_env(envvars.PROFILE_WARMUP, envvars.PROFILE_WARMUP_DEFAULT, minimum=0)
-    _active = Profiler(path, named_parameters, steps=steps, warmup=warmup)
+    _active = Profiler(path, named_parameters, steps=steps, warmup=warmup, torch_hooks=torch_hooks)
     return _active
 
 
@@ -96,7 +98,7 @@ class Profiler:
 
     def __init__(self, path: str | os.PathLike, named_parameters: Sequence[tuple[str, Any]], *,
                  steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter,
-                 exit_when_done: bool = True) -> None:
+                 exit_when_done: bool = True, torch_hooks: bool = True) -> None:
         self.path = os.fspath(path)
         self.steps, self.warmup = steps, warmup
         self._named = list(named_parameters)
@@ -112,12 +114,16 @@ class Profiler:
         self._step_start: float | None = None
         self._backward_start: float | None = None
         self._optimizer_start = 0.0
+        self._last_backward_end = 0.0
+        """End of the last pass given to ``record_backward``: the next pass's forward starts there or later."""
         self._sparse: set[str] = set()
         self._original_backward = torch.autograd.backward
-        torch.autograd.backward = self._backward
-        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)]
-        self._handles += [p.register_post_accumulate_grad_hook(self._ready_hook(name))
-                          for name, p in self._named if p.requires_grad]
+        self._handles: list[Any] = []
+        if torch_hooks:
+            torch.autograd.backward = self._backward
+            self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)]
+            self._handles += [p.register_post_accumulate_grad_hook(self._ready_hook(name))
+                              for name, p in self._named if p.requires_grad]
 
     # --- events ------------------------------------------------------------------------
     def _on_forward(self, module: Any, args: Any) -> None:
@@ -137,6 +143,32 @@ class Profiler:
         finally:
             self._current.backward_s += self._clock() - start
             self._current.backward_passes += 1
+
+    def now(self) -> float:
+        """This profiler's clock, for ``record_backward``."""
+        return self._clock()
+
+    def record_backward(self, start: float | None, end: float, ready: Sequence[str]) -> None:
+        """A backward pass that no torch hook saw (``hybridsync.tensorflow``), in this profiler's clock:
+        it ran from ``start`` to ``end``, the forward pass from the end of the previous step (or pass)
+        to ``start``, and the gradients of ``ready`` were all ready at ``end`` (nothing overlaps them).
+        ``start=None`` when the frontend could not see the backward pass begin (Keras' ``fit``): the
+        interval is split 1:2 between forward and backward, the ratio of their arithmetic in most
+        models. Only their sum reaches the step time the simulator predicts, as every gradient is
+        ready at the same moment."""
+        if self.finished:
+            return
+        begin = end if self._step_start is None else max(self._step_start, self._last_backward_end)
+        if self._step_start is None:
+            self._step_start = begin
+        if start is None:
+            start = begin + (end - begin) / 3
+        self._current.forward_s += max(0.0, start - begin)
+        self._current.backward_s += end - start
+        self._current.backward_passes += 1
+        self._last_backward_end = end
+        for name in ready:
+            self._current.ready_s[name] = end - start
 
     def _ready_hook(self, name: str) -> Callable[[Any], None]:
         def hook(_: Any) -> None:
