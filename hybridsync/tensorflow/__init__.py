@@ -1,0 +1,124 @@
+"""hybridsync for TensorFlow 2: ``import hybridsync.tensorflow as hst`` replaces ``import horovod.tensorflow as hvd``.
+
+``hst.DistributedGradientTape`` and ``hybridsync.tensorflow.keras.DistributedOptimizer`` take
+Horovod's arguments plus ``strategy=`` (or ``HYBRIDSYNC_STRATEGY``) and route each
+variable's gradient by the same strategy files as PyTorch jobs, over the same routes and
+``hybridsync-server`` processes (see ``bridge.py`` for how). Without a strategy every
+variable is ring all-reduced under its own name, as Horovod does.
+
+The process functions (``init``, ``rank``, ``size``, ``local_rank``, ``broadcast_object``...)
+are Horovod's, from ``horovod.torch``: hybridsync's runtime runs on Horovod's PyTorch
+core, so one process uses one Horovod core. Do not also ``hvd.init()`` from
+``horovod.tensorflow`` in the same process (``init`` says so if it finds it initialized).
+``allreduce``, ``allgather``, ``broadcast`` and ``broadcast_variables`` take TensorFlow
+tensors and variables, eagerly and inside ``tf.function``.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Any, Sequence
+
+try:
+    import tensorflow as tf
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(f"hybridsync.tensorflow needs TensorFlow, which does not import here ({error}). "
+                      f"`make test` (scripts/bootstrap.sh) installs the version hybridsync is tested with; "
+                      f"see the README's TensorFlow section.") from error
+
+from hybridsync.frameworks import horovod_torch
+from hybridsync.strategy import Strategy, VarConfig
+from hybridsync.tensorflow.tape import DistributedGradientTape
+
+Average = 0
+Sum = 1
+Adasum = 2
+
+_HOROVOD_FUNCTIONS = frozenset({
+    "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "broadcast_object", "allgather_object", "join", "barrier", "mpi_enabled", "gloo_enabled", "mpi_built",
+    "gloo_built", "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+    "HorovodInternalError",
+})
+_NAMES = itertools.count()
+"""Numbers the collectives these helpers start: every rank calls them in the same order."""
+
+__all__ = ["Strategy", "VarConfig", "DistributedGradientTape", "Compression", "Average", "Sum", "init",
+           "allreduce", "allgather", "broadcast", "broadcast_variables", *sorted(_HOROVOD_FUNCTIONS)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOROVOD_FUNCTIONS:
+        return getattr(horovod_torch(f"hybridsync.tensorflow.{name}"), name)
+    if name == "Compression":
+        from hybridsync.compression import Compression
+        return Compression
+    raise AttributeError(f"module 'hybridsync.tensorflow' has no attribute {name!r}")
+
+
+def init(*args: Any, **kwargs: Any) -> None:
+    """Horovod's ``init`` (``horovod.torch.init``'s arguments), refusing a second Horovod core."""
+    other = sys.modules.get("horovod.tensorflow")
+    if other is not None and getattr(other, "is_initialized", lambda: False)():
+        raise RuntimeError("horovod.tensorflow is already initialized in this process; hybridsync.tensorflow runs "
+                           "on horovod.torch's core, and two Horovod cores in one process would each wait for "
+                           "the other's ranks. Use hybridsync.tensorflow's functions instead of horovod.tensorflow's.")
+    horovod_torch("hybridsync.tensorflow.init").init(*args, **kwargs)
+
+
+def allreduce(tensor: Any, op: int = Average, name: str | None = None) -> tf.Tensor:
+    """``tensor`` averaged (``op=Average``) or summed (``Sum``) over every rank."""
+    if op not in (Average, Sum):
+        raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
+    hvd = horovod_torch("hybridsync.tensorflow.allreduce")
+    return _through_torch(lambda t: hvd.allreduce(t, op=hvd.Average if op == Average else hvd.Sum,
+                                                  name=name or f"hybridsync.tf.allreduce.{next(_NAMES)}"), tensor)
+
+
+def allgather(tensor: Any, name: str | None = None) -> tf.Tensor:
+    """Every rank's ``tensor`` concatenated along the first dimension, in rank order."""
+    hvd = horovod_torch("hybridsync.tensorflow.allgather")
+    return _through_torch(lambda t: hvd.allgather(t, name=name or f"hybridsync.tf.allgather.{next(_NAMES)}"), tensor)
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
+    """Rank ``root_rank``'s ``tensor`` on every rank."""
+    hvd = horovod_torch("hybridsync.tensorflow.broadcast")
+    return _through_torch(lambda t: hvd.broadcast(t, root_rank,
+                                                  name=name or f"hybridsync.tf.broadcast.{next(_NAMES)}"), tensor)
+
+
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int) -> tf.Operation | None:
+    """Assign rank ``root_rank``'s values to ``variables`` on every rank (e.g. after the first step,
+    once Keras has created them all), as ``horovod.tensorflow.broadcast_variables``."""
+    variables = list(variables)
+
+    def assign_all() -> list:
+        import numpy as np
+        import torch
+        hvd = horovod_torch("hybridsync.tensorflow.broadcast_variables")
+        prefix = f"hybridsync.tf.broadcast_variables.{next(_NAMES)}"
+        values = [torch.from_numpy(np.array(v.numpy())) for v in variables]
+        handles = [hvd.broadcast_async_(t, root_rank, name=f"{prefix}.{i}") for i, t in enumerate(values)]
+        for variable, value, handle in zip(variables, values, handles):
+            hvd.synchronize(handle)
+            variable.assign(value.numpy())
+        return []
+
+    if tf.executing_eagerly():
+        assign_all()
+        return None
+    return tf.py_function(assign_all, [], [], name="hybridsync_broadcast_variables")
+
+
+def _through_torch(collective: Any, tensor: Any) -> tf.Tensor:
+    """Run a Horovod collective on a copy of ``tensor`` as torch, eagerly or inside ``tf.function``."""
+    def run(value: tf.Tensor) -> tf.Tensor:
+        import numpy as np
+        import torch
+        return tf.convert_to_tensor(collective(torch.from_numpy(np.array(value.numpy()))).numpy())
+
+    tensor = tf.convert_to_tensor(tensor)
+    if tf.executing_eagerly():
+        return run(tensor)
+    return tf.py_function(run, [tensor], tensor.dtype)

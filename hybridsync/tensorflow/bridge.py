@@ -1,0 +1,265 @@
+"""TensorFlow gradients through hybridsync's runtime: torch mirrors of the variables.
+
+The router, its backends (ring, hierarchical, parameter server), the strategy, the
+Sync-Switch controller, the profiler and trials-in-a-script all run on torch tensors
+inside ``hybridsync.DistributedOptimizer``. A TensorFlow model reaches them through a
+``GradientBridge``: one torch parameter (a *mirror*) per TensorFlow variable, under the
+variable's name, wrapped by a real ``DistributedOptimizer`` whose own update does nothing
+(TensorFlow's optimizer applies the update). A step hands TensorFlow's gradients to the
+mirrors through ``torch.autograd.backward``, so the optimizer's gradient hooks, its
+``backward_passes_per_step`` count and its router run exactly as for a torch model, and
+reads the synchronized gradients back. ``tf.IndexedSlices`` become sparse torch
+gradients (touched rows only on the parameter server, Horovod's sparse all-reduce on
+the ring) and come back as ``tf.IndexedSlices``.
+
+Variables on the parameter server under ASP/SSP exchange parameters, not gradients:
+after TensorFlow's update, ``after_update`` copies them into their mirrors, lets the
+optimizer push and pull, and assigns the servers' values back.
+
+Inside ``tf.function`` (and Keras' ``fit``) both calls run as ``tf.py_function``: the
+synchronization is real Python at run time, not a traced graph, which is also why
+XLA-compiled steps (``jit_compile=True``) are refused.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+import torch
+
+from hybridsync.tensorflow.names import variable_names
+from hybridsync.tensorflow.options import refuse_dynamic_sync
+
+TORCH_DTYPES = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32,
+                tf.float64: torch.float64}
+
+
+class _ExternalUpdate(torch.optim.Optimizer):
+    """The optimizer under the mirrors: TensorFlow applies the update, so ``step()`` does nothing."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        return None
+
+
+class GradientBridge:
+    """Synchronizes the gradients of one fixed list of TensorFlow variables by a strategy."""
+
+    def __init__(self, variables: Sequence[tf.Variable], *, compression: Any, sparse_as_dense: bool, op: int,
+                 gradient_predivide_factor: float, backward_passes_per_step: int, groups: Any,
+                 process_set: Any, strategy: Any, allow_parameter_exchange: bool, owner: str) -> None:
+        """``allow_parameter_exchange``: whether the caller runs ``after_update`` after each update
+        (the Keras optimizer does; a gradient tape never sees the update, so ASP/SSP are refused)."""
+        from hybridsync.optimizer import wrap
+        self.variables = list(variables)
+        unknown = [v.name for v in self.variables
+                   if tf.as_dtype(v.dtype) not in TORCH_DTYPES or not tf.TensorShape(v.shape).is_fully_defined()]
+        if unknown:
+            raise ValueError(f"{owner}: hybridsync synchronizes floating-point variables of a known shape; "
+                             f"not these: {', '.join(unknown)}")
+        self.names = variable_names(self.variables)
+        self.mirrors = [torch.nn.Parameter(torch.zeros(tuple(v.shape), dtype=TORCH_DTYPES[tf.as_dtype(v.dtype)]))
+                        for v in self.variables]
+        mirror_of = {id(v): m for v, m in zip(self.variables, self.mirrors)}
+        self.optimizer = wrap(_ExternalUpdate(self.mirrors), list(zip(self.names, self.mirrors)),
+                              compression=compression, backward_passes_per_step=backward_passes_per_step, op=op,
+                              gradient_predivide_factor=gradient_predivide_factor, num_groups=0,
+                              groups=_groups_of_mirrors(groups, mirror_of), sparse_as_dense=sparse_as_dense,
+                              process_set=process_set, strategy=strategy, frontend="tensorflow")
+        self._owner = owner
+        self._allow_parameter_exchange = allow_parameter_exchange
+        self.check_plan()
+        self._backward_start: float | None = None
+        self._passes = 0
+
+    # --- the two calls of a step -------------------------------------------------------------
+    @tf.autograph.experimental.do_not_convert
+    def synchronize(self, gradients: Sequence[Any]) -> list[Any]:
+        """Each variable's gradient averaged (or summed) across ranks by the strategy; ``None`` stays
+        ``None`` (the variable still takes part, with zeros, so no rank waits for it). With
+        ``backward_passes_per_step`` > 1 the gradients of the passes in between are accumulated
+        locally and returned as they are, as Horovod's local aggregation does."""
+        if tf.executing_eagerly():
+            return self._synchronize_now(list(gradients))
+        flat, rebuild = _flatten(gradients)
+        dtypes = [t.dtype for t in flat]
+        synced = tf.py_function(_exiting_cleanly(lambda *ts: self._synchronize_flat(list(ts), rebuild)),
+                                flat, dtypes, name="hybridsync_synchronize")
+        for tensor, original, dense in zip(synced, flat, _dense_flags(gradients)):
+            # A sparse all-reduce gathers every rank's rows: only the row shape is known.
+            tensor.set_shape(original.shape if dense else [None, *original.shape[1:]])
+        return rebuild(list(synced))
+
+    @tf.autograph.experimental.do_not_convert
+    def after_update(self) -> tf.Operation | None:
+        """After TensorFlow applied this step's update: the ASP/SSP variables push their update and take
+        the servers' values; then the optimizer's end-of-step work (Sync-Switch, profiling, trials)."""
+        if tf.executing_eagerly():
+            self._after_update_now()
+            return None
+        return tf.py_function(_exiting_cleanly(lambda: self._after_update_now() or []), [], [],
+                              name="hybridsync_after_update")
+
+    def pull_parameters(self) -> None:
+        """The ASP/SSP variables take the servers' current values, pushing nothing (eagerly). Called on
+        every rank once every rank's last update is pushed (after a barrier), it leaves every rank
+        with the same model, as at the end of training."""
+        exchanged = self._parameter_exchanging()
+        self.optimizer._router.pull_parameters()
+        for index in exchanged:
+            self.variables[index].assign(self.mirrors[index].detach().numpy())
+
+    def mark_backward_start(self) -> None:
+        """The backward pass starts now (only the profiler cares)."""
+        profiler = self.optimizer._profiler
+        if profiler is not None:
+            self._backward_start = profiler.now()
+
+    # --- eager bodies ------------------------------------------------------------------------
+    def _synchronize_flat(self, flat: list[tf.Tensor], rebuild: Callable[[list[Any]], list[Any]]) -> list[tf.Tensor]:
+        return _flatten(self._synchronize_now(rebuild(flat, dense_shapes=False)))[0]
+
+    def _synchronize_now(self, gradients: list[Any]) -> list[Any]:
+        if len(gradients) != len(self.mirrors):
+            raise ValueError(f"{self._owner}: {len(gradients)} gradients for {len(self.mirrors)} variables")
+        profiler = self.optimizer._profiler
+        if profiler is not None:
+            profiler.record_backward(self._backward_start, profiler.now(), self.names)
+            self._backward_start = None
+        present = [(m, _to_torch(g, m)) for m, g in zip(self.mirrors, gradients) if g is not None]
+        if present:
+            torch.autograd.backward([m for m, _ in present], [g for _, g in present])
+        self._passes += 1
+        if self._passes < self.optimizer.backward_passes_per_step:
+            return [None if g is None else _to_tensorflow(m.grad) for m, g in zip(self.mirrors, gradients)]
+        self._passes = 0
+        self.optimizer.synchronize()
+        synced = [None if g is None else _to_tensorflow(m.grad) for m, g in zip(self.mirrors, gradients)]
+        if not self._allow_parameter_exchange:
+            self._end_step()  # a tape never sees the update: its step ends with its gradients
+        return synced
+
+    def _after_update_now(self) -> None:
+        if self._passes:
+            return  # an accumulating pass: nothing was synchronized, nothing ends
+        exchanged = self._parameter_exchanging()
+        for index in exchanged:
+            self.mirrors[index].data.copy_(torch.from_numpy(np.asarray(self.variables[index].numpy())))
+        self._end_step()
+        for index in self._parameter_exchanging() | exchanged:
+            self.variables[index].assign(self.mirrors[index].detach().numpy())
+
+    def _end_step(self) -> None:
+        """The optimizer's ``step()`` without synchronizing again, then clear the mirrors' gradients."""
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.check_plan()  # a trial schedule may have switched strategies in step()
+
+    def _parameter_exchanging(self) -> set[int]:
+        """Variables whose messages exchange parameters (ASP/SSP on the servers) under the current plan."""
+        plan = self.optimizer.plan
+        return {piece.var_index for message in plan.messages if message.exchanges_parameters
+                for piece in message.pieces}
+
+    def check_plan(self) -> None:
+        refuse_dynamic_sync(self.optimizer.strategy)  # a strategy switched in by set_strategy (trials)
+        if not self._allow_parameter_exchange and self._parameter_exchanging():
+            names = sorted(self.names[i] for i in self._parameter_exchanging())
+            raise ValueError(f"{self._owner}: variables {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} "
+                             f"are on the parameter server under ASP/SSP, which exchange parameters after the "
+                             f"update; a gradient tape never sees the update. Use "
+                             f"hybridsync.tensorflow.keras.DistributedOptimizer (it also serves custom loops "
+                             f"through apply_gradients) or the bsp protocol")
+
+
+def _groups_of_mirrors(groups: Any, mirror_of: dict[int, torch.nn.Parameter]) -> Any:
+    """Horovod's ``groups`` (a count, or lists of variables) with each TensorFlow variable replaced by its mirror."""
+    if not isinstance(groups, list):
+        return groups
+    try:
+        return [[mirror_of[id(v)] for v in group] for group in groups]
+    except KeyError:
+        raise ValueError("groups: every variable in a group must be one whose gradient is synchronized") from None
+
+
+def _to_torch(gradient: Any, mirror: torch.nn.Parameter) -> torch.Tensor:
+    """A TensorFlow gradient as a torch tensor of its own (the router writes results into it in place)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        indices = torch.from_numpy(np.array(gradient.indices.numpy(), dtype=np.int64)).unsqueeze(0)
+        values = torch.from_numpy(np.array(gradient.values.numpy())).to(mirror.dtype)
+        return torch.sparse_coo_tensor(indices, values, mirror.shape, check_invariants=False)
+    return torch.from_numpy(np.array(gradient.numpy())).to(mirror.dtype).reshape(mirror.shape)
+
+
+def _to_tensorflow(gradient: torch.Tensor) -> Any:
+    if gradient.is_sparse:
+        gradient = gradient.coalesce()
+        return tf.IndexedSlices(tf.convert_to_tensor(gradient.values().numpy()),
+                                tf.convert_to_tensor(gradient.indices()[0].numpy()),
+                                tf.constant(list(gradient.shape), dtype=tf.int64))
+    return tf.convert_to_tensor(gradient.detach().numpy())
+
+
+def _flatten(gradients: Sequence[Any]) -> tuple[list[tf.Tensor], Callable[[list[Any]], list[Any]]]:
+    """Gradients as a flat tensor list (an ``IndexedSlices`` is its values and indices; ``None`` is
+    left out) and the function that rebuilds the same structure from such a list."""
+    kinds: list[tuple[str, Any]] = []
+    flat: list[tf.Tensor] = []
+    for gradient in gradients:
+        if gradient is None:
+            kinds.append(("none", None))
+        elif isinstance(gradient, tf.IndexedSlices):
+            kinds.append(("sparse", gradient.dense_shape))
+            flat += [gradient.values, tf.cast(gradient.indices, tf.int64)]
+        else:
+            kinds.append(("dense", None))
+            flat.append(tf.convert_to_tensor(gradient))
+
+    def rebuild(tensors: list[Any], dense_shapes: bool = True) -> list[Any]:
+        """``dense_shapes=False`` inside ``tf.py_function``, where the graph's shapes cannot be used."""
+        out, position = [], 0
+        for kind, dense_shape in kinds:
+            if kind == "none":
+                out.append(None)
+            elif kind == "dense":
+                out.append(tensors[position])
+                position += 1
+            else:
+                out.append(tf.IndexedSlices(tensors[position], tensors[position + 1],
+                                            dense_shape if dense_shapes else None))
+                position += 2
+        return out
+
+    return flat, rebuild
+
+
+def _dense_flags(gradients: Sequence[Any]) -> list[bool]:
+    """Per tensor of ``_flatten(gradients)``: whether it is a dense gradient (else sparse values or indices)."""
+    flags: list[bool] = []
+    for gradient in gradients:
+        if isinstance(gradient, tf.IndexedSlices):
+            flags += [False, False]
+        elif gradient is not None:
+            flags.append(True)
+    return flags
+
+
+def _exiting_cleanly(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body`` for ``tf.py_function``, where a ``SystemExit`` (a finished profile or trial schedule
+    ends the process on purpose) would become a TensorFlow error: end the process here instead,
+    with the same code, after flushing what it printed."""
+    def run(*args: Any) -> Any:
+        try:
+            return body(*args)
+        except SystemExit as done:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(done.code if isinstance(done.code, int) else 0)
+    return run

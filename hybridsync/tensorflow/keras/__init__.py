@@ -1,0 +1,98 @@
+"""``hybridsync.tensorflow.keras.DistributedOptimizer``: Horovod's Keras optimizer wrapper, routed by a strategy.
+
+It wraps any Keras optimizer (Keras 2's ``tf.keras`` and Keras 3) by subclassing its class,
+as ``horovod.tensorflow.keras`` does: ``apply_gradients`` synchronizes the gradients first,
+then applies them, then lets the variables on the parameter server under ASP/SSP exchange
+their parameters. ``model.fit`` and custom loops (``tape.gradient`` then
+``optimizer.apply_gradients``) both go through it, eagerly or inside ``tf.function``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from hybridsync.tensorflow.bridge import GradientBridge
+from hybridsync.tensorflow.keras import callbacks
+from hybridsync.tensorflow.options import SyncOptions
+
+
+class _State:
+    """What the wrapper keeps on the optimizer, in one plain object (Keras tracks what it is given)."""
+
+    def __init__(self, options: SyncOptions) -> None:
+        self.options = options
+        self.bridges: dict[tuple[int, ...], GradientBridge] = {}
+
+    def bridge_for(self, variables: Sequence[tf.Variable]) -> GradientBridge:
+        key = tuple(id(v) for v in variables)
+        if key not in self.bridges:
+            self.bridges[key] = self.options.bridge(variables, allow_parameter_exchange=True,
+                                                    owner="hybridsync.tensorflow.keras.DistributedOptimizer")
+        return self.bridges[key]
+
+
+class _DistributedOptimizer:
+    """Methods copied into a subclass of the user's optimizer class."""
+
+    @tf.autograph.experimental.do_not_convert
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        grads_and_vars = list(grads_and_vars)
+        variables = [v for _, v in grads_and_vars]
+        bridge = self._hybridsync.bridge_for(variables)
+        synced = bridge.synchronize([g for g, _ in grads_and_vars])
+        result = super(self.__class__, self).apply_gradients(list(zip(synced, variables)), *args, **kwargs)
+        bridge.after_update()  # in a tf.function, ordered after the update by its automatic control dependencies
+        return result
+
+    @property
+    def strategy_bridges(self) -> list[GradientBridge]:
+        """The bridges built so far (one per distinct variable list): their ``optimizer`` is hybridsync's
+        torch ``DistributedOptimizer`` over the variables' mirrors (``set_strategy``, ``plan``...)."""
+        return list(self._hybridsync.bridges.values())
+
+    def pull_parameters(self) -> None:
+        """Variables on the parameter server under ASP/SSP take the servers' values (eagerly, on every
+        rank, after a barrier once the last update is in): every rank then holds the same model."""
+        for bridge in self._hybridsync.bridges.values():
+            bridge.pull_parameters()
+
+    def set_strategy(self, strategy: Any) -> None:
+        """Route gradients by ``strategy`` from the next step on, on every rank (collective, between steps)."""
+        for bridge in self._hybridsync.bridges.values():
+            bridge.optimizer.set_strategy(strategy)
+            bridge.check_plan()
+        self._hybridsync.options = self._hybridsync.options.with_strategy(strategy)
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
+                         compression: Any = None, sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: int = 0, backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Any = None, process_set: Any = None,
+                         scale_local_gradients: bool = True, strategy: Any = None) -> Any:
+    """``optimizer`` (a Keras optimizer) whose updates use gradients synchronized across ranks.
+
+    Same arguments as ``horovod.tensorflow.keras.DistributedOptimizer`` (v0.28.1; ``device_*``
+    are accepted and ignored), plus ``strategy`` (a ``Strategy``, a dict or a JSON/YAML path;
+    ``None``: ``HYBRIDSYNC_STRATEGY``, else every variable ring all-reduced). Every strategy
+    route works here, ASP/SSP on the parameter server included. ``backward_passes_per_step``
+    must be 1 (local aggregation is ``DistributedGradientTape``'s).
+    """
+    if backward_passes_per_step != 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: the Keras optimizer of "
+                         f"hybridsync.tensorflow synchronizes every step; accumulate gradients with "
+                         f"hybridsync.tensorflow.DistributedGradientTape(backward_passes_per_step=...) instead")
+    options = SyncOptions.checked(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                                  gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                                  groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
+                                  backward_passes_per_step=1, strategy=strategy)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    wrapped = cls.from_config(config)
+    wrapped._hybridsync = _State(options)
+    return wrapped
+
+
+__all__ = ["DistributedOptimizer", "callbacks"]

@@ -1,0 +1,93 @@
+"""The synchronization options a tape or a Keras optimizer was given, checked once."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from hybridsync.frameworks import horovod_torch
+from hybridsync.strategy import resolve_strategy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncOptions:
+    """Horovod's arguments of ``DistributedGradientTape`` / ``DistributedOptimizer``, plus the strategy."""
+
+    compression: Any
+    """``hybridsync.tensorflow.Compression.none``/``fp16`` (Horovod's TensorFlow classes are accepted by name)."""
+    sparse_as_dense: bool
+    op: int
+    gradient_predivide_factor: float
+    groups: Any
+    """Horovod's ``groups``: a count, lists of variables, or ``None``."""
+    process_set: Any
+    scale_local_gradients: bool
+    backward_passes_per_step: int
+    strategy: Any
+    """The resolved ``Strategy`` (from ``strategy=`` or ``HYBRIDSYNC_STRATEGY``), or ``None``."""
+
+    @classmethod
+    def checked(cls, *, compression: Any, sparse_as_dense: bool, op: int, gradient_predivide_factor: float,
+                num_groups: int, groups: Any, process_set: Any, scale_local_gradients: bool,
+                backward_passes_per_step: int, strategy: Any) -> "SyncOptions":
+        """The options, with the mistakes Horovod refuses (and a bad strategy) refused now, not at the first step."""
+        from hybridsync.horovod_options import normalize_groups
+        from hybridsync.optimizer import Average, Sum
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if op not in (Average, Sum):
+            raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
+            raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
+        groups = groups if isinstance(groups, list) else normalize_groups(groups, num_groups)
+        strategy = resolve_strategy(strategy)
+        refuse_dynamic_sync(strategy)
+        return cls(compression=_compression(compression), sparse_as_dense=sparse_as_dense, op=op,
+                   gradient_predivide_factor=gradient_predivide_factor, groups=groups, process_set=process_set,
+                   scale_local_gradients=scale_local_gradients, backward_passes_per_step=backward_passes_per_step,
+                   strategy=strategy)
+
+    def with_strategy(self, strategy: Any) -> "SyncOptions":
+        """The same options under another strategy (resolved as ``strategy=`` is)."""
+        strategy = resolve_strategy(strategy)
+        refuse_dynamic_sync(strategy)
+        return dataclasses.replace(self, strategy=strategy)
+
+    def bridge(self, variables: Sequence[Any], *, allow_parameter_exchange: bool, owner: str) -> Any:
+        """A ``GradientBridge`` for ``variables`` under these options."""
+        from hybridsync.tensorflow.bridge import GradientBridge
+        return GradientBridge(variables, compression=self.compression, sparse_as_dense=self.sparse_as_dense,
+                              op=self.op, gradient_predivide_factor=self.gradient_predivide_factor,
+                              backward_passes_per_step=self.backward_passes_per_step, groups=self.groups,
+                              process_set=self.process_set, strategy=self.strategy,
+                              allow_parameter_exchange=allow_parameter_exchange, owner=owner)
+
+    def size(self) -> int:
+        """Ranks that synchronize: the process set's, else the job's."""
+        if self.process_set is not None:
+            return self.process_set.size()
+        return horovod_torch("hybridsync.tensorflow").size()
+
+
+def refuse_dynamic_sync(strategy: Any) -> None:
+    """``ValueError`` for a strategy whose ``sync`` policy switches protocols in flight (``switch``,
+    ``elastic``): Sync-Switch scales the optimizer's learning rate and momentum at each switch,
+    which hybridsync can do only for torch optimizers."""
+    sync = getattr(strategy, "sync", None)
+    if sync is not None and sync.dynamic:
+        raise ValueError(f"the strategy's `sync` policy {sync.policy!r} switches protocols in flight and scales the "
+                         f"optimizer's learning rate and momentum, which hybridsync can only do for torch "
+                         f"optimizers; use a static protocol (bsp, asp, ssp) with TensorFlow")
+
+
+def _compression(compression: Any) -> Any:
+    """hybridsync's compressor for ``compression``: ours as given, Horovod TensorFlow's by its class name."""
+    from hybridsync.compression import Compression
+    if compression is None:
+        return Compression.none
+    if isinstance(compression, type) and compression.__module__.startswith("horovod.tensorflow"):
+        known = {"NoneCompressor": Compression.none, "FP16Compressor": Compression.fp16}
+        if compression.__name__ not in known:
+            raise ValueError(f"compression {compression.__name__} from horovod.tensorflow has no hybridsync "
+                             f"equivalent (use Compression.none or Compression.fp16)")
+        return known[compression.__name__]
+    return compression

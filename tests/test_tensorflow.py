@@ -1,0 +1,208 @@
+"""hybridsync.tensorflow on real 2- and 4-rank jobs, against horovod.tensorflow and the whole batch.
+
+``tests/workers/tf_train.py`` trains a small Keras model (dense layers and a sparse
+embedding, so ``tf.IndexedSlices`` gradients) for a few steps through each API:
+``DistributedGradientTape`` eagerly and in a ``tf.function``, the Keras optimizer under
+``model.fit`` and in a custom loop. Every rank's final variables must equal:
+
+- horovod.tensorflow's (``DistributedGradientTape`` / its Keras optimizer), run the same way;
+- one process training on the whole batch (every rank's shard): with a mean loss and plain
+  SGD, that is exactly what averaging the ranks' gradients gives, whatever the route.
+
+Jobs run with ``TF_USE_LEGACY_KERAS=1`` (``tf.keras`` is Keras 2, which Horovod 0.28.1's Keras
+optimizer needs: under Keras 3 it silently skips the averaging); one test runs Keras 3.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BIN, WORKERS, launcher_argv, run_job
+
+pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (scripts/bootstrap.sh installs it)")
+
+pytestmark = pytest.mark.multiprocess
+
+TRAIN = WORKERS / "tf_train.py"
+TF_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+EXACT = 1e-6
+"""Two ranks' float32 gradients summed in another order than the whole batch's: a few ulps."""
+
+MIXED = {"variables": {
+    "embedding/embeddings": {"route": "ps", "partitions": 2},
+    "hidden/kernel": {"route": "allreduce", "algorithm": "hierarchical", "partitions": 2},
+    "hidden/bias": {"route": "allreduce", "group": 1},
+    "out/kernel": {"route": "allreduce", "group": 1},
+    "out/bias": {"route": "ps"}}}
+PS_BSP = {"default": {"route": "ps"}, "variables": {"embedding/embeddings": {"route": "ps", "partitions": 3}}}
+HIERARCHICAL = {"default": {"route": "allreduce", "algorithm": "hierarchical"},
+                "variables": {"out/bias": {"route": "allreduce", "algorithm": "ring", "group": 1},
+                              "out/kernel": {"route": "allreduce", "algorithm": "ring", "group": 1}}}
+ASP = {"default": {"route": "ps", "protocol": "asp"}, "variables": {"hidden/kernel": {"route": "allreduce"}}}
+
+
+def _train(prefix_argv: list[str], out: Path, impl: str, api: str, *flags: str, np_: int = 2,
+           env: dict | None = None, timeout: float = 240) -> list[dict]:
+    """Each rank's final variables (``{name: array}``, plus ``"_summary"``) of one training job."""
+    argv = [*prefix_argv, sys.executable, str(TRAIN), str(out), "--impl", impl, "--api", api, *flags]
+    proc = run_job(argv, timeout=timeout, env={**TF_ENV, **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    ranks = []
+    for rank in range(np_):
+        with np.load(f"{out}.rank{rank}.npz") as variables:
+            result = {name.replace("|", "/").removesuffix(":0"): variables[name] for name in variables.files}
+        result["_summary"] = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        ranks.append(result)
+    return ranks
+
+
+_references: dict[tuple, dict] = {}
+
+
+def _reference(tmp_path_factory, impl: str, api: str, *flags: str, size: int = 2, env: dict | None = None) -> dict:
+    """Rank 0's variables of a horovod.tensorflow job, or of one process on the whole batch (cached)."""
+    key = (impl, api, flags, size, tuple(sorted((env or {}).items())))
+    if key not in _references:
+        out = tmp_path_factory.mktemp(f"{impl}-{api}") / "ref"
+        if impl == "single":
+            _references[key] = _train([], out, "single", api, *flags, "--size", str(size), np_=1, env=env)[0]
+        else:
+            pytest.importorskip("horovod.tensorflow", reason="Horovod was built without TensorFlow")
+            _references[key] = _train(launcher_argv("horovodrun"), out, "horovod", api, *flags, env=env)[0]
+    return _references[key]
+
+
+def _assert_close(ranks: list[dict], reference: dict, tolerance: float, what: str) -> None:
+    for rank, variables in enumerate(ranks):
+        names = set(variables) - {"_summary"}
+        assert names == set(reference) - {"_summary"}
+        errors = {name: float(np.abs(variables[name] - reference[name]).max()) for name in names}
+        assert max(errors.values()) <= tolerance, f"rank {rank} vs {what}: {errors}"
+
+
+def _strategy(tmp_path: Path, doc: dict) -> str:
+    path = tmp_path / "strategy.json"
+    path.write_text(json.dumps({"version": 1, **doc}))
+    return str(path)
+
+
+def _hybridsync_run(strategy: str, *, num_servers: int = 2, mpi: bool = False, np_: int = 2,
+                    hosts: str | None = None) -> list[str]:
+    launcher = ["--mpi"] if mpi else ["--gloo"]
+    return [str(BIN / "hybridsync-run"), "--strategy", strategy, "--num-servers", str(num_servers), *launcher,
+            "-np", str(np_), "-H", hosts or f"localhost:{np_}"]
+
+
+# --- no strategy: Horovod's ring, through each API and launcher ------------------------------
+@pytest.mark.parametrize("launcher, api", [("horovodrun", "tape"), ("horovodrun", "tape-function"),
+                                           ("horovodrun", "keras-fit"), ("horovodrun", "keras-loop"),
+                                           ("mpirun", "tape-function"), ("mpirun", "keras-fit")])
+def test_without_a_strategy_every_rank_ends_where_horovod_does(launcher, api, tmp_path, tmp_path_factory):
+    ranks = _train(launcher_argv(launcher), tmp_path / "hs", "hybridsync", api)
+    assert all(m.startswith("allreduce/ring:") for m in ranks[0]["_summary"]["messages"])
+    _assert_close(ranks, _reference(tmp_path_factory, "horovod", api), EXACT, "horovod.tensorflow")
+    _assert_close(ranks, _reference(tmp_path_factory, "single", api), EXACT, "the whole batch")
+
+
+# --- strategies: ps (bsp), mixed routes, hierarchical on two hosts ---------------------------
+@pytest.mark.parametrize("case, api, mpi", [("ps_bsp", "keras-fit", False), ("ps_bsp", "tape-function", False),
+                                            ("mixed", "tape", False), ("mixed", "keras-loop", False),
+                                            ("mixed", "tape-function", True)])
+def test_a_strategy_routes_each_variable_and_changes_no_result(case, api, mpi, tmp_path, tmp_path_factory):
+    doc = {"ps_bsp": PS_BSP, "mixed": MIXED}[case]
+    ranks = _train(_hybridsync_run(_strategy(tmp_path, doc), mpi=mpi), tmp_path / "hs", "hybridsync", api)
+    messages = ranks[0]["_summary"]["messages"]
+    if case == "ps_bsp":
+        assert all(m.startswith("ps/bsp:") for m in messages) and len(messages) == 3 + 4  # embedding in 3 shards
+    else:
+        assert "allreduce/hierarchical:hidden/kernel" in messages and "ps/bsp:out/bias" in messages
+        assert "allreduce/ring:hidden/bias,out/kernel" in messages  # the group: one fused message
+    _assert_close(ranks, _reference(tmp_path_factory, "horovod", api), EXACT, "horovod.tensorflow (ring)")
+    _assert_close(ranks, _reference(tmp_path_factory, "single", api), EXACT, "the whole batch")
+
+
+def test_hierarchical_on_two_hosts_of_two_ranks(tmp_path, tmp_path_factory):
+    """4 ranks, ``-H localhost:2,127.0.0.1:2``: intra-host reduce, inter-host all-reduce, sparse embedding included."""
+    argv = _hybridsync_run(_strategy(tmp_path, HIERARCHICAL), np_=4, hosts="localhost:2,127.0.0.1:2")
+    ranks = _train(argv, tmp_path / "hs", "hybridsync", "keras-fit", np_=4, timeout=300)
+    assert "allreduce/hierarchical:embedding/embeddings" in ranks[0]["_summary"]["messages"]
+    _assert_close(ranks, _reference(tmp_path_factory, "single", "keras-fit", size=4), EXACT, "the whole batch")
+
+
+# --- sparse gradients, compression, asynchronous protocols -----------------------------------
+def test_sparse_as_dense_equals_horovod(tmp_path, tmp_path_factory):
+    ranks = _train(launcher_argv("horovodrun"), tmp_path / "hs", "hybridsync", "tape-function", "--sparse-as-dense")
+    _assert_close(ranks, _reference(tmp_path_factory, "horovod", "tape-function", "--sparse-as-dense"), EXACT,
+                  "horovod.tensorflow sparse_as_dense")
+
+
+@pytest.mark.parametrize("api", ["tape", "keras-fit"])
+def test_fp16_compression_equals_horovods(api, tmp_path, tmp_path_factory):
+    ranks = _train(launcher_argv("horovodrun"), tmp_path / "hs", "hybridsync", api, "--compression", "fp16")
+    reference = _reference(tmp_path_factory, "horovod", api, "--compression", "fp16")
+    _assert_close(ranks, reference, 1e-4, "horovod.tensorflow with Compression.fp16")
+    exact = _reference(tmp_path_factory, "single", api)
+    assert max(float(np.abs(ranks[0][n] - exact[n]).max()) for n in exact if n != "_summary") > EXACT, \
+        "fp16 on the wire changed nothing: the compression was not applied"
+
+
+def test_per_variable_fp16_in_a_strategy(tmp_path, tmp_path_factory):
+    doc = {"variables": {"hidden/kernel": {"route": "allreduce", "compression": "fp16"},
+                         "embedding/embeddings": {"route": "ps", "compression": "fp16"}}}
+    ranks = _train(_hybridsync_run(_strategy(tmp_path, doc)), tmp_path / "hs", "hybridsync", "keras-fit")
+    exact = _reference(tmp_path_factory, "single", "keras-fit")
+    _assert_close(ranks, exact, 1e-3, "the whole batch (fp16 tolerance)")
+    errors = {n: float(np.abs(ranks[0][n] - exact[n]).max()) for n in exact if n != "_summary"}
+    assert errors["hidden/kernel"] > EXACT and errors["out/bias"] <= EXACT, errors
+
+
+def test_asp_on_the_parameter_server_trains_and_ranks_agree_after_the_last_pull(tmp_path, tmp_path_factory):
+    ranks = _train(_hybridsync_run(_strategy(tmp_path, ASP)), tmp_path / "hs", "hybridsync", "keras-fit",
+                   "--steps", "20")
+    assert "ps/asp:embedding/embeddings" in ranks[0]["_summary"]["messages"]
+    _assert_close(ranks[1:], ranks[0], 0.0, "rank 0 after the final pull")
+    untrained = _reference(tmp_path_factory, "single", "keras-fit", "--steps", "0")
+    assert ranks[0]["_summary"]["loss"] < 0.5 * untrained["_summary"]["loss"]
+
+
+def test_keras_3_works_too(tmp_path, tmp_path_factory):
+    keras3 = {"TF_USE_LEGACY_KERAS": "0"}
+    for api in ("keras-fit", "tape-function"):
+        ranks = _train(_hybridsync_run(_strategy(tmp_path, MIXED)), tmp_path / api, "hybridsync", api, env=keras3)
+        assert "ps/bsp:out/bias" in ranks[0]["_summary"]["messages"]
+        _assert_close(ranks, _reference(tmp_path_factory, "single", api, env=keras3), EXACT, "the whole batch")
+
+
+# --- errors ------------------------------------------------------------------------------------
+def test_bad_inputs_get_clear_errors(tmp_path):
+    out = tmp_path / "errors.json"
+    proc = run_job([sys.executable, str(WORKERS / "tf_errors.py"), str(out)], timeout=120, env=TF_ENV)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    errors = json.loads(out.read_text())
+    expected = {
+        "unknown_variable": "dense/nope",
+        "bad_strategy_key": "carrier-pigeon",
+        "tape_asp": "hybridsync.tensorflow.keras.DistributedOptimizer",
+        "dynamic_sync": "static protocol",
+        "op_adasum": "Average or Sum",
+        "predivide_with_sum": "gradient_predivide_factor",
+        "passes_zero": "backward_passes_per_step must be > 0",
+        "keras_passes": "DistributedGradientTape(backward_passes_per_step",
+        "integer_variable": "counter",
+        "missing_strategy_file": "/nonexistent/strategy.json",
+    }
+    for case, words in expected.items():
+        assert errors[case].startswith("ValueError") and words in errors[case], (case, errors[case])
+
+
+def test_ranks_that_disagree_on_the_strategy_fail_at_once(tmp_path):
+    proc = run_job(launcher_argv("horovodrun") + [sys.executable, str(WORKERS / "tf_errors.py"),
+                                                  str(tmp_path / "out"), "--disagree"], timeout=120, env=TF_ENV)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        assert "ranks disagree" in result["error"] and result["seconds"] < 30, result
