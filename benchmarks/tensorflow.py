@@ -1,0 +1,101 @@
+"""TensorFlow on the emulated cluster: Horovod's Keras optimizer vs hybridsync's, without and with
+an autotuned strategy, on the zoo's NCF in Keras (issue 15).
+
+    sudo .venv/bin/python benchmarks/tensorflow.py                          # autotune (30 trials), then 2 ABBA rounds
+    sudo .venv/bin/python benchmarks/tensorflow.py --strategy s.json --rounds 1
+
+1. Autotune ``python -m hybridsync.zoo.keras_ncf`` with ``hybridsync-run --autotune`` on the
+   emulated 2 x 2 cluster at 250 Mbit/s (one server per host; the autotune example config), unless
+   ``--strategy`` gives the strategy. The trials run inside the Keras script itself.
+2. Train it for 10 warm-up + 40 timed steps per job, under the same launcher and cluster, as:
+   ``horovod`` (``horovod.tensorflow.keras.DistributedOptimizer``), ``hybridsync`` (no strategy:
+   the drop-in), ``autotuned`` (hybridsync with the winner). Jobs run in ABBA order per round
+   so drift hits every variant alike; each job's time is rank 0's median step.
+
+Prints each variant's job medians and its ratio to Horovod (median over rounds, with the spread
+of the per-round ratios), the autotune's time and its winner. ``TF_USE_LEGACY_KERAS=1``: Horovod's
+Keras optimizer needs Keras 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER = os.path.join(REPO, "horovodrun_configs", "cluster_2x2_250mbit.yaml")
+AUTOTUNE = os.path.join(REPO, "horovodrun_configs", "autotune_2x2_250mbit.yaml")
+HYBRIDSYNC_RUN = os.path.join(os.path.dirname(sys.executable), "hybridsync-run")
+SCRIPT = [sys.executable, "-m", "hybridsync.zoo.keras_ncf"]
+ENV = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": REPO}
+VARIANTS = ("horovod", "hybridsync", "autotuned")
+
+
+def autotune(workdir: str, budget: int) -> tuple[str, float, str]:
+    """The winning strategy's path, the autotune's wall time and the winner's kind."""
+    report = os.path.join(workdir, "report")
+    argv = [HYBRIDSYNC_RUN, "-np", "4", "--config-file", AUTOTUNE, "--trial-budget", str(budget),
+            "--store", f"sqlite:///{workdir}/trials.db", "--autotune-report", report, *SCRIPT, "--steps", "1"]
+    started = time.monotonic()
+    with open(os.path.join(workdir, "autotune.log"), "w") as log:
+        subprocess.run(argv, env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=3600)
+    doc = json.load(open(os.path.join(report, "report.json")))
+    return os.path.join(report, "strategy.json"), time.monotonic() - started, doc["winner"]["kind"]
+
+
+def job(variant: str, strategy: str, workdir: str, index: int) -> float:
+    """Rank 0's median step time (seconds) of one training job of ``variant``."""
+    out = os.path.join(workdir, f"{variant}-{index}.json")
+    flags = {"horovod": ["--optimizer", "horovod"], "hybridsync": [], "autotuned": ["--strategy", strategy]}[variant]
+    argv = [HYBRIDSYNC_RUN, "-np", "4", "--config-file", CLUSTER]
+    if variant == "autotuned":
+        argv += ["--strategy", strategy]  # hybridsync-run starts the servers the strategy needs
+    argv += [*SCRIPT, "--warmup", "10", "--steps", "40", "--json", out, *flags]
+    with open(os.path.join(workdir, f"{variant}-{index}.log"), "w") as log:
+        subprocess.run(argv, env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
+    report = json.load(open(out))
+    assert len(set(report["checksums"])) == 1, f"{variant}: the ranks' variables differ"
+    return report["median_step_s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", help="use this strategy instead of autotuning one")
+    parser.add_argument("--trial-budget", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs every variant twice)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, report)")
+    args = parser.parse_args()
+    workdir = tempfile.mkdtemp(prefix="hybridsync-bench-tf-")
+    try:
+        if args.strategy:
+            strategy, autotune_s, winner = args.strategy, 0.0, "given"
+        else:
+            strategy, autotune_s, winner = autotune(workdir, args.trial_budget)
+            print(f"autotune: {args.trial_budget} trials in {autotune_s:.0f} s, winner {winner}", flush=True)
+        medians: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for round_index in range(args.rounds):
+            for variant in VARIANTS + VARIANTS[::-1]:  # A B C C B A
+                medians[variant].append(job(variant, strategy, workdir, len(medians[variant])))
+                print(f"round {round_index}: {variant} {1e3 * medians[variant][-1]:.1f} ms", flush=True)
+        print("\nvariant      job medians (ms)                      x horovod (median of rounds, spread)")
+        for variant in VARIANTS:
+            ratios = [h / v for h, v in zip(medians["horovod"], medians[variant])]
+            print(f"{variant:<12} {' '.join(f'{1e3 * m:6.1f}' for m in medians[variant]):<36} "
+                  f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"(x > 1: faster than horovod.tensorflow; autotune {autotune_s:.0f} s, winner {winner})")
+    finally:
+        if args.keep:
+            print(f"work directory: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
