@@ -309,6 +309,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                 sparse_as_dense=sparse_as_dense, process_set=process_set, strategy=strategy)
 
 
+def check_arguments(op: int, gradient_predivide_factor: float, backward_passes_per_step: int) -> None:
+    """``ValueError`` for the reduction arguments Horovod refuses, and for Adasum (not supported)."""
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if op not in (Average, Sum):
+        raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
+
+
 def wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None, *, compression: Any,
          backward_passes_per_step: int, op: int, gradient_predivide_factor: float, num_groups: int,
          groups: int | list | None, sparse_as_dense: bool, process_set: Any,
@@ -316,12 +326,7 @@ def wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None, *,
          frontend: Literal["torch", "tensorflow"] = "torch") -> torch.optim.Optimizer:
     """``DistributedOptimizer`` for a given ``frontend``: ``tensorflow`` when ``hybridsync.tensorflow``
     drives it over torch mirrors of a TensorFlow model's variables."""
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if op not in (Average, Sum):
-        raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
-        raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
+    check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     groups = normalize_groups(groups, num_groups)
     resolved = resolve_strategy(strategy)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))

@@ -25,14 +25,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
 import torch
 
 from hybridsync.tensorflow.names import variable_names
-from hybridsync.tensorflow.options import refuse_dynamic_sync
+from hybridsync.tensorflow.options import SyncOptions, refuse_dynamic_sync
 
 TORCH_DTYPES = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32,
                 tf.float64: torch.float64}
@@ -177,6 +177,32 @@ class GradientBridge:
                              f"update; a gradient tape never sees the update. Use "
                              f"hybridsync.tensorflow.keras.DistributedOptimizer (it also serves custom loops "
                              f"through apply_gradients) or the bsp protocol")
+
+
+class Bridges:
+    """One ``GradientBridge`` per distinct list of variables (a GAN's two lists get one each), built
+    on first use under the caller's options: what a tape and a Keras optimizer both keep."""
+
+    def __init__(self, options: SyncOptions, *, allow_parameter_exchange: bool, owner: str) -> None:
+        self.options = options
+        self._allow_parameter_exchange = allow_parameter_exchange
+        self._owner = owner
+        self._built: dict[tuple[int, ...], GradientBridge] = {}
+
+    def for_variables(self, variables: Sequence[tf.Variable]) -> GradientBridge:
+        key = tuple(id(v) for v in variables)
+        if key not in self._built:
+            options = self.options
+            self._built[key] = GradientBridge(
+                variables, compression=options.compression, sparse_as_dense=options.sparse_as_dense, op=options.op,
+                gradient_predivide_factor=options.gradient_predivide_factor,
+                backward_passes_per_step=options.backward_passes_per_step, groups=options.groups,
+                process_set=options.process_set, strategy=options.strategy,
+                allow_parameter_exchange=self._allow_parameter_exchange, owner=self._owner)
+        return self._built[key]
+
+    def __iter__(self) -> Iterator[GradientBridge]:
+        return iter(list(self._built.values()))
 
 
 def _groups_of_mirrors(groups: Any, mirror_of: dict[int, torch.nn.Parameter]) -> Any:

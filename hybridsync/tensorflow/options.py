@@ -31,13 +31,8 @@ class SyncOptions:
                 backward_passes_per_step: int, strategy: Any) -> "SyncOptions":
         """The options, with the mistakes Horovod refuses (and a bad strategy) refused now, not at the first step."""
         from hybridsync.horovod_options import normalize_groups
-        from hybridsync.optimizer import Average, Sum
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if op not in (Average, Sum):
-            raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
-            raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
+        from hybridsync.optimizer import check_arguments
+        check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
         groups = groups if isinstance(groups, list) else normalize_groups(groups, num_groups)
         strategy = resolve_strategy(strategy)
         refuse_dynamic_sync(strategy)
@@ -51,15 +46,6 @@ class SyncOptions:
         strategy = resolve_strategy(strategy)
         refuse_dynamic_sync(strategy)
         return dataclasses.replace(self, strategy=strategy)
-
-    def bridge(self, variables: Sequence[Any], *, allow_parameter_exchange: bool, owner: str) -> Any:
-        """A ``GradientBridge`` for ``variables`` under these options."""
-        from hybridsync.tensorflow.bridge import GradientBridge
-        return GradientBridge(variables, compression=self.compression, sparse_as_dense=self.sparse_as_dense,
-                              op=self.op, gradient_predivide_factor=self.gradient_predivide_factor,
-                              backward_passes_per_step=self.backward_passes_per_step, groups=self.groups,
-                              process_set=self.process_set, strategy=self.strategy,
-                              allow_parameter_exchange=allow_parameter_exchange, owner=owner)
 
     def size(self) -> int:
         """Ranks that synchronize: the process set's, else the job's."""

@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from hybridsync.tensorflow.bridge import GradientBridge
+from hybridsync.tensorflow.bridge import Bridges
 from hybridsync.tensorflow.options import SyncOptions
 
 
@@ -17,7 +17,7 @@ class _DistributedGradientTape(tf.GradientTape):
         super(self.__class__, self).__init__(persistent, watch_accessed_variables)
         self._tape = tape
         self._hybridsync = options
-        self._bridges: dict[tuple[int, ...], GradientBridge] = {}
+        self._bridges = Bridges(options, allow_parameter_exchange=False, owner="DistributedGradientTape")
         self._local_sources: set[int] = set()
         """ids of the worker-local variables."""
 
@@ -31,7 +31,7 @@ class _DistributedGradientTape(tf.GradientTape):
                  **kwargs: Any) -> Any:
         flat_sources = tf.nest.flatten(sources)
         shared = [s for s in flat_sources if id(s) not in self._local_sources]
-        bridge = self._bridge_for(shared)
+        bridge = self._bridges.for_variables(shared)
         if tf.executing_eagerly():
             bridge.mark_backward_start()
             gradients = super(self.__class__, self).gradient(target, sources, output_gradients, **kwargs)
@@ -50,14 +50,6 @@ class _DistributedGradientTape(tf.GradientTape):
             for ref in self._local_sources & set(by_source):
                 by_source[ref] = _scaled(by_source[ref], 1.0 / size)
         return tf.nest.pack_sequence_as(sources, [by_source[id(s)] for s in flat_sources])
-
-    def _bridge_for(self, variables: Sequence[tf.Variable]) -> GradientBridge:
-        """One bridge per distinct list of variables (a GAN's two lists get one each), built on first use."""
-        key = tuple(id(v) for v in variables)
-        if key not in self._bridges:
-            self._bridges[key] = self._hybridsync.bridge(variables, allow_parameter_exchange=False,
-                                                         owner="DistributedGradientTape")
-        return self._bridges[key]
 
 
 def _scaled(gradient: Any, factor: float) -> Any:

@@ -124,7 +124,7 @@ def main() -> None:
                                                  zip(names, model.trainable_variables)})
     summary = {"rank": rank, "size": size, "names": names, "tensorflow": tf.__version__, "loss": final_loss}
     if args.impl == "hybridsync":  # how each message really travelled: the strategy is in force
-        bridges = optimizer.strategy_bridges if args.api.startswith("keras") else list(tapes[-1]._bridges.values())
+        bridges = optimizer.strategy_bridges if args.api.startswith("keras") else list(tapes[-1]._bridges)
         summary["messages"] = sorted(f"{m.config.route_name}:{','.join(p.var_name for p in m.pieces)}"
                                      for b in bridges for m in b.optimizer.plan.messages)
     with open(f"{args.prefix}.rank{rank}.json", "w") as out:

@@ -12,24 +12,9 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from hybridsync.tensorflow.bridge import GradientBridge
+from hybridsync.tensorflow.bridge import Bridges, GradientBridge
 from hybridsync.tensorflow.keras import callbacks
 from hybridsync.tensorflow.options import SyncOptions
-
-
-class _State:
-    """What the wrapper keeps on the optimizer, in one plain object (Keras tracks what it is given)."""
-
-    def __init__(self, options: SyncOptions) -> None:
-        self.options = options
-        self.bridges: dict[tuple[int, ...], GradientBridge] = {}
-
-    def bridge_for(self, variables: Sequence[tf.Variable]) -> GradientBridge:
-        key = tuple(id(v) for v in variables)
-        if key not in self.bridges:
-            self.bridges[key] = self.options.bridge(variables, allow_parameter_exchange=True,
-                                                    owner="hybridsync.tensorflow.keras.DistributedOptimizer")
-        return self.bridges[key]
 
 
 class _DistributedOptimizer:
@@ -39,7 +24,7 @@ class _DistributedOptimizer:
     def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         grads_and_vars = list(grads_and_vars)
         variables = [v for _, v in grads_and_vars]
-        bridge = self._hybridsync.bridge_for(variables)
+        bridge = self._hybridsync.for_variables(variables)
         synced = bridge.synchronize([g for g, _ in grads_and_vars])
         result = super(self.__class__, self).apply_gradients(list(zip(synced, variables)), *args, **kwargs)
         bridge.after_update()  # in a tf.function, ordered after the update by its automatic control dependencies
@@ -49,17 +34,17 @@ class _DistributedOptimizer:
     def strategy_bridges(self) -> list[GradientBridge]:
         """The bridges built so far (one per distinct variable list): their ``optimizer`` is hybridsync's
         torch ``DistributedOptimizer`` over the variables' mirrors (``set_strategy``, ``plan``...)."""
-        return list(self._hybridsync.bridges.values())
+        return list(self._hybridsync)
 
     def pull_parameters(self) -> None:
         """Variables on the parameter server under ASP/SSP take the servers' values (eagerly, on every
         rank, after a barrier once the last update is in): every rank then holds the same model."""
-        for bridge in self._hybridsync.bridges.values():
+        for bridge in self._hybridsync:
             bridge.pull_parameters()
 
     def set_strategy(self, strategy: Any) -> None:
         """Route gradients by ``strategy`` from the next step on, on every rank (collective, between steps)."""
-        for bridge in self._hybridsync.bridges.values():
+        for bridge in self._hybridsync:
             bridge.optimizer.set_strategy(strategy)
             bridge.check_plan()
         self._hybridsync.options = self._hybridsync.options.with_strategy(strategy)
@@ -91,7 +76,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     if name is not None:
         config["name"] = name
     wrapped = cls.from_config(config)
-    wrapped._hybridsync = _State(options)
+    # One plain object holding the bridges (Keras tracks the attributes it is given).
+    wrapped._hybridsync = Bridges(options, allow_parameter_exchange=True,
+                                  owner="hybridsync.tensorflow.keras.DistributedOptimizer")
     return wrapped
 
 

@@ -1,0 +1,51 @@
+"""The zoo's NCF in Keras, autotuned and trained: `hybridsync-run --autotune` on the emulated 2 x 2
+cluster profiles the Keras script, searches, measures trials inside the script (its Keras
+optimizer switching strategies in flight, inside ``model.train_on_batch``'s ``tf.function``),
+then trains with the winner. Needs root; skips cleanly without it."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO, run_job
+
+pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (scripts/bootstrap.sh installs it)")
+IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+pytestmark = [pytest.mark.emulated,
+              pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")]
+
+
+def test_keras_ncf_is_autotuned_and_trains_with_the_winner(tmp_path):
+    from hybridsync.description import load_description
+    from hybridsync.strategy import Strategy
+    from hybridsync.trials.store import TrialStore
+    config = yaml.safe_load((REPO / "horovodrun_configs" / "autotune_2x2_250mbit.yaml").read_text())
+    config["hybridsync"]["autotune"].update(trial_budget=9, per_round=3, search_budget=400)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    report, store = tmp_path / "report", f"sqlite:///{tmp_path / 'trials.db'}"
+    argv = [str(BIN / "hybridsync-run"), "-np", "4", "--config-file", str(tmp_path / "run.yaml"),
+            "--store", store, "--autotune-report", str(report),
+            sys.executable, "-m", "hybridsync.zoo.keras_ncf", "--steps", "150", "--json", str(tmp_path / "train.json")]
+    proc = run_job(argv, timeout=900, env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+    model = load_description(report / "model.json")
+    assert len(model.variables) == 12 and sum(v.sparse for v in model.variables.values()) == 4
+    assert model.timing is not None and model.timing.backward_s > 0
+    winner = Strategy.load(report / "strategy.json")
+    winner.validate_for(model.variables)
+    with TrialStore(store) as trials:
+        records = trials.trials()
+    assert len({r.fingerprint for r in records}) == 9
+    assert all(r.status == "ok" for r in records), [(r.kind, r.reason) for r in records if r.status != "ok"]
+    assert sum(r.kind.startswith("search:") for r in records) >= 2
+    trained = json.loads((tmp_path / "train.json").read_text())
+    assert len(set(trained["checksums"])) == 1, "the ranks' variables differ after training with the winner"
+    assert trained["last_loss"] < 0.8 * trained["first_loss"]
+    assert re.search(r"won \(", proc.stdout)
