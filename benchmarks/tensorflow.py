@@ -41,7 +41,7 @@ def autotune(workdir: str, budget: int) -> tuple[str, float, str]:
     """The winning strategy's path, the autotune's wall time and the winner's kind."""
     report = os.path.join(workdir, "report")
     argv = [HYBRIDSYNC_RUN, "-np", "4", "--config-file", AUTOTUNE, "--trial-budget", str(budget),
-            "--store", f"sqlite:///{workdir}/trials.db", "--autotune-report", report, *SCRIPT, "--steps", "1"]
+            "--store", f"sqlite:///{workdir}/trials.db", "--autotune-report", report, *SCRIPT, "--steps", "300"]
     started = time.monotonic()
     with open(os.path.join(workdir, "autotune.log"), "w") as log:
         subprocess.run(argv, env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=3600)
