@@ -28,7 +28,7 @@ def test_without_tensorflow_hybridsync_imports_and_its_tensorflow_module_says_wh
     assert "hybridsync.tensorflow needs TensorFlow" in proc.stdout and "make test" in proc.stdout, proc.stdout
 
 
-@pytest.mark.unit
+@pytest.mark.multiprocess  # importing TensorFlow (the package's __init__) runs `uname -p`
 def test_tensorflow_variable_names_are_unique_and_stable():
     pytest.importorskip("tensorflow", reason="TensorFlow is not installed here")
     from hybridsync.tensorflow.names import variable_name, variable_names
