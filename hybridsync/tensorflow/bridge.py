@@ -152,7 +152,9 @@ class GradientBridge:
         for index in exchanged:
             self.mirrors[index].data.copy_(torch.from_numpy(np.asarray(self.variables[index].numpy())))
         self._end_step()
-        for index in self._parameter_exchanging() | exchanged:
+        # Only what exchanged this step: a plan switched in by step() (trials) joins the servers at the
+        # next step, from the values copied above then; its mirrors hold nothing yet.
+        for index in exchanged:
             self.variables[index].assign(self.mirrors[index].detach().numpy())
 
     def _end_step(self) -> None:
@@ -169,6 +171,8 @@ class GradientBridge:
                 for piece in message.pieces}
 
     def check_plan(self) -> None:
+        """``ValueError`` for a plan this caller cannot run: a dynamic ``sync`` policy, or ASP/SSP
+        variables when nothing calls ``after_update`` (a tape)."""
         refuse_dynamic_sync(self.optimizer.strategy)  # a strategy switched in by set_strategy (trials)
         if not self._allow_parameter_exchange and self._parameter_exchanging():
             names = sorted(self.names[i] for i in self._parameter_exchanging())
