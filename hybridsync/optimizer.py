@@ -92,6 +92,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The Sync-Switch controller (``hybridsync.syncswitch.controller.SyncController``) or ``None``."""
         return self._sync_controller
 
+    @property
+    def profiler(self) -> Any:
+        """The ``hybridsync.profiler.Profiler`` of this process when ``HYBRIDSYNC_PROFILE`` is set, else ``None``."""
+        return self._profiler
+
     def _plan_for(self, strategy: Strategy | None) -> tuple[Strategy | None, RoutingPlan, Any]:
         """The strategy with this optimizer's ``groups`` applied, its plan, and the process set it runs on."""
         if self._groups is not None:

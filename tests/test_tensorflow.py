@@ -178,6 +178,18 @@ def test_asp_on_the_parameter_server_trains_and_ranks_agree_after_the_last_pull(
     assert ranks[0]["_summary"]["loss"] < 0.5 * untrained["_summary"]["loss"]
 
 
+def test_set_strategy_switches_a_keras_job_onto_asp_in_flight(tmp_path, tmp_path_factory):
+    """Ring for 4 steps, then ASP on the servers for the rest, in one job: the switched-in variables
+    join the servers with their trained values (not the mirrors' zeros), so the loss keeps falling."""
+    argv = [str(BIN / "hybridsync-run"), "--num-servers", "2", *launcher_argv("horovodrun")[1:]]
+    ranks = _train(argv, tmp_path / "hs", "hybridsync", "keras-fit", "--steps", "20",
+                   "--switch-to", _strategy(tmp_path, ASP), "--switch-at", "4")
+    assert "ps/asp:embedding/embeddings" in ranks[0]["_summary"]["messages"]
+    _assert_close(ranks[1:], ranks[0], 0.0, "rank 0 after the final pull")
+    untrained = _reference(tmp_path_factory, "single", "keras-fit", "--steps", "0")
+    assert ranks[0]["_summary"]["loss"] < 0.5 * untrained["_summary"]["loss"]
+
+
 def test_keras_3_works_too(tmp_path, tmp_path_factory):
     keras3 = {"TF_USE_LEGACY_KERAS": "0"}
     for api in ("keras-fit", "tape-function"):

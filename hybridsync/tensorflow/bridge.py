@@ -117,7 +117,7 @@ class GradientBridge:
 
     def mark_backward_start(self) -> None:
         """The backward pass starts now (only the profiler cares)."""
-        profiler = self.optimizer._profiler
+        profiler = self.optimizer.profiler
         if profiler is not None:
             self._backward_start = profiler.now()
 
@@ -128,7 +128,7 @@ class GradientBridge:
     def _synchronize_now(self, gradients: list[Any]) -> list[Any]:
         if len(gradients) != len(self.mirrors):
             raise ValueError(f"{self._owner}: {len(gradients)} gradients for {len(self.mirrors)} variables")
-        profiler = self.optimizer._profiler
+        profiler = self.optimizer.profiler
         if profiler is not None:
             profiler.record_backward(self._backward_start, profiler.now(), self.names)
             self._backward_start = None

@@ -32,11 +32,11 @@ class _DistributedGradientTape(tf.GradientTape):
         flat_sources = tf.nest.flatten(sources)
         shared = [s for s in flat_sources if id(s) not in self._local_sources]
         bridge = self._bridges.for_variables(shared)
-        if tf.executing_eagerly():
+        if tf.executing_eagerly() or bridge.optimizer.profiler is None:
             bridge.mark_backward_start()
             gradients = super(self.__class__, self).gradient(target, sources, output_gradients, **kwargs)
         else:
-            # The profiler's backward start: once the target is computed, before any gradient op.
+            # Profiling a tf.function: the backward pass starts once the target is computed, before any gradient op.
             first = tf.nest.flatten(target)[0]
             marker = tf.py_function(lambda value: bridge.mark_backward_start() or value, [first], first.dtype)
             with tf.control_dependencies([marker]):

@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--sparse-as-dense", action="store_true")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--size", type=int, default=2, help="--impl single: how many ranks' shards per batch")
+    parser.add_argument("--switch-to", help="keras APIs: optimizer.set_strategy(this file) at --switch-at")
+    parser.add_argument("--switch-at", type=int, default=0)
     args = parser.parse_args()
 
     if args.impl == "hybridsync":
@@ -104,6 +106,8 @@ def main() -> None:
         if args.impl != "single":
             hvd.broadcast_variables(model.variables, root_rank=0)
         for step in range(args.steps):
+            if args.switch_to and step == args.switch_at:
+                optimizer.set_strategy(args.switch_to)  # between steps, on every rank
             x, y = data(step, shard, size)
             model.fit(x, y, batch_size=len(y), epochs=1, verbose=0, shuffle=False)
     else:
