@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 from hybridsync.frameworks import horovod_torch
 from hybridsync.strategy import resolve_strategy

@@ -1,7 +1,7 @@
 """``DistributedGradientTape``: ``horovod.tensorflow.DistributedGradientTape`` routed by a strategy."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import tensorflow as tf
 

@@ -8,7 +8,7 @@ their parameters. ``model.fit`` and custom loops (``tape.gradient`` then
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import tensorflow as tf
 
