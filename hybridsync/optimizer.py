@@ -71,9 +71,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self.process_set.size() > 1:
                 _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
-        self.frontend = frontend
-        """``torch``, or ``tensorflow`` when ``hybridsync.tensorflow`` drives this optimizer over mirrors of its
-        variables (it then reports the backward pass to the profiler itself: no torch hook sees it)."""
+        # hybridsync.tensorflow reports its backward pass to the profiler itself: no torch hook sees it.
         self._profiler = profiler.from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
         self._sync_controller = self._controller_for(strategy)
         self._trials = None

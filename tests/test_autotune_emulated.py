@@ -10,9 +10,8 @@ import shutil
 import sys
 
 import pytest
-import yaml
 
-from conftest import BIN, REPO, run_job
+from conftest import REPO, run_job, small_autotune
 
 IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 pytestmark = [pytest.mark.emulated,
@@ -25,13 +24,8 @@ def test_autotune_picks_measures_and_trains_with_a_winner(tmp_path):
     from hybridsync.strategy import Strategy
     from hybridsync.trials.store import TrialStore
     before = clusters(leftovers(NAMESPACE_PREFIX))
-    config = yaml.safe_load((REPO / "horovodrun_configs" / "autotune_2x2_250mbit.yaml").read_text())
-    config["hybridsync"]["autotune"].update(trial_budget=10, per_round=3, search_budget=400)
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    report, store = tmp_path / "report", f"sqlite:///{tmp_path / 'trials.db'}"
-    argv = [str(BIN / "hybridsync-run"), "-np", "4", "--config-file", str(tmp_path / "run.yaml"),
-            "--store", store, "--autotune-report", str(report),
-            sys.executable, str(REPO / "tests" / "workers" / "tiny_train.py"), "--steps", "120"]
+    autotune, report, store = small_autotune(tmp_path, trial_budget=10)
+    argv = autotune + [sys.executable, str(REPO / "tests" / "workers" / "tiny_train.py"), "--steps", "120"]
     proc = run_job(argv, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:]
 

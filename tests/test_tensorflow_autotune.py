@@ -11,9 +11,8 @@ import shutil
 import sys
 
 import pytest
-import yaml
 
-from conftest import BIN, REPO, run_job
+from conftest import run_job, small_autotune
 
 pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (scripts/bootstrap.sh installs it)")
 IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
@@ -25,13 +24,9 @@ def test_keras_ncf_is_autotuned_and_trains_with_the_winner(tmp_path):
     from hybridsync.description import load_description
     from hybridsync.strategy import Strategy
     from hybridsync.trials.store import TrialStore
-    config = yaml.safe_load((REPO / "horovodrun_configs" / "autotune_2x2_250mbit.yaml").read_text())
-    config["hybridsync"]["autotune"].update(trial_budget=9, per_round=3, search_budget=400)
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    report, store = tmp_path / "report", f"sqlite:///{tmp_path / 'trials.db'}"
-    argv = [str(BIN / "hybridsync-run"), "-np", "4", "--config-file", str(tmp_path / "run.yaml"),
-            "--store", store, "--autotune-report", str(report),
-            sys.executable, "-m", "hybridsync.zoo.keras_ncf", "--steps", "150", "--json", str(tmp_path / "train.json")]
+    autotune, report, store = small_autotune(tmp_path, trial_budget=9)
+    argv = autotune + [sys.executable, "-m", "hybridsync.zoo.keras_ncf", "--steps", "150",
+                       "--json", str(tmp_path / "train.json")]
     proc = run_job(argv, timeout=900, env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout[-6000:]
 

@@ -94,11 +94,10 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int) -> tf.
     variables = list(variables)
 
     def assign_all() -> list:
-        import numpy as np
-        import torch
+        from hybridsync.tensorflow.bridge import torch_copy
         hvd = horovod_torch("hybridsync.tensorflow.broadcast_variables")
         prefix = f"hybridsync.tf.broadcast_variables.{next(_NAMES)}"
-        values = [torch.from_numpy(np.array(v.numpy())) for v in variables]
+        values = [torch_copy(v) for v in variables]
         handles = [hvd.broadcast_async_(t, root_rank, name=f"{prefix}.{i}") for i, t in enumerate(values)]
         for variable, value, handle in zip(variables, values, handles):
             hvd.synchronize(handle)
@@ -114,9 +113,8 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int) -> tf.
 def _through_torch(collective: Any, tensor: Any) -> tf.Tensor:
     """Run a Horovod collective on a copy of ``tensor`` as torch, eagerly or inside ``tf.function``."""
     def run(value: tf.Tensor) -> tf.Tensor:
-        import numpy as np
-        import torch
-        return tf.convert_to_tensor(collective(torch.from_numpy(np.array(value.numpy()))).numpy())
+        from hybridsync.tensorflow.bridge import torch_copy
+        return tf.convert_to_tensor(collective(torch_copy(value)).numpy())
 
     tensor = tf.convert_to_tensor(tensor)
     if tf.executing_eagerly():

@@ -51,9 +51,8 @@ class _ExternalUpdate(torch.optim.Optimizer):
 class GradientBridge:
     """Synchronizes the gradients of one fixed list of TensorFlow variables by a strategy."""
 
-    def __init__(self, variables: Sequence[tf.Variable], *, compression: Any, sparse_as_dense: bool, op: int,
-                 gradient_predivide_factor: float, backward_passes_per_step: int, groups: Any,
-                 process_set: Any, strategy: Any, allow_parameter_exchange: bool, owner: str) -> None:
+    def __init__(self, variables: Sequence[tf.Variable], options: SyncOptions, *, allow_parameter_exchange: bool,
+                 owner: str) -> None:
         """``allow_parameter_exchange``: whether the caller runs ``after_update`` after each update
         (the Keras optimizer does; a gradient tape never sees the update, so ASP/SSP are refused)."""
         from hybridsync.optimizer import wrap
@@ -68,10 +67,11 @@ class GradientBridge:
                         for v in self.variables]
         mirror_of = {id(v): m for v, m in zip(self.variables, self.mirrors)}
         self.optimizer = wrap(_ExternalUpdate(self.mirrors), list(zip(self.names, self.mirrors)),
-                              compression=compression, backward_passes_per_step=backward_passes_per_step, op=op,
-                              gradient_predivide_factor=gradient_predivide_factor, num_groups=0,
-                              groups=_groups_of_mirrors(groups, mirror_of), sparse_as_dense=sparse_as_dense,
-                              process_set=process_set, strategy=strategy, frontend="tensorflow")
+                              compression=options.compression, backward_passes_per_step=options.backward_passes_per_step,
+                              op=options.op, gradient_predivide_factor=options.gradient_predivide_factor, num_groups=0,
+                              groups=_groups_of_mirrors(options.groups, mirror_of),
+                              sparse_as_dense=options.sparse_as_dense, process_set=options.process_set,
+                              strategy=options.strategy, frontend="tensorflow")
         self._owner = owner
         self._allow_parameter_exchange = allow_parameter_exchange
         self.check_plan()
@@ -87,11 +87,11 @@ class GradientBridge:
         locally and returned as they are, as Horovod's local aggregation does."""
         if tf.executing_eagerly():
             return self._synchronize_now(list(gradients))
-        flat, rebuild = _flatten(gradients)
+        flat, rebuild, dense_flags = _flatten(gradients)
         dtypes = [t.dtype for t in flat]
         synced = tf.py_function(_exiting_cleanly(lambda *ts: self._synchronize_flat(list(ts), rebuild)),
                                 flat, dtypes, name="hybridsync_synchronize")
-        for tensor, original, dense in zip(synced, flat, _dense_flags(gradients)):
+        for tensor, original, dense in zip(synced, flat, dense_flags):
             # A sparse all-reduce gathers every rank's rows: only the row shape is known.
             tensor.set_shape(original.shape if dense else [None, *original.shape[1:]])
         return rebuild(list(synced))
@@ -174,8 +174,9 @@ class GradientBridge:
         """``ValueError`` for a plan this caller cannot run: a dynamic ``sync`` policy, or ASP/SSP
         variables when nothing calls ``after_update`` (a tape)."""
         refuse_dynamic_sync(self.optimizer.strategy)  # a strategy switched in by set_strategy (trials)
-        if not self._allow_parameter_exchange and self._parameter_exchanging():
-            names = sorted(self.names[i] for i in self._parameter_exchanging())
+        exchanging = set() if self._allow_parameter_exchange else self._parameter_exchanging()
+        if exchanging:
+            names = sorted(self.names[i] for i in exchanging)
             raise ValueError(f"{self._owner}: variables {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} "
                              f"are on the parameter server under ASP/SSP, which exchange parameters after the "
                              f"update; a gradient tape never sees the update. Use "
@@ -196,13 +197,8 @@ class Bridges:
     def for_variables(self, variables: Sequence[tf.Variable]) -> GradientBridge:
         key = tuple(id(v) for v in variables)
         if key not in self._built:
-            options = self.options
-            self._built[key] = GradientBridge(
-                variables, compression=options.compression, sparse_as_dense=options.sparse_as_dense, op=options.op,
-                gradient_predivide_factor=options.gradient_predivide_factor,
-                backward_passes_per_step=options.backward_passes_per_step, groups=options.groups,
-                process_set=options.process_set, strategy=options.strategy,
-                allow_parameter_exchange=self._allow_parameter_exchange, owner=self._owner)
+            self._built[key] = GradientBridge(variables, self.options, owner=self._owner,
+                                              allow_parameter_exchange=self._allow_parameter_exchange)
         return self._built[key]
 
     def __iter__(self) -> Iterator[GradientBridge]:
@@ -219,13 +215,19 @@ def _groups_of_mirrors(groups: Any, mirror_of: dict[int, torch.nn.Parameter]) ->
         raise ValueError("groups: every variable in a group must be one whose gradient is synchronized") from None
 
 
+def torch_copy(value: Any) -> torch.Tensor:
+    """A TensorFlow tensor's (or variable's) value as a torch tensor with memory of its own: what
+    a collective or the router writes into it never reaches TensorFlow's buffer."""
+    return torch.from_numpy(np.array(value.numpy()))
+
+
 def _to_torch(gradient: Any, mirror: torch.nn.Parameter) -> torch.Tensor:
     """A TensorFlow gradient as a torch tensor of its own (the router writes results into it in place)."""
     if isinstance(gradient, tf.IndexedSlices):
-        indices = torch.from_numpy(np.array(gradient.indices.numpy(), dtype=np.int64)).unsqueeze(0)
-        values = torch.from_numpy(np.array(gradient.values.numpy())).to(mirror.dtype)
+        indices = torch_copy(gradient.indices).to(torch.int64).unsqueeze(0)
+        values = torch_copy(gradient.values).to(mirror.dtype)
         return torch.sparse_coo_tensor(indices, values, mirror.shape, check_invariants=False)
-    return torch.from_numpy(np.array(gradient.numpy())).to(mirror.dtype).reshape(mirror.shape)
+    return torch_copy(gradient).to(mirror.dtype).reshape(mirror.shape)
 
 
 def _to_tensorflow(gradient: torch.Tensor) -> Any:
@@ -237,20 +239,24 @@ def _to_tensorflow(gradient: torch.Tensor) -> Any:
     return tf.convert_to_tensor(gradient.detach().numpy())
 
 
-def _flatten(gradients: Sequence[Any]) -> tuple[list[tf.Tensor], Callable[[list[Any]], list[Any]]]:
+def _flatten(gradients: Sequence[Any]) -> tuple[list[tf.Tensor], Callable[..., list[Any]], list[bool]]:
     """Gradients as a flat tensor list (an ``IndexedSlices`` is its values and indices; ``None`` is
-    left out) and the function that rebuilds the same structure from such a list."""
+    left out), the function that rebuilds the same structure from such a list, and per flat tensor
+    whether it is a dense gradient (else a sparse one's values or indices)."""
     kinds: list[tuple[str, Any]] = []
     flat: list[tf.Tensor] = []
+    dense_flags: list[bool] = []
     for gradient in gradients:
         if gradient is None:
             kinds.append(("none", None))
         elif isinstance(gradient, tf.IndexedSlices):
             kinds.append(("sparse", gradient.dense_shape))
             flat += [gradient.values, tf.cast(gradient.indices, tf.int64)]
+            dense_flags += [False, False]
         else:
             kinds.append(("dense", None))
             flat.append(tf.convert_to_tensor(gradient))
+            dense_flags.append(True)
 
     def rebuild(tensors: list[Any], dense_shapes: bool = True) -> list[Any]:
         """``dense_shapes=False`` inside ``tf.py_function``, where the graph's shapes cannot be used."""
@@ -267,18 +273,7 @@ def _flatten(gradients: Sequence[Any]) -> tuple[list[tf.Tensor], Callable[[list[
                 position += 2
         return out
 
-    return flat, rebuild
-
-
-def _dense_flags(gradients: Sequence[Any]) -> list[bool]:
-    """Per tensor of ``_flatten(gradients)``: whether it is a dense gradient (else sparse values or indices)."""
-    flags: list[bool] = []
-    for gradient in gradients:
-        if isinstance(gradient, tf.IndexedSlices):
-            flags += [False, False]
-        elif gradient is not None:
-            flags.append(True)
-    return flags
+    return flat, rebuild, dense_flags
 
 
 def _exiting_cleanly(body: Callable[..., Any]) -> Callable[..., Any]:

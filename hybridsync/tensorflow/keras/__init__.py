@@ -44,10 +44,10 @@ class _DistributedOptimizer:
 
     def set_strategy(self, strategy: Any) -> None:
         """Route gradients by ``strategy`` from the next step on, on every rank (collective, between steps)."""
+        options = self._hybridsync.options.with_strategy(strategy)  # refuses what TensorFlow cannot run, first
         for bridge in self._hybridsync:
-            bridge.optimizer.set_strategy(strategy)
-            bridge.check_plan()
-        self._hybridsync.options = self._hybridsync.options.with_strategy(strategy)
+            bridge.optimizer.set_strategy(options.strategy)
+        self._hybridsync.options = options
 
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
