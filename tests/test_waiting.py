@@ -37,3 +37,21 @@ def test_wait_mode_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(waiting.WAIT_VAR, "busy")
     with pytest.raises(ValueError, match="HYBRIDSYNC_WAIT must be 'spin' or 'sleep'"):
         waiting._sleeping()
+
+
+@pytest.mark.parametrize("value, sleeping", [(None, True), ("sleep", True), ("spin", False)])
+def test_tensorflow_jobs_wait_without_spinning_unless_told_to_spin(monkeypatch, value, sleeping):
+    for name in ("_SLEEPING", "SPIN_S", "MAX_SLEEP_S"):
+        monkeypatch.setattr(waiting, name, getattr(waiting, name))  # restored after the test
+    if value is None:
+        monkeypatch.delenv(waiting.WAIT_VAR, raising=False)
+    else:
+        monkeypatch.setenv(waiting.WAIT_VAR, value)
+    waiting.wait_like_callbacks()
+    assert waiting._SLEEPING is sleeping
+    assert (waiting.SPIN_S, waiting.MAX_SLEEP_S) == (0.0, waiting.CALLBACK_MAX_SLEEP_S)
+    if sleeping:  # no spin phase: the core is never polled for with sched_yield
+        yields = []
+        monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
+        assert waiting.wait(FakeHorovod(polls_until_done=3), 7) == "result of 7"
+        assert yields == []

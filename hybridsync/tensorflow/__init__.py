@@ -26,9 +26,12 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       f"`make test` (scripts/bootstrap.sh) installs the version hybridsync is tested with; "
                       f"see the README's TensorFlow section.") from error
 
+from hybridsync.backends import waiting
 from hybridsync.frameworks import horovod_torch
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.tensorflow.tape import DistributedGradientTape
+
+waiting.wait_like_callbacks()  # Horovod's TensorFlow ops hold no core while they wait; neither may we
 
 Average = 0
 Sum = 1
