@@ -7,10 +7,12 @@ an autotuned strategy, on the zoo's NCF in Keras (issue 15).
 1. Autotune ``python -m hybridsync.zoo.keras_ncf`` with ``hybridsync-run --autotune`` on the
    emulated 2 x 2 cluster at 250 Mbit/s (one server per host; the autotune example config), unless
    ``--strategy`` gives the strategy. The trials run inside the Keras script itself.
-2. Train it for 10 warm-up + 40 timed steps per job, under the same launcher and cluster, as:
-   ``horovod`` (``horovod.tensorflow.keras.DistributedOptimizer``), ``hybridsync`` (no strategy:
-   the drop-in), ``autotuned`` (hybridsync with the winner). Jobs run in ABBA order per round
-   so drift hits every variant alike; each job's time is rank 0's median step.
+2. Train it for 10 warm-up + 40 timed steps per job on that emulated cluster (up once for all
+   jobs; each job's ranks started as horovodrun's Gloo mode starts them, with one server per
+   host beside them, as the trials run), as: ``horovod`` (``horovod.tensorflow.keras.DistributedOptimizer``),
+   ``hybridsync`` (no strategy: the drop-in), ``autotuned`` (hybridsync with the winner). Jobs
+   run in ABBA order per round so drift hits every variant alike; each job's time is rank 0's
+   median step.
 
 Prints each variant's job medians and its ratio to Horovod (median over rounds, with the spread
 of the per-round ratios), the autotune's time and its winner. ``TF_USE_LEGACY_KERAS=1``: Horovod's
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -49,16 +52,22 @@ def autotune(workdir: str, budget: int) -> tuple[str, float, str]:
     return os.path.join(report, "strategy.json"), time.monotonic() - started, doc["winner"]["kind"]
 
 
-def job(variant: str, strategy: str, workdir: str, index: int) -> float:
-    """Rank 0's median step time (seconds) of one training job of ``variant``."""
+def job(target, variant: str, strategy: str, workdir: str, index: int, timeout_s: float = 900.0) -> float:
+    """Rank 0's median step time (seconds) of one training job of ``variant`` on the emulated cluster."""
     out = os.path.join(workdir, f"{variant}-{index}.json")
     flags = {"horovod": ["--optimizer", "horovod"], "hybridsync": [], "autotuned": ["--strategy", strategy]}[variant]
-    argv = [HYBRIDSYNC_RUN, "-np", "4", "--config-file", CLUSTER]
-    if variant == "autotuned":
-        argv += ["--strategy", strategy]  # hybridsync-run starts the servers the strategy needs
-    argv += [*SCRIPT, "--warmup", "10", "--steps", "40", "--json", out, *flags]
     with open(os.path.join(workdir, f"{variant}-{index}.log"), "w") as log:
-        subprocess.run(argv, env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
+        running = target.start([*SCRIPT, "--warmup", "10", "--steps", "40", "--json", out, *flags], ENV, log)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while None in (codes := running.exit_codes()):
+                if any(code not in (None, 0) for code in codes) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+        finally:
+            running.stop()
+    if codes != [0] * len(codes):
+        raise RuntimeError(f"{variant} job {index} failed (exit codes {codes}): see {log.name}")
     report = json.load(open(out))
     assert len(set(report["checksums"])) == 1, f"{variant}: the ranks' variables differ"
     return report["median_step_s"]
@@ -70,21 +79,29 @@ def main() -> int:
     parser.add_argument("--trial-budget", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs every variant twice)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, report)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="which jobs to run (horovod, the reference, always runs; without autotuned, no autotune)")
     args = parser.parse_args()
+    variants = ["horovod", *(v for v in VARIANTS[1:] if v in args.variants)]
+    sys.path.insert(0, REPO)
+    from hybridsync.cluster.spec import ClusterSpec
+    from hybridsync.trials.jobs import EmulatedTarget
+    print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     workdir = tempfile.mkdtemp(prefix="hybridsync-bench-tf-")
     try:
-        if args.strategy:
-            strategy, autotune_s, winner = args.strategy, 0.0, "given"
+        if args.strategy or "autotuned" not in variants:
+            strategy, autotune_s, winner = args.strategy or "", 0.0, "given" if args.strategy else "none"
         else:
             strategy, autotune_s, winner = autotune(workdir, args.trial_budget)
             print(f"autotune: {args.trial_budget} trials in {autotune_s:.0f} s, winner {winner}", flush=True)
-        medians: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for round_index in range(args.rounds):
-            for variant in VARIANTS + VARIANTS[::-1]:  # A B C C B A
-                medians[variant].append(job(variant, strategy, workdir, len(medians[variant])))
-                print(f"round {round_index}: {variant} {1e3 * medians[variant][-1]:.1f} ms", flush=True)
+        medians: dict[str, list[float]] = {v: [] for v in variants}
+        with EmulatedTarget(ClusterSpec.from_yaml(CLUSTER)) as target:
+            for round_index in range(args.rounds):
+                for variant in variants + variants[::-1]:  # A B C C B A
+                    medians[variant].append(job(target, variant, strategy, workdir, len(medians[variant])))
+                    print(f"round {round_index}: {variant} {1e3 * medians[variant][-1]:.1f} ms", flush=True)
         print("\nvariant      job medians (ms)                      x horovod (median of rounds, spread)")
-        for variant in VARIANTS:
+        for variant in variants:
             ratios = [h / v for h, v in zip(medians["horovod"], medians[variant])]
             print(f"{variant:<12} {' '.join(f'{1e3 * m:6.1f}' for m in medians[variant]):<36} "
                   f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
