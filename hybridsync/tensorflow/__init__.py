@@ -31,8 +31,6 @@ from hybridsync.frameworks import horovod_torch
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.tensorflow.tape import DistributedGradientTape
 
-waiting.wait_like_callbacks()  # Horovod's TensorFlow ops hold no core while they wait; neither may we
-
 Average = 0
 Sum = 1
 Adasum = 2
@@ -60,13 +58,16 @@ def __getattr__(name: str) -> Any:
 
 
 def init(*args: Any, **kwargs: Any) -> None:
-    """Horovod's ``init`` (``horovod.torch.init``'s arguments), refusing a second Horovod core."""
+    """Horovod's ``init`` (``horovod.torch.init``'s arguments), refusing a second Horovod core. From
+    here on this process waits for collectives as Horovod's TensorFlow ops do, holding no core
+    (``backends.waiting.wait_like_callbacks``; ``HYBRIDSYNC_WAIT=spin`` spins as horovod.torch does)."""
     other = sys.modules.get("horovod.tensorflow")
     if other is not None and getattr(other, "is_initialized", lambda: False)():
         raise RuntimeError("horovod.tensorflow is already initialized in this process; hybridsync.tensorflow runs "
                            "on horovod.torch's core, and two Horovod cores in one process would each wait for "
                            "the other's ranks. Use hybridsync.tensorflow's functions instead of horovod.tensorflow's.")
     horovod_torch("hybridsync.tensorflow.init").init(*args, **kwargs)
+    waiting.wait_like_callbacks()
 
 
 def allreduce(tensor: Any, op: int = Average, name: str | None = None) -> tf.Tensor:
