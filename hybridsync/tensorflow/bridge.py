@@ -128,7 +128,7 @@ class GradientBridge:
         if profiler is not None:
             self._backward_start = profiler.now()
 
-    # --- eager bodies ------------------------------------------------------------------------
+    # --- the bodies: eager, or inside the graph's numpy_function ------------------------------
     def _synchronize_arrays(self, arrays: Sequence[np.ndarray], layout: "_Layout") -> list[np.ndarray]:
         """The body of the graph's ``tf.numpy_function``: NumPy in, NumPy out, as few conversions as
         possible (they run on every step, on a core the other ranks may be waiting for)."""
@@ -295,7 +295,8 @@ class _Layout:
                 position += 2
         return out
 
-    def to_torch(self, arrays: Sequence[np.ndarray], mirrors: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    def to_torch(self, arrays: Sequence[np.ndarray],
+                 mirrors: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
         """Inside the ``numpy_function``: per variable a torch gradient with memory of its own (the
         router writes results into it; TensorFlow's arrays must stay untouched), sparse for a sparse one."""
         out: list[torch.Tensor | None] = []
@@ -328,9 +329,9 @@ class _Layout:
 
 
 def _exiting_cleanly(body: Callable[..., Any]) -> Callable[..., Any]:
-    """``body`` for ``tf.numpy_function`` (or ``py_function``), where a ``SystemExit`` (a finished profile or trial schedule
-    ends the process on purpose) would become a TensorFlow error: end the process here instead,
-    with the same code, after flushing what it printed."""
+    """``body`` for ``tf.numpy_function``, where a ``SystemExit`` (a finished profile or trial
+    schedule ends the process on purpose) would become a TensorFlow error: end the process here
+    instead, with the same code, after flushing what it printed."""
     def run(*args: Any) -> Any:
         try:
             return body(*args)
