@@ -54,20 +54,15 @@ def autotune(workdir: str, budget: int) -> tuple[str, float, str]:
 
 def job(target, variant: str, strategy: str, workdir: str, index: int, timeout_s: float = 900.0) -> float:
     """Rank 0's median step time (seconds) of one training job of ``variant`` on the emulated cluster."""
+    from hybridsync.autotune.launch import run_on
     out = os.path.join(workdir, f"{variant}-{index}.json")
     flags = {"horovod": ["--optimizer", "horovod"], "hybridsync": [], "autotuned": ["--strategy", strategy]}[variant]
-    with open(os.path.join(workdir, f"{variant}-{index}.log"), "w") as log:
-        running = target.start([*SCRIPT, "--warmup", "10", "--steps", "40", "--json", out, *flags], ENV, log)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while None in (codes := running.exit_codes()):
-                if any(code not in (None, 0) for code in codes) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-        finally:
-            running.stop()
-    if codes != [0] * len(codes):
-        raise RuntimeError(f"{variant} job {index} failed (exit codes {codes}): see {log.name}")
+    log_path = os.path.join(workdir, f"{variant}-{index}.log")
+    with open(log_path, "w") as log:
+        code = run_on(target, [*SCRIPT, "--warmup", "10", "--steps", "40", "--json", out, *flags], ENV, log,
+                      timeout_s=timeout_s)
+    if code != 0:
+        raise RuntimeError(f"{variant} job {index} failed (exit code {code}; 124: timed out): see {log_path}")
     report = json.load(open(out))
     assert len(set(report["checksums"])) == 1, f"{variant}: the ranks' variables differ"
     return report["median_step_s"]

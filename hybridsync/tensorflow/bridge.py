@@ -70,8 +70,9 @@ class GradientBridge:
                         for v in self.variables]
         mirror_of = {id(v): m for v, m in zip(self.variables, self.mirrors)}
         self.optimizer = wrap(_ExternalUpdate(self.mirrors), list(zip(self.names, self.mirrors)),
-                              compression=options.compression, backward_passes_per_step=options.backward_passes_per_step,
-                              op=options.op, gradient_predivide_factor=options.gradient_predivide_factor, num_groups=0,
+                              compression=options.compression,
+                              backward_passes_per_step=options.backward_passes_per_step, op=options.op,
+                              gradient_predivide_factor=options.gradient_predivide_factor, num_groups=0,
                               groups=_groups_of_mirrors(options.groups, mirror_of),
                               sparse_as_dense=options.sparse_as_dense, process_set=options.process_set,
                               strategy=options.strategy, frontend="tensorflow")
@@ -235,20 +236,37 @@ def torch_copy(value: Any) -> torch.Tensor:
 
 
 def _to_torch(gradient: Any, mirror: torch.nn.Parameter) -> torch.Tensor:
-    """A TensorFlow gradient as a torch tensor of its own (the router writes results into it in place)."""
+    """An eager TensorFlow gradient (dense or ``IndexedSlices``) as a torch gradient of its own."""
     if isinstance(gradient, tf.IndexedSlices):
-        indices = torch_copy(gradient.indices).to(torch.int64).unsqueeze(0)
-        values = torch_copy(gradient.values).to(mirror.dtype)
-        return torch.sparse_coo_tensor(indices, values, mirror.shape, check_invariants=False)
-    return torch_copy(gradient).to(mirror.dtype).reshape(mirror.shape)
+        return _torch_gradient(mirror, gradient.values.numpy(), gradient.indices.numpy())
+    return _torch_gradient(mirror, tf.convert_to_tensor(gradient).numpy())
+
+
+def _torch_gradient(mirror: torch.nn.Parameter, values: np.ndarray,
+                    indices: np.ndarray | None = None) -> torch.Tensor:
+    """A gradient of ``mirror`` with memory of its own (the router writes results into it in place;
+    TensorFlow's arrays stay untouched): dense from ``values``, or sparse from touched rows."""
+    tensor = torch.from_numpy(np.array(values)).to(mirror.dtype)
+    if indices is None:
+        return tensor.reshape(mirror.shape)
+    rows = torch.from_numpy(np.array(indices, dtype=np.int64)).unsqueeze(0)
+    return torch.sparse_coo_tensor(rows, tensor, mirror.shape, check_invariants=False)
+
+
+def _numpy_parts(gradient: torch.Tensor) -> list[np.ndarray]:
+    """A synchronized torch gradient as NumPy views: ``[dense]``, or ``[values, row indices]`` with the
+    gathered rows as they are, repeats included, as Horovod returns them (TensorFlow's optimizers
+    sum repeated rows of an ``IndexedSlices``)."""
+    if gradient.is_sparse:
+        return [gradient._values().numpy(), gradient._indices()[0].numpy()]
+    return [gradient.detach().numpy()]
 
 
 def _to_tensorflow(gradient: torch.Tensor) -> Any:
-    if gradient.is_sparse:  # the gathered rows as they are, repeats included (see _Layout.to_arrays)
-        return tf.IndexedSlices(tf.convert_to_tensor(gradient._values().numpy()),
-                                tf.convert_to_tensor(gradient._indices()[0].numpy()),
-                                tf.constant(list(gradient.shape), dtype=tf.int64))
-    return tf.convert_to_tensor(gradient.detach().numpy())
+    parts = [tf.convert_to_tensor(part) for part in _numpy_parts(gradient)]
+    if gradient.is_sparse:
+        return tf.IndexedSlices(*parts, tf.constant(list(gradient.shape), dtype=tf.int64))
+    return parts[0]
 
 
 class _Layout:
@@ -297,35 +315,25 @@ class _Layout:
 
     def to_torch(self, arrays: Sequence[np.ndarray],
                  mirrors: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-        """Inside the ``numpy_function``: per variable a torch gradient with memory of its own (the
-        router writes results into it; TensorFlow's arrays must stay untouched), sparse for a sparse one."""
+        """Inside the ``numpy_function``: per variable its torch gradient (``_torch_gradient``)."""
         out: list[torch.Tensor | None] = []
         position = 0
         for (kind, _), mirror in zip(self.kinds, mirrors):
             if kind == "none":
                 out.append(None)
             elif kind == "dense":
-                out.append(torch.from_numpy(np.array(arrays[position])).to(mirror.dtype).reshape(mirror.shape))
+                out.append(_torch_gradient(mirror, arrays[position]))
                 position += 1
             else:
-                values = torch.from_numpy(np.array(arrays[position])).to(mirror.dtype)
-                indices = torch.from_numpy(np.array(arrays[position + 1])).unsqueeze(0)
-                out.append(torch.sparse_coo_tensor(indices, values, mirror.shape, check_invariants=False))
+                out.append(_torch_gradient(mirror, arrays[position], arrays[position + 1]))
                 position += 2
         return out
 
     def to_arrays(self, gradients: Sequence[torch.Tensor | None], like: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Synchronized torch gradients as NumPy copies in ``like``'s dtypes (the flat inputs'). A sparse
-        one keeps its gathered rows as they are, repeats included, as Horovod returns them: TensorFlow's
-        optimizers sum repeated rows of an ``IndexedSlices``."""
-        out: list[np.ndarray] = []
-        for (kind, _), gradient in zip(self.kinds, gradients):
-            if kind == "dense":
-                out.append(np.array(gradient.detach().numpy(), dtype=like[len(out)].dtype))
-            elif kind == "sparse":
-                out.append(np.array(gradient._values().numpy(), dtype=like[len(out)].dtype))
-                out.append(np.array(gradient._indices()[0].numpy(), dtype=np.int64))
-        return out
+        """Synchronized torch gradients as the flat NumPy list, copies in ``like``'s dtypes (the flat inputs')."""
+        parts = [part for (kind, _), gradient in zip(self.kinds, gradients) if kind != "none"
+                 for part in _numpy_parts(gradient)]
+        return [np.array(part, dtype=original.dtype) for part, original in zip(parts, like)]
 
 
 def _exiting_cleanly(body: Callable[..., Any]) -> Callable[..., Any]:
