@@ -14,7 +14,7 @@ setup(
     entry_points={
         "console_scripts": [
             "hybridsync = hybridsync.cli:main",
-            "hybridsync-run = hybridsync.run.launcher:main",
+            "hybridsync-run = hybridsync.cli:run_main",
             "hybridsync-server = hybridsync.backends.ps.server:main",
         ]
     },

@@ -112,7 +112,7 @@ def _scoring_speed(simulator: object, samples: list, count: int = 10_000) -> str
     """Candidates per second of a fitted simulator on the model with most variables, from
     encoded batches (what a search mutates) and from ``Strategy`` objects."""
     from hybridsync.model.encoding import StrategyBatch, from_strategies, model_arrays
-    from hybridsync.search.space import bounds_for, random_strategy
+    from hybridsync.strategy_space import bounds_for, random_strategy
 
     largest = max(samples, key=lambda s: len(s.description.variables))
     arrays, cluster = model_arrays(largest.description), largest.cluster

@@ -15,8 +15,7 @@ from typing import Any
 
 from hybridsync.frameworks import horovod_torch
 from hybridsync.strategy import Strategy, VarConfig
-
-__version__ = "0.1.0"
+from hybridsync.version import __version__
 
 _HOROVOD_FUNCTIONS = frozenset({
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",

@@ -1,13 +1,16 @@
-"""The ``hybridsync`` command: inspect and build strategies, run emulated clusters."""
+"""The commands: ``hybridsync`` (inspect and build strategies, run emulated clusters) and
+``hybridsync-run`` (``run_main``: ``hybridsync.run.launcher``, or the autotuner with ``--autotune``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from typing import Sequence
 
 from hybridsync import baselines
 from hybridsync.autotune import cli as autotune_cli
 from hybridsync.explain import explain
-from hybridsync.run import profile
+from hybridsync.run import launcher, profile
 from hybridsync.strategy import Strategy
 from hybridsync.syncswitch import cli as syncswitch_cli
 from hybridsync.model_source import load_model_variables
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["cluster"]:  # its own parser: everything after "--" is the job's command
-        from hybridsync.cluster.cli import main as cluster_main
+        from hybridsync.run.cluster_cli import main as cluster_main
         return cluster_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
@@ -66,6 +69,53 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"hybridsync {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+_RUN_FLAGS = """
+hybridsync flags (anywhere before the command; they override the --config-file's hybridsync: section):
+  --strategy PATH        strategy file for every rank
+  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)
+  --server-hosts H,...   host of each server (default: colocated with the workers)
+  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)
+  --ps-root-port P       rendezvous port of server 0 (default: a free port)
+  --autotune             profile, search, measure trials, then train with the winner
+  --trial-budget N       --autotune: real trials to spend, baselines included (default 50)
+  --store URL            --autotune: trial store (default sqlite:///trials.db)
+  --cluster SPEC.yaml    the cluster (bandwidth, servers); emulated here unless -H/--hostfile
+  --autotune-report DIR  --autotune: report and winning strategy (default autotune-report)
+
+horovodrun flags: see horovodrun --help"""
+
+
+def run_main(argv: Sequence[str] | None = None) -> int:
+    """``hybridsync-run``: horovodrun plus servers and a strategy (``hybridsync.run.launcher``), or,
+    with ``--autotune`` or the run config's ``autotune:`` section, the autotuner."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(launcher.__doc__.strip())
+        print(_RUN_FLAGS)
+        return 0
+    try:
+        options, rest = launcher.split_argv(argv)
+        if _autotune_requested(options, rest):
+            from hybridsync.autotune.launch import run_autotuned  # the autotuner needs numpy, xgboost, the search
+            return run_autotuned(dataclasses.replace(options, autotune=True), rest)
+        return launcher.run(options, rest)
+    except ValueError as e:
+        print(f"hybridsync-run: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _autotune_requested(options: launcher.LaunchOptions, horovodrun_argv: Sequence[str]) -> bool:
+    """``--autotune``, else the ``--config-file``'s ``hybridsync: autotune:`` section (the autotuner
+    reads the rest of the config itself)."""
+    if options.autotune is not None:
+        return options.autotune
+    config_file = launcher.horovodrun_job(horovodrun_argv).config_file
+    if config_file is None:
+        return False
+    from hybridsync.run.config import load_run_config
+    return bool(load_run_config(config_file).autotune.get("enabled"))
 
 
 if __name__ == "__main__":

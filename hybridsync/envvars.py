@@ -53,7 +53,7 @@ TRIAL_FAULT = "HYBRIDSYNC_TRIAL_FAULT"
 ``KIND:crash`` / ``KIND:hang`` make the last rank exit (or stop responding) at a candidate of that kind."""
 TRIALS = "HYBRIDSYNC_TRIALS"
 """Schedule (JSON lines) of strategies a training script's optimizer measures in flight
-(``hybridsync.trials.script``); set by the trial runner for ``hybridsync-run --autotune``."""
+(``hybridsync.hooks.trials``); set by the trial runner for ``hybridsync-run --autotune``."""
 TRIALS_RESULTS = "HYBRIDSYNC_TRIALS_RESULTS"
 """Where rank 0 appends the trials' events (JSON lines)."""
 TRIALS_WARMUP = "HYBRIDSYNC_TRIALS_WARMUP"

@@ -18,7 +18,7 @@ def versions() -> dict[str, str]:
     """Versions of what a measured time depends on: torch, Horovod (if it imports), hybridsync."""
     import torch
 
-    from hybridsync import __version__
+    from hybridsync.version import __version__
     out = {"torch": torch.__version__, "hybridsync": __version__}
     try:
         import horovod

@@ -6,6 +6,12 @@ hooks, ``synchronize()``, ``skip_synchronize()``, ``step()``, the ``zero_grad()`
 parameters that got no gradient), and hands each ready gradient to the router, which
 sends it the way the strategy says. With no strategy every variable is its own ring
 all-reduce under its own name: exactly what Horovod does.
+
+What rides along a step (profiler, trial schedule, Sync-Switch controller) is a step hook
+(``hybridsync.hooks``), called in a loop by ``synchronize()`` and ``step()``. What hybridsync's
+own packages need of an optimizer is declared below ``set_strategy`` (``replace_plan``,
+``pull_parameters``, ``plan_parameters``, ``close``, ``run_finished``); nothing outside this
+module touches its underscored names.
 """
 from __future__ import annotations
 
@@ -16,15 +22,15 @@ from typing import Any, Iterable, Literal, Mapping
 
 import torch
 
-from hybridsync import envvars, profiler
+from hybridsync import envvars
 from hybridsync.backends import Reduction
 from hybridsync.compression import Compression, compression_name
+from hybridsync.hooks import BUILDER, StepHook, end_run
 from hybridsync.horovod_options import (called_from_horovod_state_init, check_process_set, gather_fingerprints,
                                         grouped_names, normalize_groups, strategy_with_groups, wrapped_step)
 from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.router.runtime import Router
 from hybridsync.strategy import Strategy, resolve_strategy
-from hybridsync.syncswitch.controller import controller_for
 from hybridsync.variables import variables_from_parameters
 
 # Horovod's reduce-op constants (horovod.common.basics), so hs.Average == hvd.Average.
@@ -71,28 +77,38 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self.process_set.size() > 1:
                 _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
+        self._ends_run = frontend == "torch"
+        """``step()`` ends the process when a hook ends the run; ``hybridsync.tensorflow`` ends it itself."""
+        self.run_finished = False
+        """A step hook ended the run at the last ``step()``: the front end ends the process (``end_run``)."""
         # hybridsync.tensorflow reports its backward pass to the profiler itself: no torch hook sees it.
-        self._profiler = profiler.from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
+        self._profiler = BUILDER.profiler_from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
         self._sync_controller = self._controller_for(strategy)
         self._trials = None
+        self._hooks = self._step_hooks()
         if self._synchronizing:
-            from hybridsync.trials import script
-            self._trials = script.from_environment(self, hvd)  # None unless HYBRIDSYNC_TRIALS is set
+            # None unless HYBRIDSYNC_TRIALS is set; switches to the schedule's first strategy now.
+            self._trials = BUILDER.trials_from_environment(self, hvd)
+            self._hooks = self._step_hooks()
 
     def _controller_for(self, strategy: Strategy | None) -> Any:
         """The Sync-Switch controller of ``strategy``'s dynamic ``sync`` policy (``None`` without one)."""
         if not self._synchronizing:
             return None
-        return controller_for(self, strategy, job=f"opt{self._router.instance}")
+        return BUILDER.sync_controller(self, strategy, job=f"opt{self._router.instance}")
+
+    def _step_hooks(self) -> tuple[StepHook, ...]:
+        """The hooks ``step()`` calls, in order: the controller before the trials, which may switch plans."""
+        return tuple(hook for hook in (self._profiler, self._sync_controller, self._trials) if hook is not None)
 
     @property
     def sync_controller(self) -> Any:
-        """The Sync-Switch controller (``hybridsync.syncswitch.controller.SyncController``) or ``None``."""
+        """The Sync-Switch controller (``hybridsync.hooks.syncswitch.SyncController``) or ``None``."""
         return self._sync_controller
 
     @property
     def profiler(self) -> Any:
-        """The ``hybridsync.profiler.Profiler`` of this process when ``HYBRIDSYNC_PROFILE`` is set, else ``None``."""
+        """The ``hybridsync.hooks.profiler.Profiler`` of this process when ``HYBRIDSYNC_PROFILE`` is set, else ``None``."""
         return self._profiler
 
     def _plan_for(self, strategy: Strategy | None) -> tuple[Strategy | None, RoutingPlan, Any]:
@@ -116,13 +132,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the servers at the next ``step()`` with their current values.
         """
         resolved = resolve_strategy(strategy)
-        self._replace_plan(resolved)
+        self.replace_plan(resolved)
         if self._sync_controller is not None:
             self._sync_controller.restore_hyperparameters()  # a policy that left them scaled for ASP
         self._sync_controller = self._controller_for(resolved)
+        self._hooks = self._step_hooks()
 
-    def _replace_plan(self, strategy: Strategy | None) -> None:
-        """``set_strategy`` without touching the Sync-Switch controller (which calls this to switch)."""
+    # --- what hybridsync's own packages use: step hooks, the TensorFlow front end, experiments ---------
+    def replace_plan(self, strategy: Strategy | None) -> None:
+        """Route by ``strategy`` (already resolved) from the next step on, as ``set_strategy`` does,
+        but keep every step hook: the Sync-Switch controller switches protocols with it. Collective,
+        between steps; ``ValueError`` (the current plan stays) when the ranks disagree."""
         if self._router.pending or self._fired:
             raise ValueError("set_strategy() was called while gradients of this step are in flight (after "
                              "loss.backward(), before optimizer.step() or optimizer.synchronize()); call it "
@@ -137,6 +157,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         previous, self._router = self._router, router  # the hooks read self._router at every gradient
         self.plan, self.strategy, self.process_set = plan, resolved, process_set
         previous.close()
+
+    def pull_parameters(self) -> None:
+        """The ASP/SSP variables take the servers' current values, pushing nothing (the others are
+        untouched). Called on every rank once every rank's last update is pushed (after a barrier),
+        it leaves every rank with the same parameters."""
+        self._router.pull_parameters()
+
+    @property
+    def plan_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the plan routes, in its order: ``plan.var_names[i]`` names the i-th."""
+        return list(self._params)
+
+    def close(self) -> None:
+        """Release what the current plan holds beyond a step (PS keys, shared-memory segments, its share
+        of the hierarchical groups). Collective, after the last step: the optimizer syncs no more."""
+        self._router.close()
 
     def load_state_dict(self, *args, **kwargs):
         self._fired.clear()
@@ -179,8 +215,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._synchronizing:
             self._synchronized = True
             return
-        if self._sync_controller is not None:
-            self._sync_controller.before_sync()
+        for hook in self._hooks:
+            hook.before_sync()
         try:
             self._router.finish()
         finally:
@@ -210,16 +246,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         self._router.before_step()
-        if self._profiler is not None:
-            self._profiler.before_step()
+        for hook in self._hooks:
+            hook.before_step()
         result = super(self.__class__, self).step(closure)
         self._router.after_step()  # ASP/SSP variables: push the local update, adopt the servers' values
-        if self._profiler is not None:
-            self._profiler.after_step()  # after the last profiled step: writes the description, exits
-        if self._sync_controller is not None:
-            self._sync_controller.after_step()  # may switch the PS variables' protocol now
-        if self._trials is not None:
-            self._trials.after_step()  # at the end of a trial: records it, switches to the next (or exits)
+        finished = False
+        for hook in self._hooks:  # each sees the step end, even after one ended the run
+            finished = hook.after_step() or finished
+        if finished:
+            self.run_finished = True
+            if self._ends_run:
+                end_run()
         return result
 
     def zero_grad(self, set_to_none: bool = True):  # torch's default, which Horovod's zero_grad() gets

@@ -13,7 +13,7 @@ plain, versioned document (JSON or YAML) of this shape::
 
 ``sync`` (optional) is the Sync-Switch policy of the PS-routed variables: ``static`` (each
 keeps its ``protocol``), ``switch`` (BSP first, then ASP) or ``elastic`` (ASP while a
-straggler lasts); see ``hybridsync/syncswitch/policy.py`` for its keys.
+straggler lasts); see ``hybridsync/sync_policy.py`` for its keys.
 
 Every user mistake is reported at once, as a ``ValueError`` that names every culprit,
 so a bad file fails before the first step instead of half-way through training.
@@ -27,7 +27,7 @@ import os
 from typing import Any, Literal, Mapping
 
 from hybridsync import envvars
-from hybridsync.syncswitch.policy import SyncPolicy, policy_errors
+from hybridsync.sync_policy import SyncPolicy, policy_errors
 from hybridsync.variables import VariableInfo
 
 STRATEGY_VERSION = 1

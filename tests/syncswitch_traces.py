@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hybridsync.syncswitch.policy import Decision, ElasticPolicy
+from hybridsync.sync_policy import Decision, ElasticPolicy
 
 
 def run(policy: ElasticPolicy, compute: Callable[[int, float], float], steps: int,

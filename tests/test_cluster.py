@@ -168,7 +168,7 @@ def test_cli_run_torn_down_on_sigterm(tmp_path: Path) -> None:
     spec_path.write_text("nodes: 2\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
     job_id = f"t{os.getpid() % 100000}"
     prefix = f"hs-{job_id}-"
-    argv = [sys.executable, "-m", "hybridsync.cluster.cli", "run", str(spec_path), "--job-id", job_id,
+    argv = [sys.executable, "-m", "hybridsync.run.cluster_cli", "run", str(spec_path), "--job-id", job_id,
             "--all-nodes", "--", "sleep", "60"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -187,7 +187,7 @@ def test_cli_run_torn_down_on_sigterm(tmp_path: Path) -> None:
 @needs_root
 @pytest.mark.emulated
 def test_detached_cluster_removed_by_down() -> None:
-    from hybridsync.cluster.cli import main
+    from hybridsync.run.cluster_cli import main
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     cluster = EmulatedCluster(small_spec()).up()
@@ -308,7 +308,7 @@ def test_one_launcher_places_ranks_on_both_hosts(launcher: str, tmp_path: Path) 
 @needs_root
 @pytest.mark.emulated
 def test_cli_run_starts_servers_on_every_host(tmp_path: Path) -> None:
-    from hybridsync.cluster.cli import main
+    from hybridsync.run.cluster_cli import main
 
     spec_path = tmp_path / "c.yaml"
     spec_path.write_text("nodes: 2\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\nservers_per_node: 2\n")

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from conftest import REPO, WORKERS, launcher_argv, run_job
-from hybridsync import envvars, profiler
+from hybridsync import envvars
 from hybridsync.cli import build_parser
+from hybridsync.hooks import StepHook, StepHookBuilder, profiler
 from hybridsync.description import (ComputeTiming, ModelDescription, VariableTiming, description_id,
                                     load_description, parse_description, save_description)
 from hybridsync.run.profile import profile_command
@@ -153,7 +154,8 @@ def _train(steps: int, prof_path=None) -> tuple[dict, profiler.Profiler | None]:
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prof = None if prof_path is None else profiler.Profiler(prof_path, list(model.named_parameters()), steps=3,
-                                                            warmup=1, exit_when_done=False)
+                                                            warmup=1)
+    ended = []
     for step in range(steps):
         opt.zero_grad()
         ids = torch.arange(10) % 7 + step
@@ -162,7 +164,9 @@ def _train(steps: int, prof_path=None) -> tuple[dict, profiler.Profiler | None]:
             prof.before_step()
         opt.step()
         if prof is not None:
-            prof.after_step()
+            ended.append(prof.after_step())
+    if prof is not None:  # the run is over after the 4th step (1 warm-up + 3 profiled), and only then
+        assert ended == [False, False, False, True] + [False] * (steps - 4), ended
     return {k: v.clone() for k, v in model.state_dict().items()}, prof
 
 
@@ -185,23 +189,25 @@ def test_profiler_measures_without_changing_the_updates_and_undoes_its_hooks(tmp
 @pytest.mark.unit
 def test_profiler_settings_from_the_environment(monkeypatch, tmp_path):
     named = list(torch.nn.Linear(2, 1).named_parameters())
+    builder = StepHookBuilder()
     monkeypatch.delenv(envvars.PROFILE, raising=False)
-    assert profiler.from_environment(named, num_ranks=4) is None
+    assert builder.profiler_from_environment(named, num_ranks=4) is None
     monkeypatch.setenv(envvars.PROFILE, str(tmp_path / "d.json"))
     with pytest.raises(ValueError, match="this job has 2 ranks: profiling runs on one process"):
-        profiler.from_environment(named, num_ranks=2)
+        builder.profiler_from_environment(named, num_ranks=2)
     monkeypatch.setenv(envvars.PROFILE_STEPS, "zero")
     with pytest.raises(ValueError, match="HYBRIDSYNC_PROFILE_STEPS='zero': expected an integer >= 1"):
-        profiler.from_environment(named, num_ranks=1)
+        builder.profiler_from_environment(named, num_ranks=1)
     monkeypatch.setenv(envvars.PROFILE_STEPS, "4")
-    first = profiler.from_environment(named, num_ranks=1)
+    first = builder.profiler_from_environment(named, num_ranks=1)
     try:
+        assert isinstance(first, StepHook)
         assert (first.steps, first.warmup) == (4, envvars.PROFILE_WARMUP_DEFAULT)
         with pytest.warns(UserWarning, match="only the first DistributedOptimizer"):
-            assert profiler.from_environment(named, num_ranks=1) is None
+            assert builder.profiler_from_environment(named, num_ranks=1) is None
     finally:
         first.close()
-    again = profiler.from_environment(named, num_ranks=1)  # the first one closed: the next one may profile
+    again = builder.profiler_from_environment(named, num_ranks=1)  # the first one closed: the next one may profile
     assert again is not None
     again.close()
 

@@ -14,7 +14,7 @@ from hybridsync.model.encoding import HIER, PS, RING, StrategyBatch, from_strate
 from hybridsync.router.plan import build_plan
 from hybridsync.search import operators
 from hybridsync.search.evolution import EvolutionarySearch, EvolutionSettings, auto_batch, bounds_for, run_search
-from hybridsync.search.space import SpaceBounds
+from hybridsync.strategy_space import SpaceBounds
 
 pytestmark = pytest.mark.unit
 

@@ -23,7 +23,7 @@ from hybridsync.model.features import FEATURE_NAMES, feature_matrix
 from hybridsync.model.simulator import (BoosterParams, Sample, Simulator, load_samples, median_standard_error,
                                         shipped_simulator)
 from hybridsync.router.plan import build_plan
-from hybridsync.search.space import SpaceBounds, bounds_for, random_strategy
+from hybridsync.strategy_space import SpaceBounds, bounds_for, random_strategy
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.trials.store import TrialStore
 from hybridsync.variables import VariableInfo

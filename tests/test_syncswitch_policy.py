@@ -10,7 +10,7 @@ import pytest
 import syncswitch_traces
 from hybridsync.backends.ps.coordinator import SwitchCoordinator
 from hybridsync.strategy import Strategy
-from hybridsync.syncswitch.policy import ElasticPolicy, SyncPolicy
+from hybridsync.sync_policy import ElasticPolicy, SyncPolicy
 from hybridsync.syncswitch.tune import search_switch_fraction, switch_strategy
 
 PS = {"route": "ps"}

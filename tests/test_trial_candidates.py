@@ -9,7 +9,7 @@ import pytest
 from hybridsync import baselines
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.router.plan import build_plan
-from hybridsync.search.space import SpaceBounds, random_strategy
+from hybridsync.strategy_space import SpaceBounds, random_strategy
 from hybridsync.trials.candidates import (HOROVOD_KIND, Candidate, load_candidates, random_candidates,
                                           trial_candidates)
 from hybridsync.trials.runner import _Follower

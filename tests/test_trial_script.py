@@ -1,4 +1,4 @@
-"""Trials inside a user's script (hybridsync.trials.script) under a real 2-rank job."""
+"""Trials inside a user's script (hybridsync.hooks.trials) under a real 2-rank job."""
 from __future__ import annotations
 
 import sys

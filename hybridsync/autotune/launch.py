@@ -6,7 +6,7 @@
 
 1. profile: the command runs as one process with ``HYBRIDSYNC_PROFILE`` (a few steps);
 2. search and trials (``hybridsync.autotune.loop``): the same command runs as the trial job,
-   its optimizer switching strategies in flight (``hybridsync.trials.script``);
+   its optimizer switching strategies in flight (``hybridsync.hooks.trials``);
 3. train: the command runs once more, every rank with ``HYBRIDSYNC_STRATEGY`` = the winner.
 
 The cluster spec (``--cluster`` or the config's ``hybridsync: cluster:``) tells the simulator

@@ -266,7 +266,7 @@ def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec,
     ``exact``: only plain Horovod's numerics (no fp16, BSP)."""
     from hybridsync.model.encoding import model_arrays
     from hybridsync.search.evolution import EvolutionarySearch, run_search, simulator_cost
-    from hybridsync.search.space import bounds_for
+    from hybridsync.strategy_space import bounds_for
     arrays = model_arrays(description)
     search = EvolutionarySearch(arrays, cluster, bounds_for(cluster, exact=exact), rng, seeds=seeds)
     run_search(search, simulator_cost(simulator, arrays, cluster), budget, progress=progress)

@@ -1,3 +1,4 @@
 """Everything that starts and stops jobs: ``hybridsync-run`` (``launcher``), jobs across an
-emulated cluster (``emulated``, ``rendezvous``), child processes that never outlive their
-owner (``procs``) and run configs (``config``)."""
+emulated cluster (``emulated``, ``rendezvous``, ``cluster_cli``: ``hybridsync cluster``), child
+processes that never outlive their owner (``procs``), run configs (``config``) and
+``hybridsync profile`` (``profile``)."""

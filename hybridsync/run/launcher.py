@@ -330,13 +330,10 @@ def _raise_on_sigterm(signum, frame) -> None:
 
 
 def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_s: float = 60.0) -> int:
-    """Start servers (if any), run horovodrun to the end, then stop everything it started."""
+    """Start servers (if any), run horovodrun to the end, then stop everything it started. The
+    autotuner (``hybridsync.cli.run_main`` starts it for ``--autotune``) trains its winner through this."""
     job_shape = horovodrun_job(horovodrun_argv)
-    configured = with_run_config(options, job_shape.config_file)
-    if configured.autotune:  # the autotuner reads the config itself; it trains with its winner through run()
-        from hybridsync.autotune.launch import run_autotuned  # the autotuner needs numpy, xgboost, the search
-        return run_autotuned(dataclasses.replace(options, autotune=True), horovodrun_argv)
-    options = configured
+    options = with_run_config(options, job_shape.config_file)
     num_servers = options.num_servers if options.num_servers is not None else int(_uses_ps(options.strategy))
     if num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
@@ -371,31 +368,3 @@ def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
             pass
         procs.stop(server)
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        print("\nhybridsync flags (anywhere before the command; they override the --config-file's "
-              "hybridsync: section):\n  --strategy PATH        strategy file for every rank\n"
-              "  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)\n"
-              "  --server-hosts H,...   host of each server (default: colocated with the workers)\n"
-              "  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)\n"
-              "  --ps-root-port P       rendezvous port of server 0 (default: a free port)\n"
-              "  --autotune             profile, search, measure trials, then train with the winner\n"
-              "  --trial-budget N       --autotune: real trials to spend, baselines included (default 50)\n"
-              "  --store URL            --autotune: trial store (default sqlite:///trials.db)\n"
-              "  --cluster SPEC.yaml    the cluster (bandwidth, servers); emulated here unless -H/--hostfile\n"
-              "  --autotune-report DIR  --autotune: report and winning strategy (default autotune-report)\n"
-              "\nhorovodrun flags: see horovodrun --help")
-        return 0
-    try:
-        options, rest = split_argv(argv)
-        return run(options, rest)
-    except ValueError as e:
-        print(f"hybridsync-run: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

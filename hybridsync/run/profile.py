@@ -4,7 +4,7 @@
 
 The command runs as one process, no launcher (``hvd.init()`` works with size 1), with
 ``HYBRIDSYNC_PROFILE`` set: its ``hybridsync.DistributedOptimizer`` profiles W warm-up and
-N measured steps, writes the description and ends the process (``hybridsync.profiler``).
+N measured steps, writes the description and ends the process (``hybridsync.hooks.profiler``).
 Torch-free: this side only starts the script, bounds it in time and reads what it wrote.
 """
 from __future__ import annotations

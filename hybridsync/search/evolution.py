@@ -30,7 +30,7 @@ import numpy as np
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.model.encoding import ModelArrays, StrategyBatch, from_strategies
 from hybridsync.search import operators
-from hybridsync.search.space import SpaceBounds, bounds_for
+from hybridsync.strategy_space import SpaceBounds, bounds_for
 from hybridsync.strategy import Strategy
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.model.encoding import ModelArrays, StrategyBatch
 from hybridsync.search import operators
 from hybridsync.search.evolution import EvolutionarySearch, EvolutionSettings
-from hybridsync.search.space import SpaceBounds
+from hybridsync.strategy_space import SpaceBounds
 from hybridsync.strategy import Strategy
 
 SearcherName = Literal["evolution", "random", "tpe", "ngopt"]

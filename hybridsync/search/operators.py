@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from hybridsync.model.encoding import HIER, PS, RING, ModelArrays, StrategyBatch
-from hybridsync.search.space import (BY_CLASS, GROUP_COUNT_CHOICES, LARGE_DENSE_BYTES, PARTITION_BYTES_CHOICES,
-                                     SpaceBounds)
+from hybridsync.strategy_space import (BY_CLASS, GROUP_COUNT_CHOICES, LARGE_DENSE_BYTES, PARTITION_BYTES_CHOICES,
+                                      SpaceBounds)
 
 MUTATIONS = ("route", "partitions", "group", "compression", "protocol", "server", "spread")
 ROUTE_CODES = {"ring": RING, "hierarchical": HIER, "bsp": PS}

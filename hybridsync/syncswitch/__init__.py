@@ -1,7 +1,7 @@
-"""Sync-Switch (issue 14): BSP <-> ASP switching of the PS-routed variables in flight.
+"""Sync-Switch (issue 14) experiments: choosing and evaluating BSP <-> ASP switching of the PS variables.
 
-``policy.py`` (the strategy's ``sync`` section and the elastic straggler policy, pure),
-``controller.py`` (each rank's side of a switch), ``tune.py`` and ``cli.py`` (choosing the
-switch point offline), ``digits.py`` and ``evaluate.py`` (the evaluation task on the
-emulated cluster). The servers' side is ``hybridsync/backends/ps/coordinator.py``.
+``tune.py`` and ``cli.py`` (choosing the switch point offline), ``digits.py`` and
+``evaluate.py`` (the evaluation task on the emulated cluster). The runtime side lives
+elsewhere: the policy value in ``hybridsync/sync_policy.py``, each rank's controller in
+``hybridsync/hooks/syncswitch.py``, the servers' in ``hybridsync/backends/ps/coordinator.py``.
 """

@@ -109,7 +109,7 @@ def _train_one(hvd: Any, hs: Any, config: TaskConfig, data: tuple[Any, Any, Any,
     hvd.barrier()  # every rank's last push is on the servers
     if rank == 0:
         open(f"{prefix}.done", "w").close()
-    optimizer._router.pull_parameters()  # ASP/SSP: the servers' model (BSP: nothing to do)
+    optimizer.pull_parameters()  # ASP/SSP: the servers' model (BSP: nothing to do)
     result: dict[str, Any] = {"rank": rank, "began": began, "times": times, "batch": config.batch}
     if rank == 0:
         result["curve"] = curve
@@ -120,7 +120,7 @@ def _train_one(hvd: Any, hs: Any, config: TaskConfig, data: tuple[Any, Any, Any,
     with open(f"{prefix}.rank{rank}.json", "w") as handle:
         json.dump(result, handle)
     hvd.barrier()
-    optimizer._router.close()  # release this run's keys on the servers
+    optimizer.close()  # release this run's keys on the servers
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import statistics
 from typing import Any, Callable, Sequence
 
 from hybridsync.strategy import Strategy
-from hybridsync.syncswitch.policy import SyncPolicy
+from hybridsync.sync_policy import SyncPolicy
 
 Measure = Callable[[float], tuple[float, float | None]]
 """A fraction of training in BSP (1.0: all of it) -> (final accuracy, seconds to the target or None)."""

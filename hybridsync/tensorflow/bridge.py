@@ -25,8 +25,6 @@ ranks of a CPU job may be waiting for.
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 import torch
 
+from hybridsync.hooks import end_run
 from hybridsync.tensorflow.names import variable_names
 from hybridsync.tensorflow.options import SyncOptions, refuse_dynamic_sync
 
@@ -93,10 +92,12 @@ class GradientBridge:
         if len(gradients) != len(self.mirrors):
             raise ValueError(f"{self._owner}: {len(gradients)} gradients for {len(self.mirrors)} variables")
         if tf.executing_eagerly():
-            return self._synchronize_now(gradients)
+            synced = self._synchronize_now(gradients)
+            self._end_if_run_finished()
+            return synced
         layout = _Layout(gradients)
         flat = layout.flatten(gradients)
-        synced = tf.numpy_function(_exiting_cleanly(lambda *arrays: self._synchronize_arrays(arrays, layout)), flat,
+        synced = tf.numpy_function(self._graph_body(lambda *arrays: self._synchronize_arrays(arrays, layout)), flat,
                                    [t.dtype for t in flat], stateful=True, name="hybridsync_synchronize")
         synced = list(synced) if flat else []  # no gradient at all: the rank still takes part, with zeros
         for tensor, original, dense in zip(synced, flat, layout.dense_flags):
@@ -110,8 +111,9 @@ class GradientBridge:
         the servers' values; then the optimizer's end-of-step work (Sync-Switch, profiling, trials)."""
         if tf.executing_eagerly():
             self._after_update_now()
+            self._end_if_run_finished()
             return None
-        return tf.numpy_function(_exiting_cleanly(lambda: self._after_update_now() or []), [], [], stateful=True,
+        return tf.numpy_function(self._graph_body(lambda: self._after_update_now() or []), [], [], stateful=True,
                                  name="hybridsync_after_update")
 
     def pull_parameters(self) -> None:
@@ -119,7 +121,7 @@ class GradientBridge:
         every rank once every rank's last update is pushed (after a barrier), it leaves every rank
         with the same model, as at the end of training."""
         exchanged = self._parameter_exchanging()
-        self.optimizer._router.pull_parameters()
+        self.optimizer.pull_parameters()
         for index in exchanged:
             self.variables[index].assign(self.mirrors[index].detach().numpy())
 
@@ -177,6 +179,20 @@ class GradientBridge:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.check_plan()  # a trial schedule may have switched strategies in step()
+
+    def _end_if_run_finished(self, in_graph: bool = False) -> None:
+        """End the process if a step hook ended the run in this step (a finished profile or trial
+        schedule), as torch's ``step()`` does (``end_run``); ``in_graph``: inside a ``tf.numpy_function``."""
+        if self.optimizer.run_finished:
+            end_run(from_tensorflow_graph=in_graph)
+
+    def _graph_body(self, body: Callable[..., Any]) -> Callable[..., Any]:
+        """``body`` for ``tf.numpy_function``, ending the process after it if the run is over."""
+        def run(*args: Any) -> Any:
+            result = body(*args)
+            self._end_if_run_finished(in_graph=True)
+            return result
+        return run
 
     def _parameter_exchanging(self) -> set[int]:
         """Variables whose messages exchange parameters (ASP/SSP on the servers) under the current plan."""
@@ -335,16 +351,3 @@ class _Layout:
                  for part in _numpy_parts(gradient)]
         return [np.array(part, dtype=original.dtype) for part, original in zip(parts, like)]
 
-
-def _exiting_cleanly(body: Callable[..., Any]) -> Callable[..., Any]:
-    """``body`` for ``tf.numpy_function``, where a ``SystemExit`` (a finished profile or trial
-    schedule ends the process on purpose) would become a TensorFlow error: end the process here
-    instead, with the same code, after flushing what it printed."""
-    def run(*args: Any) -> Any:
-        try:
-            return body(*args)
-        except SystemExit as done:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(done.code if isinstance(done.code, int) else 0)
-    return run

@@ -13,7 +13,7 @@ import numpy as np
 
 from hybridsync import baselines
 from hybridsync.cluster.spec import ClusterSpec
-from hybridsync.search.space import bounds_for, random_strategy
+from hybridsync.strategy_space import bounds_for, random_strategy
 from hybridsync.strategy import Strategy
 from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND
 from hybridsync.variables import VariableInfo
@@ -62,7 +62,7 @@ def baseline_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec
 
 def random_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec, count: int, seed: int,
                       exclude: Iterable[str] = ()) -> list[Candidate]:
-    """``count`` distinct random strategies (``hybridsync.search.space``), none in ``exclude``.
+    """``count`` distinct random strategies (``hybridsync.strategy_space``), none in ``exclude``.
 
     The same (model, spec, count, seed) always gives the same list, which is what lets an
     interrupted run resume where it stopped.

@@ -95,7 +95,7 @@ class ZooWorkload:
 @dataclasses.dataclass(frozen=True)
 class ScriptWorkload:
     """Any training script whose optimizer is ``hybridsync.DistributedOptimizer``: its optimizer
-    measures the schedule in flight (``hybridsync.trials.script``). The script must train at least
+    measures the schedule in flight (``hybridsync.hooks.trials``). The script must train at least
     one trial's steps per run; a run that ends early is restarted for the rest."""
 
     command: tuple[str, ...]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import socket
@@ -30,27 +29,10 @@ from typing import Any
 
 from hybridsync import envvars
 from hybridsync.frameworks import versions
+from hybridsync.hooks.trials import ResultsFile, slowest_rank_times, utc_now
 
 BATCHES_PER_RANK = 4
 """Batches made before the first step and cycled, so that no data generation is timed."""
-
-
-def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
-class ResultsFile:
-    """Appends JSON lines that survive this process dying right after ``write`` returns."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def write(self, event: dict[str, Any]) -> None:
-        line = json.dumps(event, separators=(",", ":")) + "\n"
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
 
 
 def timed_steps(zoo_model: Any, model: Any, optimizer: Any, batches: list, count: int) -> list[float]:
@@ -62,12 +44,6 @@ def timed_steps(zoo_model: Any, model: Any, optimizer: Any, batches: list, count
         train_step(zoo_model, model, optimizer, batches[step % len(batches)])
         times.append(time.perf_counter() - start)
     return times
-
-
-def slowest_rank_times(hvd: Any, times: list[float], name: str) -> list[float]:
-    """Per step, the slowest rank's time (a step ends for the job when its last rank ends it)."""
-    everyone = hvd.allgather_object(times, name=name)
-    return [max(rank_times[i] for rank_times in everyone) for i in range(len(times))]
 
 
 class TrialWorker:

@@ -6,7 +6,7 @@ Step k looks up ids ``(arange(BATCH) % UNIQUE_IDS) + (k % 10) * 50``: exactly UN
 distinct rows of the embedding per step. Prints ``step k`` after each step and
 ``trained N steps`` at the end, so a test sees where a profiled run stopped. With
 ``--params`` the parameters are saved when the process ends, however it ends (the
-profiler ends it with ``SystemExit(0)`` inside ``optimizer.step()``).
+finished profile ends it with ``SystemExit(0)`` from ``optimizer.step()``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Repro: Horovod 0.28.1's Gloo reduce-scatter on a process set gives wrong sums or hangs.
 
     printf 'nodes: 2\nworkers_per_node: 2\ninter_node_bandwidth: 1gbit\n' > /tmp/c.yaml
-    PYTHONPATH=. .venv/bin/python -m hybridsync.cluster.cli run /tmp/c.yaml --launcher gloo \\
+    PYTHONPATH=. .venv/bin/python -m hybridsync.run.cluster_cli run /tmp/c.yaml --launcher gloo \\
         --timeout 300 -- .venv/bin/python tests/workers/reducescatter_stress.py [MiB] [REPS]
 
 Kept as the record of why ``hybridsync.backends.hierarchical`` does not start with a

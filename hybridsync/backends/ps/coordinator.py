@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from hybridsync.syncswitch.policy import ElasticPolicy, SyncPolicy
+from hybridsync.sync_policy import ElasticPolicy, SyncPolicy
 
 log = logging.getLogger("hybridsync.ps.coordinator")
 

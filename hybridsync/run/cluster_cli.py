@@ -6,7 +6,7 @@
     hybridsync cluster down [--prefix hs-]           # remove whatever a killed launcher left
     hybridsync cluster ls                            # what is up now
 
-Also runnable as ``python -m hybridsync.cluster.cli``. Needs root.
+Also runnable as ``python -m hybridsync.run.cluster_cli``. Needs root.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Profiling a training script from inside ``DistributedOptimizer``: the model description's timing.
+"""Profiling a training script from a step hook of ``DistributedOptimizer``: the model description's timing.
 
 When ``HYBRIDSYNC_PROFILE=<path>`` is set, the (first) ``hybridsync.DistributedOptimizer``
 of a single-process job records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after
@@ -14,8 +14,8 @@ of a single-process job records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after
 - the wrapped optimizer's ``step()``, and the whole step (end of one ``step()`` to the next).
 
 It then writes the description (``hybridsync.description``), prints
-``hybridsync profile: wrote PATH after N steps`` on stderr and ends the process with
-``SystemExit(0)``, so a script that would train for hours stops after a few steps.
+``hybridsync profile: wrote PATH after N steps`` on stderr and ends the run (the front end
+exits with code 0), so a script that would train for hours stops after a few steps.
 Nothing it installs changes a gradient or an update: every hook only reads a clock.
 With several gradient accumulation passes per step, forward and backward times add up
 over them and ready times are those of the last pass. More than one rank is refused:
@@ -31,40 +31,32 @@ import socket
 import statistics
 import sys
 import time
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 
 from hybridsync import envvars
 from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming, save_description
+from hybridsync.hooks.base import StepHook
 from hybridsync.variables import variables_from_parameters
 
 _SECONDS_DIGITS = 7  # 0.1 us: finer than a clock read costs, short enough to keep files readable
 
-_active: "Profiler | None" = None
-"""The profiler of this process: only the first optimizer is profiled."""
-
 
 def from_environment(named_parameters: Sequence[tuple[str, Any]], num_ranks: int,
                      torch_hooks: bool = True) -> "Profiler | None":
-    """A started ``Profiler`` if ``HYBRIDSYNC_PROFILE`` is set (and none runs yet), else None.
-    ``torch_hooks=False``: the frontend reports each backward pass (``record_backward``)."""
-    global _active
+    """A started ``Profiler`` if ``HYBRIDSYNC_PROFILE`` is set, else None (one per process:
+    ``hybridsync.hooks.StepHookBuilder`` asks). ``torch_hooks=False``: the frontend reports each
+    backward pass (``record_backward``)."""
     path = os.environ.get(envvars.PROFILE)
     if not path:
         return None
     if num_ranks > 1:
         raise ValueError(f"{envvars.PROFILE} is set but this job has {num_ranks} ranks: profiling runs on one "
                          f"process, without a launcher (hybridsync profile -o {path} -- python train.py ...)")
-    if _active is not None:
-        warnings.warn(f"{envvars.PROFILE}: only the first DistributedOptimizer of a process is profiled; "
-                      f"this one is not")
-        return None
     steps = _int_from_env(envvars.PROFILE_STEPS, envvars.PROFILE_STEPS_DEFAULT, minimum=1)
     warmup = _int_from_env(envvars.PROFILE_WARMUP, envvars.PROFILE_WARMUP_DEFAULT, minimum=0)
-    _active = Profiler(path, named_parameters, steps=steps, warmup=warmup, torch_hooks=torch_hooks)
-    return _active
+    return Profiler(path, named_parameters, steps=steps, warmup=warmup, torch_hooks=torch_hooks)
 
 
 def _int_from_env(name: str, default: int, minimum: int) -> int:
@@ -93,20 +85,21 @@ class _StepRecord:
     rows_touched: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-class Profiler:
+class Profiler(StepHook):
     """Records steps of one process's training loop; the optimizer calls ``before_step``/``after_step``."""
 
     def __init__(self, path: str | os.PathLike, named_parameters: Sequence[tuple[str, Any]], *,
                  steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter,
-                 exit_when_done: bool = True, torch_hooks: bool = True) -> None:
+                 torch_hooks: bool = True) -> None:
         self.path = os.fspath(path)
         self.steps, self.warmup = steps, warmup
         self._named = list(named_parameters)
         self._clock = clock
-        self._exit_when_done = exit_when_done
         self._steps_done = 0
         self.finished = False
         """The description is written (and the hooks removed): later steps are not recorded."""
+        self.closed = False
+        """``close()`` ran: the torch hooks are removed (another profiler may start)."""
         self._records: list[_StepRecord] = []
         self._current = _StepRecord()
         self._forward_start: float | None = None
@@ -189,10 +182,11 @@ class Profiler:
         if self._step_start is None:
             self._step_start = self._optimizer_start
 
-    def after_step(self) -> None:
-        """Just after the wrapped optimizer's ``step()``: close the step; after the last one, write and exit."""
+    def after_step(self) -> bool:
+        """Just after the wrapped optimizer's ``step()``: close the step; after the last one, write the
+        description and return ``True``: the run is over."""
         if self.finished:
-            return
+            return False
         end = self._clock()
         self._current.optimizer_s = end - self._optimizer_start
         self._current.step_s = end - self._step_start
@@ -203,6 +197,7 @@ class Profiler:
         self._forward_start = None
         if len(self._records) == self.steps:
             self.finish()
+        return self.finished
 
     # --- the result --------------------------------------------------------------------
     def description(self) -> ModelDescription:
@@ -235,7 +230,7 @@ class Profiler:
         return out
 
     def finish(self) -> None:
-        """Write the description, undo every hook, say so on stderr; end the process if asked to."""
+        """Write the description, undo every hook, say so on stderr."""
         desc = self.description()
         self.close()
         save_description(desc, self.path)
@@ -243,20 +238,15 @@ class Profiler:
         total = self.warmup + len(self._records)
         print(f"hybridsync profile: wrote {self.path} after {total} steps "
               f"({self.warmup} warm-up, {len(self._records)} profiled)", file=sys.stderr, flush=True)
-        if self._exit_when_done:
-            sys.stdout.flush()
-            raise SystemExit(0)
 
     def close(self) -> None:
         """Remove the hooks and restore ``torch.autograd.backward``; training goes on unprofiled."""
-        global _active
         for handle in self._handles:
             handle.remove()
         self._handles = []
         if torch.autograd.backward == self._backward:
             torch.autograd.backward = self._original_backward
-        if _active is self:
-            _active = None
+        self.closed = True
 
 
 def _median_seconds(values: Sequence[float]) -> float:

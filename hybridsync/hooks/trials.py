@@ -1,4 +1,4 @@
-"""Trials inside any training script: the optimizer measures a schedule of strategies in flight.
+"""Trials inside any training script: a step hook measures a schedule of strategies in flight.
 
 The zoo's trial worker (``hybridsync.trials.worker``) knows its model; a user's
 ``train.py`` is known only through its ``hybridsync.DistributedOptimizer``. When the trial
@@ -13,17 +13,20 @@ drives the trials from ``step()``, whatever loop the script runs:
   intervals the slowest rank's times are written as a ``trial`` event and the next
   strategy is switched in;
 - a strategy the optimizer refuses (``ValueError`` on every rank) is a failed trial;
-- after the last trial rank 0 writes ``done`` and the script ends (``SystemExit(0)``).
+- after the last trial rank 0 writes ``done`` and the hook ends the run (the front end
+  ends the process with exit code 0).
 
-The events are those of the zoo worker (``ready``, ``trial``, ``done``), so one runner
-follows both. A script that ends before the schedule does (it trains fewer steps than the
-trials need) writes ``exhausted`` at exit: the runner then starts it again for the rest.
-A schedule entry whose strategy is null measures the optimizer with no strategy (every
-variable ring all-reduced through Horovod, with Horovod's fusion: the drop-in default).
+The events are those of the zoo worker (``ready``, ``trial``, ``done``; written by
+``ResultsFile``, shared with it), so one runner follows both. A script that ends before the
+schedule does (it trains fewer steps than the trials need) writes ``exhausted`` at exit:
+the runner then starts it again for the rest. A schedule entry whose strategy is null
+measures the optimizer with no strategy (every variable ring all-reduced through Horovod,
+with Horovod's fusion: the drop-in default).
 """
 from __future__ import annotations
 
 import atexit
+import datetime
 import json
 import os
 import socket
@@ -32,25 +35,20 @@ from typing import Any
 
 from hybridsync import envvars
 from hybridsync.frameworks import versions
+from hybridsync.hooks.base import StepHook
 from hybridsync.strategy import Strategy
-from hybridsync.trials.worker import ResultsFile, slowest_rank_times, utc_now
-
-_active: "ScriptTrials | None" = None
-"""The trials of this process: only the first optimizer drives them."""
 
 
 def from_environment(optimizer: Any, hvd: Any) -> "ScriptTrials | None":
-    """Started ``ScriptTrials`` for ``optimizer`` if ``HYBRIDSYNC_TRIALS`` is set (and none runs yet)."""
-    global _active
+    """Started ``ScriptTrials`` for ``optimizer`` if ``HYBRIDSYNC_TRIALS`` is set, else ``None``."""
     schedule = os.environ.get(envvars.TRIALS)
-    if not schedule or _active is not None:
+    if not schedule:
         return None
     results = os.environ.get(envvars.TRIALS_RESULTS)
     if not results:
         raise ValueError(f"{envvars.TRIALS} is set but {envvars.TRIALS_RESULTS} is not: the trial runner sets both")
-    _active = ScriptTrials(optimizer, hvd, schedule, results, warmup=_count(envvars.TRIALS_WARMUP, 0),
-                           timed=_count(envvars.TRIALS_STEPS, 1))
-    return _active
+    return ScriptTrials(optimizer, hvd, schedule, results, warmup=_count(envvars.TRIALS_WARMUP, 0),
+                        timed=_count(envvars.TRIALS_STEPS, 1))
 
 
 def _count(name: str, minimum: int) -> int:
@@ -60,7 +58,31 @@ def _count(name: str, minimum: int) -> int:
     return int(raw)
 
 
-class ScriptTrials:
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+class ResultsFile:
+    """Appends JSON lines that survive this process dying right after ``write`` returns."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def write(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def slowest_rank_times(hvd: Any, times: list[float], name: str) -> list[float]:
+    """Per step, the slowest rank's time (a step ends for the job when its last rank ends it)."""
+    everyone = hvd.allgather_object(times, name=name)
+    return [max(rank_times[i] for rank_times in everyone) for i in range(len(times))]
+
+
+class ScriptTrials(StepHook):
     """One rank's progress through the schedule; the optimizer calls ``after_step`` after every step."""
 
     def __init__(self, optimizer: Any, hvd: Any, schedule_path: str, results_path: str, *,
@@ -82,10 +104,14 @@ class ScriptTrials:
         self._write({"event": "ready", "time": utc_now(), "host": socket.gethostname(), "size": hvd.size(),
                      "versions": versions()})
         atexit.register(self._at_exit)
-        self._begin()
+        self.done = not self._begin()
+        """Every trial of the schedule is over: the next ``after_step`` ends the run."""
 
-    def after_step(self) -> None:
-        """Ends one step's interval; at the end of a trial, records it and switches to the next."""
+    def after_step(self) -> bool:
+        """Ends one step's interval; at the end of a trial, records it and switches to the next.
+        ``True`` once the schedule is done: the run is over."""
+        if self.done:
+            return True
         now = time.perf_counter()
         self.steps_seen += 1
         self._times.append(now - self._last)
@@ -94,10 +120,12 @@ class ScriptTrials:
             times = slowest_rank_times(self.hvd, self._times, name=f"trials.{self.position}.times")
             self._trial("ok", None, times)
             self.position += 1
-            self._begin()
+            self.done = not self._begin()
+        return self.done
 
-    def _begin(self) -> None:
-        """Switches to the next strategy the optimizer accepts (refusals are failed trials), or ends."""
+    def _begin(self) -> bool:
+        """Switches to the next strategy the optimizer accepts (refusals are failed trials): ``True``;
+        or, with none left, writes ``done``: ``False``."""
         while self.position < len(self.schedule):
             entry = self.schedule[self.position]
             self._started = utc_now()
@@ -110,10 +138,10 @@ class ScriptTrials:
                 continue
             self.hvd.barrier()  # every rank starts the trial's first interval together
             self._times, self._last = [], time.perf_counter()
-            return
+            return True
         self._write({"event": "done", "time": utc_now()})
         self.hvd.barrier()
-        raise SystemExit(0)
+        return False
 
     def _trial(self, status: str, reason: str | None, times: list[float]) -> None:
         self._write({"event": "trial", "index": self.schedule[self.position]["index"], "status": status,

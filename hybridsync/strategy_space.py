@@ -1,4 +1,4 @@
-"""The strategy space: random valid strategies for trials (and, later, the search's seeds).
+"""The strategy space: random valid strategies for trials and the search (toolchain; torch-free).
 
 A strategy is drawn in two levels, so that the samples cover pure strategies, mixes that
 lean one way, and even mixes alike (a flat per-variable draw would make every sample an

@@ -1,10 +1,10 @@
 """Switching the PS variables between BSP and ASP in flight, at a step every rank agrees on.
 
-``DistributedOptimizer`` makes a ``SyncController`` when its strategy has a dynamic ``sync``
-policy. The controller counts steps (a rank's ``optimizer.step()`` calls) and, after the
-step a switch is due, installs the other protocol's plan through the optimizer's
-``set_strategy`` machinery (new keys on the servers, the old ones released), without a
-restart:
+``DistributedOptimizer`` makes a ``SyncController`` (a step hook) when its strategy has a
+dynamic ``sync`` policy. The controller counts steps (a rank's ``optimizer.step()`` calls)
+and, after the step a switch is due, installs the other protocol's plan through the
+optimizer's ``replace_plan`` (``set_strategy``'s machinery: new keys on the servers, the old
+ones released), without a restart:
 
 - ``switch``: the step is fixed by the policy (``switch_at``), identical on every rank.
 - ``elastic``: each rank reports each step to server 0 (sent when its backward pass is
@@ -26,8 +26,9 @@ import dataclasses
 import sys
 from typing import Any, Literal
 
+from hybridsync.hooks.base import StepHook
 from hybridsync.strategy import Strategy
-from hybridsync.syncswitch.policy import SyncPolicy
+from hybridsync.sync_policy import SyncPolicy
 
 Protocol = Literal["bsp", "asp"]
 
@@ -42,7 +43,7 @@ class SwitchEvent:
     reason: str
 
 
-class SyncController:
+class SyncController(StepHook):
     """One optimizer's Sync-Switch policy on this rank."""
 
     def __init__(self, optimizer: Any, strategy: Strategy, *, job: str) -> None:
@@ -78,8 +79,8 @@ class SyncController:
             self._report = self.client.call(0, "rpc_sync_report",
                                             (self.job, self.policy.to_dict(), self.rank, self.step + 1), timeout=60)
 
-    def after_step(self) -> None:
-        """The step is complete: count it, learn the schedule, switch if one is due now."""
+    def after_step(self) -> bool:
+        """The step is complete: count it, learn the schedule, switch if one is due now. Never ends the run."""
         self.before_sync()  # a step without synchronize() (a rank outside the process set) still reports
         self.step += 1
         if self._report is not None:
@@ -94,6 +95,7 @@ class SyncController:
                                    f"after step {self.step} (a bug: the schedule must reach every rank in time)")
             self._applied += 1
             self.switch(protocol, reason)  # type: ignore[arg-type]
+        return False
 
     def switch(self, protocol: Protocol, reason: str) -> None:
         """Install ``protocol``'s plan now (every rank, after the same step)."""
@@ -113,10 +115,10 @@ class SyncController:
                     group["momentum"] *= momentum_scale
         else:
             self._hvd.barrier()  # every rank's last ASP push is on the servers
-            optimizer._router.pull_parameters()
+            optimizer.pull_parameters()
             self._average_optimizer_state(index)
             self.restore_hyperparameters()
-        optimizer._replace_plan(self.strategy.with_ps_protocol(protocol))
+        optimizer.replace_plan(self.strategy.with_ps_protocol(protocol))
         self.protocol = protocol
         self.switches.append(SwitchEvent(step=self.step, protocol=protocol, reason=reason))
         print(f"hybridsync rank {self.rank}: PS variables switched to {protocol} after step {self.step} "
@@ -137,7 +139,7 @@ class SyncController:
         """Average every tensor of the optimizer state over the ranks (they diverged under ASP)."""
         import torch
         optimizer = self._optimizer
-        for p_index, param in enumerate(optimizer._params):
+        for p_index, param in enumerate(optimizer.plan_parameters):
             for key, value in sorted(optimizer.state.get(param, {}).items()):
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
                     self._hvd.allreduce_(value, op=self._hvd.Average,
@@ -148,9 +150,3 @@ class SyncController:
         return [self.client.call(s, "rpc_sync_events", (), timeout=30).wait()
                 for s in range(self.client.config.num_servers)]
 
-
-def controller_for(optimizer: Any, strategy: Strategy | None, job: str) -> SyncController | None:
-    """The controller of ``strategy``'s dynamic ``sync`` policy, or ``None`` (static or no policy)."""
-    if strategy is None or strategy.sync is None or not strategy.sync.dynamic:
-        return None
-    return SyncController(optimizer, strategy, job=job)

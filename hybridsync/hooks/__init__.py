@@ -1,0 +1,60 @@
+"""Step hooks: everything that rides along a training step inside ``DistributedOptimizer``.
+
+``base.py`` is the interface (``StepHook``, and ``end_run`` for the front ends). The hooks:
+``profiler.py`` (``HYBRIDSYNC_PROFILE``: the model description's timing), ``trials.py``
+(``HYBRIDSYNC_TRIALS``: a schedule of strategies measured in flight) and ``syncswitch.py``
+(a strategy's dynamic ``sync`` policy: BSP <-> ASP). ``StepHookBuilder`` below is the one
+place they are made; this process's builder is ``BUILDER``.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Sequence
+
+from hybridsync import envvars
+from hybridsync.hooks import profiler, syncswitch, trials
+from hybridsync.hooks.base import StepHook, end_run
+from hybridsync.strategy import Strategy
+
+__all__ = ["BUILDER", "StepHook", "StepHookBuilder", "end_run"]
+
+
+class StepHookBuilder:
+    """Makes the step hooks of a process's optimizers: those the environment switches on, at most
+    one of each per process and for the first optimizer that asks, and a strategy's controller."""
+
+    def __init__(self) -> None:
+        self._profiler: profiler.Profiler | None = None
+        self._trials: trials.ScriptTrials | None = None
+
+    def profiler_from_environment(self, named_parameters: Sequence[tuple[str, Any]], num_ranks: int,
+                                  torch_hooks: bool = True) -> profiler.Profiler | None:
+        """A started profiler if ``HYBRIDSYNC_PROFILE`` is set and no other runs (one closed makes
+        room), else ``None``. ``torch_hooks=False``: the front end reports each backward pass."""
+        if self._profiler is not None and not self._profiler.closed:
+            if os.environ.get(envvars.PROFILE):
+                warnings.warn(f"{envvars.PROFILE}: only the first DistributedOptimizer of a process is profiled; "
+                              f"this one is not")
+            return None
+        made = profiler.from_environment(named_parameters, num_ranks, torch_hooks=torch_hooks)
+        self._profiler = made or self._profiler
+        return made
+
+    def trials_from_environment(self, optimizer: Any, hvd: Any) -> trials.ScriptTrials | None:
+        """The trial schedule's hook if ``HYBRIDSYNC_TRIALS`` is set and no optimizer drives it yet."""
+        if self._trials is not None:
+            return None
+        self._trials = trials.from_environment(optimizer, hvd)
+        return self._trials
+
+    @staticmethod
+    def sync_controller(optimizer: Any, strategy: Strategy | None, job: str) -> syncswitch.SyncController | None:
+        """The controller of ``strategy``'s dynamic ``sync`` policy, or ``None`` (static or no policy)."""
+        if strategy is None or strategy.sync is None or not strategy.sync.dynamic:
+            return None
+        return syncswitch.SyncController(optimizer, strategy, job=job)
+
+
+BUILDER = StepHookBuilder()
+"""This process's builder: its state is which optimizer got the profiler and the trials."""
