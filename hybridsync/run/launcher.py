@@ -202,6 +202,49 @@ def _options(own: dict[str, str]) -> LaunchOptions:
                          autotune_report=own.get("--autotune-report"))
 
 
+_OWN_OPTIONS = """\
+  --strategy PATH        strategy file for every rank
+  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)
+  --server-hosts H,...   host of each server (default: colocated with the workers)
+  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)
+  --ps-root-port P       rendezvous port of server 0 (default: a free port)
+  --autotune             profile, search, measure trials, then train with the winner
+  --trial-budget N       --autotune: real trials to spend, baselines included (default 50)
+  --store URL            --autotune: trial store (default sqlite:///trials.db)
+  --cluster SPEC.yaml    the cluster (bandwidth, servers); emulated here unless -H/--hostfile
+  --autotune-report DIR  --autotune: report and winning strategy (default autotune-report)"""
+
+
+def usage() -> str:
+    """``hybridsync-run --help``: what it does and its own options, then horovodrun's help."""
+    def heading(text: str) -> str:
+        rule = "=" * 79
+        return f"{rule}\n{text}\n{rule}"
+    return "\n\n".join([
+        __doc__.strip().replace("``", ""),
+        heading("hybridsync-run options (anywhere before the command; they override the\n"
+                "--config-file's hybridsync: section)") + "\n" + _OWN_OPTIONS,
+        heading("horovodrun options (every other flag before the command goes to horovodrun\n"
+                "unchanged; --autotune is hybridsync's: Horovod's own autotuner is\n"
+                "HOROVOD_AUTOTUNE=1 or the config file's autotune: section)") + "\n" + horovodrun_help()])
+
+
+def horovodrun_help() -> str:
+    """horovodrun's ``--help`` text, from its own parser (nothing is launched)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from horovod.runner import launch
+    text = io.StringIO()
+    with mock.patch.object(sys, "argv", ["horovodrun", "--help"]), contextlib.redirect_stdout(text):
+        try:
+            launch.parse_args()
+        except SystemExit:  # argparse exits once the help is printed
+            pass
+    return text.getvalue().rstrip()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobShape:
     """What hybridsync-run needs from horovodrun's arguments."""
@@ -385,49 +428,6 @@ def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             pass
         procs.stop(server)
-
-
-_OWN_OPTIONS = """\
-  --strategy PATH        strategy file for every rank
-  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)
-  --server-hosts H,...   host of each server (default: colocated with the workers)
-  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)
-  --ps-root-port P       rendezvous port of server 0 (default: a free port)
-  --autotune             profile, search, measure trials, then train with the winner
-  --trial-budget N       --autotune: real trials to spend, baselines included (default 50)
-  --store URL            --autotune: trial store (default sqlite:///trials.db)
-  --cluster SPEC.yaml    the cluster (bandwidth, servers); emulated here unless -H/--hostfile
-  --autotune-report DIR  --autotune: report and winning strategy (default autotune-report)"""
-
-
-def usage() -> str:
-    """``hybridsync-run --help``: what it does and its own options, then horovodrun's help."""
-    def heading(text: str) -> str:
-        rule = "=" * 79
-        return f"{rule}\n{text}\n{rule}"
-    return "\n\n".join([
-        __doc__.strip().replace("``", ""),
-        heading("hybridsync-run options (anywhere before the command; they override the\n"
-                "--config-file's hybridsync: section)") + "\n" + _OWN_OPTIONS,
-        heading("horovodrun options (every other flag before the command goes to horovodrun\n"
-                "unchanged; --autotune is hybridsync's: Horovod's own autotuner is\n"
-                "HOROVOD_AUTOTUNE=1 or the config file's autotune: section)") + "\n" + horovodrun_help()])
-
-
-def horovodrun_help() -> str:
-    """horovodrun's ``--help`` text, from its own parser (nothing is launched)."""
-    import contextlib
-    import io
-    from unittest import mock
-
-    from horovod.runner import launch
-    text = io.StringIO()
-    with mock.patch.object(sys, "argv", ["horovodrun", "--help"]), contextlib.redirect_stdout(text):
-        try:
-            launch.parse_args()
-        except SystemExit:  # argparse exits once the help is printed
-            pass
-    return text.getvalue().rstrip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
