@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import pytest
 
@@ -68,6 +69,23 @@ def small_autotune(tmp_path: Path, trial_budget: int) -> tuple[list[str], Path, 
     argv = [str(BIN / "hybridsync-run"), "-np", "4", "--config-file", str(tmp_path / "run.yaml"),
             "--store", store, "--autotune-report", str(report)]
     return argv, report, store
+
+
+SERVER_LINES = (
+    r"\S+ \S+ hybridsync\.ps\.server server\d+ serving \(rank \d+ of \d+\) at tcp://\S+",
+    r"\S+ \S+ hybridsync\.ps\.server server\d+: all \d+ workers said goodbye; counters \{.*\}",
+)
+"""What a parameter server prints in a job that goes well: where it serves, and its byte counters."""
+_RANK_PREFIX = re.compile(r"^\[\d+(?:,\d+)?\]<(?:stdout|stderr)>:")
+
+
+def unexpected_lines(output: str, expected: Sequence[str]) -> list[str]:
+    """The non-blank lines of a job's ``output`` that match none of the ``expected`` regular
+    expressions (each matched against a whole line, without horovodrun's or mpirun's
+    ``[rank]<stdout>:`` prefix)."""
+    patterns = [re.compile(pattern) for pattern in expected]
+    lines = (_RANK_PREFIX.sub("", line, count=1) for line in output.splitlines())
+    return [line for line in lines if line.strip() and not any(p.fullmatch(line) for p in patterns)]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.05) -> None:

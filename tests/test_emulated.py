@@ -7,7 +7,9 @@
 - hierarchical all-reduce of a 64 MiB message gives the exact sum on every rank, repeatedly
   (the size at which Horovod's Gloo reduce-scatter went wrong here), and of a float16 one;
 - a job that fails mid-collective, with PS servers beside it, is stopped within seconds
-  and the cluster leaves nothing behind.
+  and the cluster leaves nothing behind;
+- a job of hierarchical and PS variables prints nothing but its servers' lines (torch's store
+  clients no longer warn that these DNS-less hosts' names cannot be found).
 
 Needs root (namespaces, tc); skips cleanly without it. Every process is bounded by a
 timeout and killed by pid (``Job.wait``, cluster teardown); each test checks
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import SERVER_LINES, unexpected_lines, wait_for
 from hybridsync.cluster.spec import ClusterSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +69,8 @@ def _run_job(cluster, argv: list[str], log: Path, *, servers: bool = False, time
 
 
 @pytest.fixture(scope="module")
-def equivalence(tmp_path_factory) -> dict:
+def equivalence_job(tmp_path_factory) -> tuple[dict, str]:
+    """The equivalence cases' results, and everything the job and its servers printed."""
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     tmp = tmp_path_factory.mktemp("emulated_eq")
@@ -77,7 +80,20 @@ def equivalence(tmp_path_factory) -> dict:
                          servers=True)
     assert leftovers(cluster.prefix) == []
     assert codes == [0] * SPEC.num_workers and out.exists(), log.read_text()[-4000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def equivalence(equivalence_job) -> dict:
+    return equivalence_job[0]
+
+
+def test_job_prints_nothing_but_the_servers_lines(equivalence_job) -> None:
+    """Hierarchical groups and the PS rendezvous on hosts without DNS: the workers print nothing
+    (no ``[c10d] The hostname of the client socket cannot be retrieved``, no deprecation)."""
+    output = equivalence_job[1]
+    assert unexpected_lines(output, SERVER_LINES) == [], output[-4000:]
+    assert output.count("said goodbye") == SPEC.num_servers
 
 
 def test_world_is_two_hosts_of_two(equivalence) -> None:

@@ -181,13 +181,20 @@ class EmulatedCluster:
         Code that finds its own address by resolving ``gethostname()`` then gets the node's
         address instead of 127.0.0.1 (Horovod 0.28's Gloo process sets do exactly that: they
         ignore ``HOROVOD_GLOO_IFACE``). The machine's own hostname also maps to this host.
+
+        Every IPv4 address is also listed in its IPv4-mapped IPv6 form (``::ffff:a.b.c.d``):
+        torch's ``TCPStore`` clients (our hierarchical groups, the PS route's RPC rendezvous)
+        connect over an IPv6 socket to the mapped address and reverse-resolve it; glibc looks
+        that form up in this file or asks DNS, and no DNS server is reachable from here, so
+        without these lines every client prints ``[c10d] The hostname of the client socket
+        cannot be retrieved. err=-3`` (EAI_AGAIN).
         """
         directory = os.path.join(NETNS_ETC, self.namespaces[index])
         os.makedirs(directory, exist_ok=True)
-        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
+        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback", "::ffff:127.0.0.1 localhost"]
         for other, ip in enumerate(self.ips):
             names = self.hostnames[other] + (f" {socket.gethostname()}" if other == index else "")
-            lines.append(f"{ip} {names}")
+            lines += [f"{ip} {names}", f"::ffff:{ip} {names}"]
         with open(os.path.join(directory, "hosts"), "w", encoding="ascii") as handle:
             handle.write("\n".join(lines) + "\n")
 

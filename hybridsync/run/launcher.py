@@ -31,6 +31,7 @@ import time
 from typing import Sequence
 
 from hybridsync.run import procs
+from hybridsync.run.horovodrun import horovodrun_command
 from hybridsync.run.ps_servers import ps_environment, server_command, server_environment
 from hybridsync.strategy import Strategy
 
@@ -102,6 +103,21 @@ def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
     flag's value (or after ``--``), and everything from there on is the command's, even
     a word that looks like one of our flags.
     """
+    own, horovodrun_flags, command_start = _scan_flags(argv)
+    return _options(own), horovodrun_flags + list(argv[command_start:])
+
+
+def asks_for_help(argv: Sequence[str]) -> bool:
+    """Whether ``-h``/``--help`` stands among the flags (after the command it is the command's)."""
+    _, horovodrun_flags, _ = _scan_flags(argv)
+    return any(_is_flag(word) and _resolve_flag(word)[0] in _HELP_FLAGS for word in horovodrun_flags)
+
+
+_HELP_FLAGS = ("-h", "--help")
+
+
+def _scan_flags(argv: Sequence[str]) -> tuple[dict[str, str], list[str], int]:
+    """Our flags' values, horovodrun's flags (with their values) and where the command starts."""
     own: dict[str, str] = {}
     rest: list[str] = []
     i = 0
@@ -121,7 +137,7 @@ def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
             taken += 1  # a flag where a value should be: horovodrun reports the missing value
         rest.extend(argv[i:i + 1 + taken])
         i += 1 + taken
-    return _options(own), rest + list(argv[i:])
+    return own, rest, i
 
 
 def _is_flag(word: str) -> bool:
@@ -184,6 +200,49 @@ def _options(own: dict[str, str]) -> LaunchOptions:
                          trial_budget=integer("--trial-budget", 1), store=own.get("--store"),
                          cluster=os.path.abspath(own["--cluster"]) if "--cluster" in own else None,
                          autotune_report=own.get("--autotune-report"))
+
+
+_OWN_OPTIONS = """\
+  --strategy PATH        strategy file for every rank
+  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)
+  --server-hosts H,...   host of each server (default: colocated with the workers)
+  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)
+  --ps-root-port P       rendezvous port of server 0 (default: a free port)
+  --autotune             profile, search, measure trials, then train with the winner
+  --trial-budget N       --autotune: real trials to spend, baselines included (default 50)
+  --store URL            --autotune: trial store (default sqlite:///trials.db)
+  --cluster SPEC.yaml    the cluster (bandwidth, servers); emulated here unless -H/--hostfile
+  --autotune-report DIR  --autotune: report and winning strategy (default autotune-report)"""
+
+
+def usage() -> str:
+    """``hybridsync-run --help``: what it does and its own options, then horovodrun's help."""
+    def heading(text: str) -> str:
+        rule = "=" * 79
+        return f"{rule}\n{text}\n{rule}"
+    return "\n\n".join([
+        __doc__.strip().replace("``", ""),
+        heading("hybridsync-run options (anywhere before the command; they override the\n"
+                "--config-file's hybridsync: section)") + "\n" + _OWN_OPTIONS,
+        heading("horovodrun options (every other flag before the command goes to horovodrun\n"
+                "unchanged; --autotune is hybridsync's: Horovod's own autotuner is\n"
+                "HOROVOD_AUTOTUNE=1 or the config file's autotune: section)") + "\n" + horovodrun_help()])
+
+
+def horovodrun_help() -> str:
+    """horovodrun's ``--help`` text, from its own parser (nothing is launched)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from horovod.runner import launch
+    text = io.StringIO()
+    with mock.patch.object(sys, "argv", ["horovodrun", "--help"]), contextlib.redirect_stdout(text):
+        try:
+            launch.parse_args()
+        except SystemExit:  # argparse exits once the help is printed
+            pass
+    return text.getvalue().rstrip()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -320,8 +379,8 @@ def start_servers(num_servers: int, env: dict[str, str], placement: tuple[str, .
     if placement is None:
         return [procs.start(server, env={**env, **server_environment(i)}, capture=False) for i in range(num_servers)]
     slots = ",".join(f"{host}:{placement.count(host)}" for host in dict.fromkeys(placement))
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    argv = [horovodrun, "-np", str(num_servers), "-H", slots, "--gloo", *ssh_args, *server, "--id-from-launcher-rank"]
+    argv = [*horovodrun_command(), "-np", str(num_servers), "-H", slots, "--gloo", *ssh_args, *server,
+            "--id-from-launcher-rank"]
     return [procs.start(argv, env={**env, **server_environment()}, capture=False)]
 
 
@@ -340,13 +399,12 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
                          f"but the number of servers (--num-servers or the config's num_servers) is 0")
     placement = server_placement(options, job_shape, num_servers) if num_servers else None
     env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     servers: list[subprocess.Popen] = []
     job = None
     try:
         servers = start_servers(num_servers, env, placement, job_shape.ssh_args)
-        job = procs.start([horovodrun, *horovodrun_argv], env=env, capture=False)
+        job = procs.start([*horovodrun_command(), *horovodrun_argv], env=env, capture=False)
         return job.wait()
     except KeyboardInterrupt:
         print("hybridsync-run: interrupted; stopping the job and its servers", file=sys.stderr)
@@ -367,4 +425,3 @@ def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             pass
         procs.stop(server)
-

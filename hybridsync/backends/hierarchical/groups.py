@@ -190,13 +190,19 @@ def release_hierarchical_groups() -> None:
 def _rendezvous(hvd: Any) -> tuple[Any, str]:
     """Rank 0 hosts a ``TCPStore``; every rank finds an address of rank 0 it reaches and the
     address of its own it reaches it from (its Gloo device's address). Rank 0's own device
-    address is the one of its addresses the other ranks reached most."""
+    address is the one of its addresses the other ranks reached most.
+
+    The store listens on every address whatever its host name says; the name is where rank
+    0's own client connects. It is rank 0's first address (the one the others try first),
+    not ``0.0.0.0``: torch's client reverse-resolves the address it dialed (in its
+    IPv4-mapped IPv6 form) and warns ``[c10d] The hostname of the client socket cannot be
+    retrieved`` when that fails, and ``0.0.0.0`` is in no hosts file and no DNS zone."""
     import torch.distributed as dist
     store, offer = None, None
     if hvd.rank() == 0:
         try:
             addresses = _own_addresses()
-            store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+            store = dist.TCPStore(addresses[0], 0, None, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
             offer = (addresses, store.port)
         except RouteUnavailableError as e:
             offer = str(e)  # every rank raises it: the others are waiting for this broadcast

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import warnings
 
 from hybridsync import envvars
 from hybridsync.backends.ps.config import PSConfig
@@ -15,6 +16,9 @@ def server_name(index: int) -> str:
 
 def worker_name(index: int) -> str:
     return f"worker{index}"
+
+
+_BACKEND_AS_PROCESS_GROUP = r"You are using a Backend <class '[\w.]*ProcessGroupGloo'> as a ProcessGroup"
 
 
 def join(config: PSConfig, *, timeout_s: float) -> None:
@@ -35,8 +39,13 @@ def join(config: PSConfig, *, timeout_s: float) -> None:
             errors.append(e)
 
     joiner = threading.Thread(target=init, name="hybridsync-ps-join", daemon=True)
-    joiner.start()
-    joiner.join(timeout=timeout_s)
+    with warnings.catch_warnings():
+        # torch's own init_rpc hands its Gloo backend to all_gather_object, which warns on every
+        # member that this usage is deprecated (torch/distributed/rpc/backend_registry.py):
+        # nothing the user or we can change. Only that message is dropped, only while joining.
+        warnings.filterwarnings("ignore", message=_BACKEND_AS_PROCESS_GROUP, category=UserWarning)
+        joiner.start()
+        joiner.join(timeout=timeout_s)
     if joiner.is_alive() or errors:
         why = str(errors[0]).splitlines()[0] if errors else "timed out"
         raise RuntimeError(
