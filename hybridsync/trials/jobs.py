@@ -38,6 +38,11 @@ class _EmulatedJob:
     def exit_codes(self) -> list[int | None]:
         return [proc.poll() for proc in self.workers.processes]
 
+    def pids(self) -> dict[str, list[int]]:
+        """Process ids of the job: ``workers`` in rank order, ``servers`` host-major."""
+        return {"workers": [proc.pid for proc in self.workers.processes],
+                "servers": [proc.pid for proc in self.servers.processes] if self.servers is not None else []}
+
     def stop(self) -> None:
         for job in (self.workers, self.servers):
             if job is not None:
