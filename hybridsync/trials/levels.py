@@ -35,8 +35,10 @@ HUBER_SCALE = 0.05
 (3 + 10 steps on these machines: 4-6%, benchmarks/RESULTS.md, "Trial protocol")."""
 LEVEL_RIDGE = 1e-4
 """Weight of ``b_j**2``: fixes the common shift between levels and strategies (levels average 0)."""
-DRIFT_RIDGE = 1e-2
-"""Weight of ``c_j**2`` (per minute): a drift the controls do not show stays 0."""
+DRIFT_RIDGE = 1.0
+"""Weight of ``c_j**2`` (``c`` per minute): a drift must be shown by controls minutes apart. Ten
+controls spread over a 3-minute job keep ~90% of a true drift; in a job of a few seconds, where
+a drift cannot be told from noise (and matters little), it stays ~0."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,11 @@ A trial that fails is recorded as failed, with its reason, and the run goes on:
   remaining candidates.
 A job that dies before its first trial (twice in a row) is not a trial's fault: the run
 stops with the job's log, rather than recording every candidate as failed.
+
+Given controls, every job re-measures them in passes between blocks of candidates
+(``blocked_schedule``), as ``control:<kind>`` trials of that job: one command's step time moves
+from job to job on shared cores, and ``hybridsync.trials.levels`` uses the controls to put the
+jobs on one level.
 """
 from __future__ import annotations
 
@@ -126,6 +131,18 @@ class ScriptWorkload:
         return list(self.command), {"PYTHONPATH": path, envvars.TRIALS: schedule, envvars.TRIALS_RESULTS: results,
                                     envvars.TRIALS_WARMUP: str(protocol.warmup_steps),
                                     envvars.TRIALS_STEPS: str(protocol.timed_steps)}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvWorkload:
+    """Another workload whose every rank also gets ``env`` (e.g. Horovod's tuned settings)."""
+
+    inner: Workload
+    env: tuple[tuple[str, str], ...]
+
+    def job(self, schedule: str, results: str, protocol: TrialProtocol, seed: int) -> tuple[list[str], dict[str, str]]:
+        command, env = self.inner.job(schedule, results, protocol, seed)
+        return command, {**env, **dict(self.env)}
 
 
 class _Follower(LineFollower):
