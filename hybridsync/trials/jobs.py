@@ -54,16 +54,20 @@ class EmulatedTarget:
     """Jobs on an emulated cluster (namespaces + shaped links) that lives as long as the target.
 
     Use as a context manager; needs root. Workers start the way horovodrun's Gloo mode
-    starts them, servers on every host (``servers_per_node``).
+    starts them, servers on every host (``servers_per_node``). With ``pin_hosts`` (default)
+    each host's processes run on that host's share of the cores (``EmulatedCluster``), so
+    that every job places its ranks and servers the same way: left to the kernel, one
+    command's step time moved by up to 3x from job to job here (benchmarks/RESULTS.md,
+    "Job-to-job variation").
     """
 
-    def __init__(self, spec: ClusterSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ClusterSpec, *, pin_hosts: bool = True) -> None:
+        self.spec, self.pin_hosts = spec, pin_hosts
         self._cluster: Any = None
 
     def __enter__(self) -> "EmulatedTarget":
         from hybridsync.cluster import EmulatedCluster
-        self._cluster = EmulatedCluster(self.spec).up()
+        self._cluster = EmulatedCluster(self.spec, pin_hosts=self.pin_hosts).up()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
