@@ -256,9 +256,9 @@ class Autotuner:
         rows = [c for c in measured if c.kind in (HOROVOD_KIND, HOROVOD_FP16_KIND)]
         out = []
         for fp16 in (False, True):
-            kind = sorted((c for c in measured if c not in rows and bool(rival_levers(c.kind)) == fp16),
+            group = sorted((c for c in measured if c not in rows and bool(rival_levers(c.kind)) == fp16),
                           key=lambda c: speed[c.fingerprint])
-            out += kind[:self.settings.confirm_top]
+            out += group[:self.settings.confirm_top]
         return rows + out
 
     def _as_simulated(self, candidate: Candidate) -> Strategy | None:
