@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -68,6 +69,12 @@ def small_autotune(tmp_path: Path, trial_budget: int) -> tuple[list[str], Path, 
     argv = [str(BIN / "hybridsync-run"), "-np", "4", "--config-file", str(tmp_path / "run.yaml"),
             "--store", store, "--autotune-report", str(report)]
     return argv, report, store
+
+
+def cluster_tags(leftover_items: list[str]) -> set[str]:
+    """The emulated clusters (``hs-<job>``) that ``hybridsync.cluster.netns.leftovers`` items belong
+    to: a test compares these, since other clusters on the machine start and end processes meanwhile."""
+    return {match.group(0) for item in leftover_items if (match := re.search(r"hs-[0-9a-f]+", item))}
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.05) -> None:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_job, small_autotune
+from conftest import REPO, cluster_tags, run_job, small_autotune
 
 IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 pytestmark = [pytest.mark.emulated,
@@ -23,7 +23,7 @@ def test_autotune_picks_measures_and_trains_with_a_winner(tmp_path):
     from hybridsync.description import load_description
     from hybridsync.strategy import Strategy
     from hybridsync.trials.store import TrialStore
-    before = clusters(leftovers(NAMESPACE_PREFIX))
+    before = cluster_tags(leftovers(NAMESPACE_PREFIX))
     autotune, report, store = small_autotune(tmp_path, trial_budget=13)  # 9 rivals (fp16 twins included) + 4
     # 500 steps per run: every trial job (up to 16 trials of 13 steps) and the confirmation (36) end in one run
     argv = autotune + [sys.executable, str(REPO / "tests" / "workers" / "tiny_train.py"), "--steps", "500"]
@@ -58,9 +58,5 @@ def test_autotune_picks_measures_and_trains_with_a_winner(tmp_path):
     loss = float(re.findall(r"final loss (\d+\.\d+)", proc.stdout)[-1])
     assert loss < 0.5
     assert "won (" in proc.stdout and "done in" in proc.stdout
-    assert clusters(leftovers(NAMESPACE_PREFIX)) <= before  # no cluster of ours left (others' may run meanwhile)
+    assert cluster_tags(leftovers(NAMESPACE_PREFIX)) <= before  # no cluster of ours left (others' may run meanwhile)
 
-
-def clusters(items: list[str]) -> set[str]:
-    """The cluster tags (``hs-<job>``) that ``leftovers`` items belong to."""
-    return {re.search(r"hs-[0-9a-f]+", item).group(0) for item in items if re.search(r"hs-[0-9a-f]+", item)}

@@ -56,9 +56,9 @@ class EmulatedTarget:
     Use as a context manager; needs root. Workers start the way horovodrun's Gloo mode
     starts them, servers on every host (``servers_per_node``). With ``pin_hosts`` (default)
     each host's processes run on that host's share of the cores (``EmulatedCluster``), so
-    that every job places its ranks and servers the same way: left to the kernel, one
-    command's step time moved by up to 3x from job to job here (benchmarks/RESULTS.md,
-    "Job-to-job variation").
+    that every job places its ranks and servers the same way: left to the kernel, the ratio
+    of two strategies measured in one job moved 1.6-2.8x from job to job here, pinned
+    1.1-1.3x (benchmarks/RESULTS.md, "Job-to-job variation").
     """
 
     def __init__(self, spec: ClusterSpec, *, pin_hosts: bool = True) -> None:

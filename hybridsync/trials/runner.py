@@ -264,12 +264,14 @@ class TrialRunner:
                 elif event["event"] == "done":
                     return records, None, True
                 elif event["event"] == "exhausted":  # a script that trains fewer steps than the schedule needs
-                    if records:
+                    if any(not is_control(entry.kind) for entry, _ in records):
                         return records, None, True  # not a trial's fault: a new run takes the rest
-                    steps = self.protocol.warmup_steps + self.protocol.timed_steps
+                    first = next(i for i, entry in enumerate(schedule) if not is_control(entry.kind))
+                    steps = (first + 1) * (self.protocol.warmup_steps + self.protocol.timed_steps)
+                    controls = f", {first} control trial(s) first" if first else ""
                     raise RuntimeError(f"the training script ended after {event['steps']} steps, before its first "
                                        f"trial was measured: each run must train at least {steps} steps "
-                                       f"(warm-up + timed steps per trial); train it longer")
+                                       f"(warm-up + timed steps per trial{controls}); train it longer")
                 deadline = time.monotonic() + self.protocol.trial_timeout_s
             if errors or ended:
                 time.sleep(SETTLE_S)  # the other ranks' exits and error lines, for the reason
