@@ -221,16 +221,20 @@ def test_exact_search_keeps_plain_horovod_numerics(tmp_path):
 @pytest.mark.multiprocess
 def test_autotune_on_hosts_from_the_config_alone(tmp_path):
     """`hybridsync-run -H ... --config-file run.yaml`: the config's autotune: section turns it on; trials
-    and the final job go through hybridsync-run on those hosts (here: this one, two ranks, one server)."""
+    and the final job go through hybridsync-run on those hosts (here: this one, two ranks, one server).
+    In exact mode: no fp16 anywhere, and the rivals are the baselines without their fp16 twins."""
     (tmp_path / "run.yaml").write_text(
         "hybridsync:\n  cluster: {nodes: 1, workers_per_node: 2, inter_node_bandwidth: 1gbit, servers_per_node: 1}\n"
-        "  autotune: {trial_budget: 8, per_round: 3, search_budget: 300}\n")
+        "  autotune: {trial_budget: 8, per_round: 3, search_budget: 300, exact: true}\n")
     report = tmp_path / "report"
+    # 500 steps per run: each trial job and the confirmation end in one run of the script
     proc = run_job([str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", "--config-file",
                     str(tmp_path / "run.yaml"), "--store", f"sqlite:///{tmp_path / 't.db'}", "--autotune-report",
-                    str(report), sys.executable, TINY, "--steps", "100"], timeout=600)
+                    str(report), sys.executable, TINY, "--steps", "500"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:]
     doc = json.loads((report / "report.json").read_text())
     assert len({t["fingerprint"] for t in doc["trials"]}) == 8
-    assert doc["winner"]["kind"] in doc["confirmed_s"]
+    assert doc["winner"]["kind"] in doc["confirmed_s"] and doc["exact"] and doc["winner"]["levers"] == []
+    assert not any(kind.endswith("-fp16") for kind in doc["confirmed_s"]), "exact: no fp16 twin among the rivals"
+    assert doc["best_rival"]["kind"].startswith("baseline:")
     assert final_loss(proc.stdout) < 0.5
