@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a zoo model name (ncf, bert, vgg, resnet)")
     p.set_defaults(func=_explain)
     p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model")
-    p.add_argument("name", choices=sorted(baselines.BUILDERS))
+    twins = [name + baselines.FP16_SUFFIX for name in baselines.FP16_TWINS]
+    p.add_argument("name", choices=sorted([*baselines.BUILDERS, *twins]))
     p.add_argument("--model", required=True,
                    help="model description JSON; write it with hybridsync.variables.save_model_description("
                         "variables_from_model(model), path) so sparse embeddings are marked sparse; "

@@ -79,7 +79,7 @@ def autotune(description: Any, cluster: Any, *, target: Any, workload: Any, sett
     """Runs the autotune loop on ``target`` (entered by the caller: it lives as long as the caller
     needs the cluster) and writes the report into ``report_dir``; returns the result."""
     from hybridsync.autotune.loop import Autotuner
-    from hybridsync.autotune.report import to_dict, write_report
+    from hybridsync.autotune.report import write_report
     from hybridsync.description import description_id
     from hybridsync.trials.runner import TrialRunner, ZooWorkload
     from hybridsync.trials.store import TrialStore
@@ -97,11 +97,9 @@ def autotune(description: Any, cluster: Any, *, target: Any, workload: Any, sett
                           with_horovod=isinstance(workload, ZooWorkload), confirm_store=confirm_store)
         result = tuner.run()
     write_report(result, report_dir)
-    doc = to_dict(result)
-    best = doc["best_baseline"]
-    print(f"autotune: winner {result.winner_kind}, {doc['winner']['step_s'] * 1e3:.1f} ms per step"
-          + (f"; best baseline {best['kind']} {best['step_s'] * 1e3:.1f} ms: "
-             f"{doc['speedup_over_best_baseline']:.2f}x" if best else "")
-          + f"; {len(result.trials)} trials, {result.seconds['total']:.0f} s; report in {report_dir}")
+    tau = result.kendall_tau
+    print(f"autotune: {result.verdict()}; trials vs confirmation Kendall tau "
+          f"{'-' if tau is None else f'{tau:.2f}'}; {len(result.trials)} trials, {result.seconds['total']:.0f} s; "
+          f"report in {report_dir}")
     return result
 

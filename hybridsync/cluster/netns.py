@@ -44,7 +44,7 @@ from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one 
 )
 from hybridsync.cluster.spec import SUBNET_MASK_BITS, ClusterSpec
 
-__all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "kill_pids", "leftovers",
+__all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "host_cpus", "kill_pids", "leftovers",
            "list_namespaces", "namespace_pids", "remove_leftovers", "require_root", "sh", "tbf_args"]
 
 NODE_IFACE = "eth0"
@@ -64,16 +64,32 @@ def tbf_args(bits_per_second: int) -> list[str]:
     return ["tbf", "rate", f"{bits_per_second}bit", "burst", str(burst), "limit", str(limit)]
 
 
+def host_cpus(node: int, nodes: int, cpus: Sequence[int]) -> tuple[int, ...]:
+    """The cores emulated host ``node`` (of ``nodes``) gets out of ``cpus``: an equal share of
+    them, or, with more hosts than cores, one core, shared round-robin."""
+    cpus = sorted(cpus)
+    if nodes >= len(cpus):
+        return (cpus[node % len(cpus)],)
+    share = len(cpus) // nodes
+    return tuple(cpus[node * share:(node + 1) * share])
+
+
 class EmulatedCluster:
     """A cluster of ``spec.nodes`` hosts as namespaces behind a shaped bridge.
 
     Use as a context manager (``with EmulatedCluster(spec) as cluster:``) or call
     ``up()``/``teardown()``. ``run()`` starts a process on a host; the returned ``Popen``
-    is tracked and killed at teardown.
+    is tracked and killed at teardown. With ``pin_hosts`` every process ``run()`` starts on
+    host i is pinned (``taskset``) to that host's share of this machine's cores (``host_cpus``),
+    as a real host has cores of its own: then every job places its processes the same way.
     """
 
-    def __init__(self, spec: ClusterSpec, *, job_id: str | None = None) -> None:
+    def __init__(self, spec: ClusterSpec, *, job_id: str | None = None, pin_hosts: bool = False) -> None:
         self.spec = spec
+        cores = sorted(os.sched_getaffinity(0))
+        self.cpus: tuple[tuple[int, ...], ...] | None = (
+            tuple(host_cpus(i, spec.nodes, cores) for i in range(spec.nodes)) if pin_hosts else None)
+        """The cores of each host (``pin_hosts``), or ``None``: the kernel places every process."""
         self.job_id = job_id or uuid.uuid4().hex[:6]
         if not re.fullmatch(r"[a-z0-9]{1,12}", self.job_id):
             raise ValueError(f"job_id must be 1-12 lowercase letters or digits, got {self.job_id!r}")
@@ -225,14 +241,15 @@ class EmulatedCluster:
         return self.namespaces[node_index]
 
     def enter_argv(self, node_index: int) -> list[str]:
-        """The prefix that runs a command on host ``node_index``: its network namespace and
-        a fresh UTS namespace whose hostname is ``n<i>``.
+        """The prefix that runs a command on host ``node_index``: its cores (``pin_hosts``), its
+        network namespace and a fresh UTS namespace whose hostname is ``n<i>``.
 
         Own hostnames keep tools that key state on the hostname apart (Open MPI's session
         directories and shared-memory segments collide, and crash, when all hosts say "vm").
         """
         namespace = self.namespace_of(node_index)
-        return ["ip", "netns", "exec", namespace, "unshare", "--uts",
+        pin = ["taskset", "-c", ",".join(map(str, self.cpus[node_index]))] if self.cpus is not None else []
+        return [*pin, "ip", "netns", "exec", namespace, "unshare", "--uts",
                 "sh", "-c", 'hostname "$1" && shift && exec "$@"', "sh", self.hostnames[node_index]]
 
     def run(

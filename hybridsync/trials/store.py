@@ -46,8 +46,13 @@ short transaction, so contention lasts milliseconds; the margin covers a loaded 
 STATUSES = ("ok", "failed")
 HOROVOD_KIND = "horovod"
 """``kind`` of the plain ``horovod.torch.DistributedOptimizer`` reference row."""
+HOROVOD_FP16_KIND = "horovod-fp16"
+"""``kind`` of the reference row with Horovod's own ``compression=hvd.Compression.fp16``."""
 BASELINE_PREFIX = "baseline:"
 """``kind`` of a baseline is ``baseline:<name>`` (``+``-joined when builders coincide)."""
+CONTROL_PREFIX = "control:"
+"""``kind`` of a control trial is ``control:<kind of the strategy>``: a strategy re-measured in
+blocks between a job's candidates, so that jobs can be compared (``hybridsync.trials.levels``)."""
 IMPORT_BATCH = 500
 """Rows per transaction of an import (one per row would make large imports slow)."""
 
@@ -55,6 +60,16 @@ SHARING = ("runners on one host may share one SQLite file; SQLite over NFS is un
            "hosts each runner writes its own store and `hybridsync dataset import` merges their "
            "JSONL exports (`hybridsync dataset export`)")
 URL_FORMS = "sqlite:///relative/path.db, sqlite:////absolute/path.db or a plain file path"
+
+
+def is_control(kind: str) -> bool:
+    """Whether a trial of this kind re-measured a control between a job's candidates."""
+    return kind.startswith(CONTROL_PREFIX)
+
+
+def base_kind(kind: str) -> str:
+    """The kind of the strategy a trial measured, without the ``control:`` of a control trial."""
+    return kind.removeprefix(CONTROL_PREFIX)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -87,11 +102,12 @@ class TrialRecord:
     cluster: dict
     """``ClusterSpec.to_dict()`` of the cluster it ran on."""
     kind: str
-    """How the strategy was chosen: ``horovod``, ``baseline:<name>``, ``random``, ``search``..."""
+    """How the strategy was chosen: ``horovod``, ``baseline:<name>``, ``random``, ``search``...;
+    ``control:<kind>`` for a control re-measured between a job's candidates."""
     strategy: dict | None
-    """``Strategy.to_dict()``; ``None`` for the ``horovod`` reference row."""
+    """``Strategy.to_dict()``; ``None`` for the ``horovod`` and ``horovod-fp16`` reference rows."""
     fingerprint: str
-    """``Strategy.fingerprint()``, or ``"horovod"`` for the reference row."""
+    """``Strategy.fingerprint()``, or ``"horovod"`` / ``"horovod-fp16"`` for the reference rows."""
     status: str
     """``"ok"`` or ``"failed"``."""
     reason: str | None
