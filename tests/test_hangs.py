@@ -1,4 +1,4 @@
-"""Issue 23: never a hang (2-rank jobs on this host).
+"""Issue 23: never a hang, no orphans, no spinning (2-rank jobs on this host).
 
 Each job is bounded far below CI's timeout; each out-of-step case asserts the error every
 rank raised and how soon after the ranks went out of step it came.
@@ -6,12 +6,18 @@ rank raised and how soon after the ranks went out of step it came.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from conftest import BIN, WORKERS, launcher_argv, run_job
+from conftest import BIN, REPO, WORKERS, launcher_argv, run_job, wait_for
+from hybridsync.run import procs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,6 +25,8 @@ WORKER = WORKERS / "out_of_step.py"
 JOB_TIMEOUT_S = 150
 DETECTED_WITHIN_S = 20
 """The watch needs ~5 s (2 s before a wait is published, 3 s unchanged); the rest is load."""
+GONE_WITHIN_S = 20
+"""After the launcher's SIGKILL: horovodrun's middlemen give a rank 5 s after SIGTERM."""
 
 
 def rank_records(case: str, tmp_path: Path, launcher: str = "horovodrun", env: dict | None = None,
@@ -76,3 +84,109 @@ def test_a_sparse_gradient_missing_on_one_rank_is_sent_as_sparse_zeros(route, tm
         assert any(any(row) for row in record["grad_False"]), "no row was touched: the comparison is vacuous"
         assert record["seconds_False"] < DETECTED_WITHIN_S, record
     assert records[0]["grad_False"] == records[1]["grad_False"]
+
+
+# --- no orphans, no spinning ---------------------------------------------------------------------------------
+
+def ready_ranks(prefix: Path, timeout: float) -> list[dict]:
+    files = [Path(f"{prefix}.rank{r}.ready") for r in range(2)]
+    wait_for(lambda: all(f.exists() and f.read_text().endswith("}") for f in files), timeout, "both ranks ready")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def cpu_share(process: psutil.Process, thread: int | None, seconds: float) -> float:
+    """Share of one core ``process`` (or one of its threads) used over ``seconds``."""
+    def used() -> float:
+        if thread is None:
+            times = process.cpu_times()
+            return times.user + times.system
+        return next(t.user_time + t.system_time for t in process.threads() if t.id == thread)
+    before, began = used(), time.monotonic()
+    time.sleep(seconds)
+    return (used() - before) / (time.monotonic() - began)
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def waiting_job(tmp_path: Path, launcher_prefix: list[str], env: dict | None = None):
+    """Start the ``rank0_elsewhere`` job; returns (process, prefix, every rank's ready record)."""
+    prefix = tmp_path / "elsewhere"
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = procs.start(launcher_prefix + [sys.executable, str(WORKER), "rank0_elsewhere", str(prefix)],
+                       env=full_env, cwd=str(REPO), capture=False)
+    try:
+        ready = ready_ranks(prefix, JOB_TIMEOUT_S)
+    except BaseException:
+        procs.stop(proc)
+        raise
+    return proc, prefix, ready
+
+
+def test_a_waiting_rank_holds_no_core_and_nothing_outlives_a_killed_launcher(tmp_path):
+    """hybridsync-run (horovodrun and a PS server under it) SIGKILLed while rank 1 waits for rank 0,
+    which is busy elsewhere (not out of step: nobody fails). Before issue 23 horovodrun, both ranks
+    and the server lived on, each waiting rank spinning at ~66% of a core."""
+    strategy = tmp_path / "s.json"  # one server, used by the last message: rank 1 first waits on the ring
+    strategy.write_text(json.dumps({"version": 1, "variables": {"fc2.bias": {"route": "ps"}}}))
+    launcher, _, ready = waiting_job(tmp_path, [str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2",
+                                                "--gloo", "--strategy", str(strategy)])
+    try:
+        tree = [launcher.pid] + [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+        rank1 = psutil.Process(ready[1]["pid"])
+        time.sleep(3)  # rank 1 is in a long wait by now
+        thread_share = cpu_share(rank1, ready[1]["thread"], 4)
+        process_share = cpu_share(rank1, None, 4)
+        (tmp_path / "cpu.json").write_text(json.dumps({"thread": thread_share, "process": process_share}))
+        assert thread_share < 0.10, f"the waiting thread used {thread_share:.0%} of a core"
+        servers = [p.pid for p in map(psutil.Process, alive(tree)) if "backends.ps.server" in " ".join(p.cmdline())]
+        assert len(servers) == 1 and {r["pid"] for r in ready} <= set(tree), (servers, tree)
+        os.kill(launcher.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        launcher.wait(timeout=10)
+        wait_for(lambda: not alive(tree), GONE_WITHIN_S, f"every process of the job gone (alive: {alive(tree)})")
+        print(f"gone {time.monotonic() - killed:.1f} s after the SIGKILL; waiting rank's thread "
+              f"{thread_share:.1%}, process {process_share:.1%} of a core")
+    finally:
+        procs.stop(launcher, grace=1)
+        for pid in alive(tree if "tree" in locals() else []):
+            os.kill(pid, signal.SIGKILL)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_mpirun_takes_its_ranks_and_the_servers_notice(tmp_path):
+    """Plain mpirun with a server started by hand (README: "Parameter servers without hybridsync-run"):
+    Open MPI stops its ranks when mpirun dies, and the server exits once its workers are gone."""
+    strategy = tmp_path / "s.json"
+    strategy.write_text(json.dumps({"version": 1, "variables": {"fc2.bias": {"route": "ps"}}}))
+    ps = {"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+          "DMLC_PS_ROOT_PORT": str(free_port())}
+    server = procs.start([sys.executable, "-m", "hybridsync.backends.ps.server"],
+                         env={**os.environ, **ps, "PYTHONPATH": str(REPO), "DMLC_ROLE": "server",
+                              "DMLC_SERVER_ID": "0"}, capture=True)
+    launcher = None
+    try:
+        argv = launcher_argv("mpirun") + [word for name in (*ps, "HYBRIDSYNC_STRATEGY") for word in ("-x", name)]
+        launcher, _, ready = waiting_job(tmp_path, argv, env={**ps, "HYBRIDSYNC_STRATEGY": str(strategy)})
+        ranks = [r["pid"] for r in ready]
+        os.kill(launcher.pid, signal.SIGKILL)
+        wait_for(lambda: not alive(ranks), GONE_WITHIN_S, f"the ranks gone after mpirun's SIGKILL ({alive(ranks)})")
+        wait_for(lambda: server.poll() is not None, 30, "the server exits once its workers are gone")
+        assert "stopped answering" in server.stdout.read(), "the server did not say why it left"
+    finally:
+        if launcher is not None:
+            procs.stop(launcher, grace=1)
+        procs.stop(server, grace=1)

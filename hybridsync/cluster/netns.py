@@ -43,6 +43,7 @@ from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one 
     sh,
 )
 from hybridsync.cluster.spec import SUBNET_MASK_BITS, ClusterSpec
+from hybridsync.run.procs import die_with_parent
 
 __all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "kill_pids", "leftovers",
            "list_namespaces", "namespace_pids", "remove_leftovers", "require_root", "sh", "tbf_args"]
@@ -239,14 +240,18 @@ class EmulatedCluster:
         """Starts ``argv`` on host ``node_index`` (``ip netns exec``) and tracks it for teardown.
 
         ``env`` replaces the environment (default: ours). The process leads its own session,
-        so a signal from the terminal reaches us, not it, and teardown decides its end.
+        so a signal from the terminal reaches us, not it, and teardown decides its end; if
+        this process dies without a teardown (SIGKILL), the kernel sends it SIGTERM
+        (``procs.die_with_parent``: ``ip netns exec``, ``unshare`` and ``sh`` exec in turn, so
+        the command itself gets it). The namespaces stay: ``hybridsync cluster down``.
         Teardown closes its pipes: read them before leaving the ``with`` block.
         """
         if self._state != "up":
             raise RuntimeError(f"cluster {self.job_id} is {self._state}, not up")
         command = [*self.enter_argv(node_index), *argv]
         proc = subprocess.Popen(
-            command, env=dict(env) if env is not None else None, start_new_session=True, **popen_kwargs
+            command, env=dict(env) if env is not None else None, start_new_session=True,
+            preexec_fn=die_with_parent(), **popen_kwargs
         )
         self._processes.append(proc)
         return proc
