@@ -83,6 +83,9 @@ class _Board:
 
 
 _VERDICT_KEY = "hybridsync/stall/verdict"
+_SEEN = "seen"
+"""A rank's entry once it read the verdict."""
+ACK_WAIT_S = 3.0
 
 
 def _rank_key(rank: int) -> str:
@@ -157,7 +160,20 @@ class _Watch:
             self._give_up(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             return
         if verdict:
+            self._acknowledge(board)
             raise RanksOutOfStepError(verdict)
+
+    def _acknowledge(self, board: _Board) -> None:
+        """Say this rank read the verdict, and wait (at most ``ACK_WAIT_S``) until every rank did:
+        the first rank to raise may end the job, and rank 0's board with it, before a slower
+        rank's next look (which would then see only Horovod's own shutdown error)."""
+        deadline = time.monotonic() + ACK_WAIT_S
+        try:
+            board.publish(_SEEN)
+            while not all(entry == _SEEN for entry in board.read()[1]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except (RuntimeError, OSError, ValueError):
+            pass  # the board is gone: every rank that could read the verdict has
 
     def _judge(self, board: _Board, entries: list[str], now: float, stable_s: float) -> str:
         """The verdict once every rank waits at a point unchanged for ``stable_s``, and the points

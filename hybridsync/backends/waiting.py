@@ -15,9 +15,9 @@ backing off to ``MAX_SLEEP_S``; after ``LONG_WAIT_S`` it backs off further, to
 wake-ups a second). A long wait is also watched (``hybridsync.backends.stalls``): ranks
 that wait for each other at different points of the program fail with an error naming them.
 
-``HYBRIDSYNC_WAIT`` picks the spin phase: ``spin`` (default: ``SPIN_S_SPINNING``, long enough
-that a step's waits are Horovod's own) or ``sleep`` (``SPIN_S_SLEEPING``; the emulated
-cluster's launchers set it).
+``HYBRIDSYNC_WAIT`` picks the spin phase: ``spin`` (default: ``SPIN_S_SPINNING``, 1 s: a
+step's waits are Horovod's own) or ``sleep`` (``SPIN_S_SLEEPING``; the emulated cluster's
+launchers set it).
 
 TensorFlow jobs (``hybridsync.tensorflow``) wait differently by default: Horovod's TensorFlow
 ops complete through callbacks and hold no core while they wait, so the drop-in must not
@@ -32,9 +32,11 @@ from typing import Any, Callable
 from hybridsync import envvars
 from hybridsync.backends import stalls
 
-SPIN_S_SPINNING = 20e-3
-"""``spin``: poll and yield this long before sleeping. Waits within a step are mostly far
-shorter, so they are Horovod's own; longer ones sleep, ending at most ``MAX_SLEEP_S`` late."""
+SPIN_S_SPINNING = 1.0
+"""``spin``: poll and yield this long before sleeping, so every wait of a healthy step is
+Horovod's own (a 20 ms spin phase made a step 1.15x slower than Horovod's wait on a loaded
+2-core host: waits that outlast it pay a sleep's wake-up); a longer one is a stuck or a badly
+straggling rank, and sleeps."""
 SPIN_S_SLEEPING = 2e-3
 """``sleep``: a step's many small messages finish within microseconds of each other, and a
 sleep's wake-up latency (~60 us) on each of them added ~3 ms to a 25 ms step of 50 messages
