@@ -36,7 +36,11 @@ def rank_records(case: str, tmp_path: Path, launcher: str = "horovodrun", env: d
     proc = run_job(argv, timeout=JOB_TIMEOUT_S, env=env)
     files = [Path(f"{prefix}.rank{r}.json") for r in range(2)]
     assert all(f.exists() for f in files), proc.stdout[-6000:]
-    return [json.loads(f.read_text()) for f in files]
+    records = [json.loads(f.read_text()) for f in files]
+    print(f"{case} ({argv[0].rsplit('/', 1)[-1]}): " + ", ".join(
+        f"rank {r}: {record.get('type')} after {record.get('seconds', record.get('seconds_False', 0)):.2f} s"
+        for r, record in enumerate(records)))
+    return records
 
 
 @pytest.mark.parametrize("case, where", [
@@ -55,6 +59,19 @@ def test_ranks_out_of_step_fail_within_seconds_naming_where_each_waits(case, whe
             assert text in record["message"], f"rank {rank}: {record['message']}"
         assert record["seconds"] < DETECTED_WITHIN_S, f"rank {rank} failed {record['seconds']:.1f} s after"
     assert records[0]["message"] == records[1]["message"]  # one verdict
+
+
+def test_ranks_out_of_step_on_the_parameter_server_route_fail_within_seconds(tmp_path):
+    """Rank 1 waits for the servers' answer to its first push (rank 0 never pushes: it is in
+    set_strategy()); the PS client's wait is watched like Horovod's."""
+    strategy = tmp_path / "ps.json"
+    strategy.write_text(json.dumps({"version": 1, "variables": {"emb.weight": {"route": "ps"}}}))
+    records = rank_records("skip_set_strategy", tmp_path, prefix_argv=[
+        str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", "--strategy", str(strategy)])
+    for rank, record in enumerate(records):
+        assert record["type"] == "RanksOutOfStepError", f"rank {rank}: {record}"
+        assert "rank 1 is in step 2 of plan opt0, waiting for message 'emb.weight'" in record["message"]
+        assert record["seconds"] < DETECTED_WITHIN_S, f"rank {rank} failed {record['seconds']:.1f} s after"
 
 
 def test_a_skipped_step_fails_every_rank_within_seconds(tmp_path):
@@ -183,8 +200,11 @@ def test_a_killed_mpirun_takes_its_ranks_and_the_servers_notice(tmp_path):
         launcher, _, ready = waiting_job(tmp_path, argv, env={**ps, "HYBRIDSYNC_STRATEGY": str(strategy)})
         ranks = [r["pid"] for r in ready]
         os.kill(launcher.pid, signal.SIGKILL)
+        killed = time.monotonic()
         wait_for(lambda: not alive(ranks), GONE_WITHIN_S, f"the ranks gone after mpirun's SIGKILL ({alive(ranks)})")
+        ranks_gone = time.monotonic() - killed
         wait_for(lambda: server.poll() is not None, 30, "the server exits once its workers are gone")
+        print(f"ranks gone {ranks_gone:.1f} s, server exited {time.monotonic() - killed:.1f} s after mpirun's SIGKILL")
         assert "stopped answering" in server.stdout.read(), "the server did not say why it left"
     finally:
         if launcher is not None:
