@@ -69,6 +69,16 @@ def test_a_wait_within_a_step_in_spin_mode_never_sleeps(monkeypatch, restore_wai
     assert slept == []
 
 
+def test_work_on_threads_of_its_own_is_waited_for_without_spinning(monkeypatch, restore_waiting):
+    """Gloo's work (the hierarchical route's groups): its own blocking wait held no core."""
+    waiting.SPIN_S = waiting.SPIN_S_SPINNING
+    yields = []
+    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
+    hvd = FakeHorovod(done_at=time.perf_counter() + 0.05)
+    waiting.wait_until(lambda: hvd.poll(0), spin=False)
+    assert yields == []
+
+
 def test_wait_mode_comes_from_the_environment(monkeypatch):
     for value, sleeping in (("", False), ("spin", False), ("sleep", True), (" SLEEP ", True)):
         monkeypatch.setenv(waiting.WAIT_VAR, value)

@@ -92,11 +92,12 @@ def wait(hvd: Any, handle: Any) -> Any:
         raise
 
 
-def wait_until(done: Callable[[], bool]) -> None:
-    """Return once ``done()`` is true: spin for ``SPIN_S``, then sleep, backing off; a long
-    wait is watched for ranks out of step (``stalls.RanksOutOfStepError``)."""
+def wait_until(done: Callable[[], bool], *, spin: bool = True) -> None:
+    """Return once ``done()`` is true: spin for ``SPIN_S`` (unless ``spin`` is false: for work
+    that progresses on threads of its own, which a spinning rank would slow), then sleep,
+    backing off; a long wait is watched for ranks out of step (``stalls.RanksOutOfStepError``)."""
     start = time.perf_counter()
-    spin_until = start + SPIN_S
+    spin_until = start + (SPIN_S if spin else 0.0)
     while not done():
         if time.perf_counter() < spin_until:
             os.sched_yield()  # as Horovod does: a thread on this core that has work runs first

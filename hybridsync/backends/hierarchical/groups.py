@@ -107,7 +107,9 @@ class _GlooWork:
         self._work = work
 
     def wait(self) -> Any:
-        wait_until(self._work.is_completed)  # polled, so that a long wait is watched (waiting.py)
+        # Polled, so that a long wait is watched (waiting.py); never spinning: Gloo's own threads
+        # do the work, and its blocking wait held no core either.
+        wait_until(self._work.is_completed, spin=False)
         return self._work.wait()
 
     def done(self) -> bool:
