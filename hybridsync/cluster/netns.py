@@ -30,6 +30,7 @@ import threading
 import uuid
 from typing import Any, Mapping, Sequence
 
+from hybridsync.children import die_with_parent
 from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one place
     NAMESPACE_PREFIX,
     NETNS_ETC,
@@ -43,7 +44,6 @@ from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one 
     sh,
 )
 from hybridsync.cluster.spec import SUBNET_MASK_BITS, ClusterSpec
-from hybridsync.run.procs import die_with_parent
 
 __all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "kill_pids", "leftovers",
            "list_namespaces", "namespace_pids", "remove_leftovers", "require_root", "sh", "tbf_args"]
@@ -242,8 +242,9 @@ class EmulatedCluster:
         ``env`` replaces the environment (default: ours). The process leads its own session,
         so a signal from the terminal reaches us, not it, and teardown decides its end; if
         this process dies without a teardown (SIGKILL), the kernel sends it SIGTERM
-        (``procs.die_with_parent``: ``ip netns exec``, ``unshare`` and ``sh`` exec in turn, so
-        the command itself gets it). The namespaces stay: ``hybridsync cluster down``.
+        (``hybridsync.children.die_with_parent``: ``ip netns exec``, ``unshare`` and ``sh``
+        exec in turn, so the command itself gets it). The namespaces stay: ``hybridsync
+        cluster down``.
         Teardown closes its pipes: read them before leaving the ``with`` block.
         """
         if self._state != "up":

@@ -6,49 +6,19 @@ signals that whole group by the child's pid, first politely, then with SIGKILL.
 A session of its own also means the terminal's signals and the owner's death no longer
 reach the child: when the owner is killed (even by SIGKILL, which runs no cleanup), the
 child gets SIGTERM from the kernel instead (Linux's parent-death signal, set in the child
-before it executes the command: ``die_with_parent``). What the child started in turn it
-stops itself: horovodrun's per-rank middlemen stop their ranks once horovodrun is gone,
-mpirun stops its ranks on SIGTERM, a rank started directly has the signal too.
+before it executes the command: ``hybridsync.children.die_with_parent``). What the child
+started in turn it stops itself: horovodrun stops its ranks on SIGTERM (and its per-rank
+middlemen stop them once horovodrun is gone), mpirun stops its ranks on SIGTERM, a rank
+started directly has the signal too.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import signal
 import subprocess
-from typing import Any, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _prctl() -> Any:
-    """libc's ``prctl``, looked up once (in the parent: nothing is loaded between fork and exec)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None  # not Linux: children are stopped by stop() only
-
-
-_PRCTL = _prctl()
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get ``sig`` when the thread that started it ends (its
-    parent process dies, however); ``None`` where the platform has no parent-death signal.
-
-    The kernel ties the signal to the starting *thread*: start children from a thread that
-    lives as long as they should (hybridsync's launchers start them from the main thread).
-    """
-    if _PRCTL is None:
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(1)
-    return preexec
+from hybridsync.children import die_with_parent
 
 
 def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
