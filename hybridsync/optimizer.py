@@ -23,13 +23,14 @@ from typing import Any, Iterable, Literal, Mapping
 import torch
 
 from hybridsync import envvars
+from hybridsync.agreement import RankFacts, check_ranks_agree
 from hybridsync.backends import Reduction
 from hybridsync.compression import Compression, compression_name
 from hybridsync.hooks import BUILDER, StepHook, end_run
-from hybridsync.horovod_options import (called_from_horovod_state_init, check_process_set, gather_fingerprints,
+from hybridsync.horovod_options import (called_from_horovod_state_init, check_process_set,
                                         grouped_names, normalize_groups, strategy_with_groups, wrapped_step)
 from hybridsync.router.plan import RoutingPlan, build_plan
-from hybridsync.router.runtime import Router
+from hybridsync.router.runtime import GradientKinds, Router
 from hybridsync.strategy import Strategy, resolve_strategy
 from hybridsync.variables import variables_from_parameters
 
@@ -71,11 +72,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps locally.
         self._synchronizing = hvd.size() > 1 and self.process_set.included()
         self._reduction = _reduction(op, gradient_predivide_factor)
+        self._kinds = GradientKinds()
+        """Which gradients are sparse, as the ranks agreed: kept by every plan this optimizer runs."""
         self._router = Router(self.plan, self._params, compression=compression, reduction=self._reduction,
-                              process_set=self.process_set, sparse_as_dense=sparse_as_dense)
+                              process_set=self.process_set, sparse_as_dense=sparse_as_dense, kinds=self._kinds)
         if self._synchronizing:
             if self.process_set.size() > 1:
-                _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
+                self._check_ranks_agree(self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
         self._ends_run = frontend == "torch"
         """``step()`` ends the process when a hook ends the run; ``hybridsync.tensorflow`` ends it itself."""
@@ -151,9 +154,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._synchronizing and process_set.size() > 1:
             # Before building anything: the new router's construction may be collective (hierarchical
             # groups, joining the servers), and a rank building another plan would leave the rest waiting.
-            _check_ranks_agree(self._hvd, resolved, plan, process_set, self._router.instance, switching=True)
+            self._check_ranks_agree(resolved, plan, process_set, self._router.instance, switching=True)
         router = Router(plan, self._params, compression=self._compression, reduction=self._reduction,
-                        process_set=process_set, sparse_as_dense=self.sparse_as_dense)
+                        process_set=process_set, sparse_as_dense=self.sparse_as_dense, kinds=self._kinds)
         previous, self._router = self._router, router  # the hooks read self._router at every gradient
         self.plan, self.strategy, self.process_set = plan, resolved, process_set
         previous.close()
@@ -173,6 +176,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Release what the current plan holds beyond a step (PS keys, shared-memory segments, its share
         of the hierarchical groups). Collective, after the last step: the optimizer syncs no more."""
         self._router.close()
+
+    def _check_ranks_agree(self, strategy: Strategy | None, plan: RoutingPlan, process_set: Any, instance: int,
+                           switching: bool = False) -> None:
+        """Every rank (of the process set) must route identically, freeze the same parameters and
+        pass the same arguments; a difference fails on all of them now (``hybridsync.agreement``)
+        instead of hanging later. ``instance`` is the router built last (``set_strategy``: the
+        one being replaced), whose number names PS keys: ranks must agree on it too."""
+        facts = RankFacts(strategy=(strategy or Strategy()).fingerprint(), plan=plan.fingerprint(), instance=instance,
+                          frozen=tuple(name for name, p in self._named if not p.requires_grad),
+                          settings={"backward_passes_per_step": self.backward_passes_per_step,
+                                    "op": self._reduction.op, "prescale_factor": self._reduction.prescale_factor,
+                                    "postscale_factor": self._reduction.postscale_factor,
+                                    "sparse_as_dense": bool(self.sparse_as_dense),
+                                    "compression": getattr(self._compression, "__name__",
+                                                           type(self._compression).__name__)})
+        check_ranks_agree(self._hvd, facts, process_set, switching=switching)
 
     def load_state_dict(self, *args, **kwargs):
         self._fired.clear()
@@ -296,31 +315,6 @@ def _reduction(op: int, gradient_predivide_factor: float) -> Reduction:
         return Reduction(op="average", prescale_factor=1.0 / gradient_predivide_factor,
                          postscale_factor=gradient_predivide_factor)
     return Reduction(op="sum")
-
-
-def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan, process_set: Any,
-                       instance: int, switching: bool = False) -> None:
-    """Every rank (of the process set) must route identically; a mismatch fails on all of them now
-    instead of hanging later.
-
-    ``instance`` numbers the routers built in this process (one per optimizer and per
-    ``set_strategy``): it names their PS keys, so ranks must also agree on how many came
-    before this one. ``switching``: checked by ``set_strategy`` (with the router it replaces).
-    """
-    mine = ((strategy or Strategy()).fingerprint(), plan.fingerprint(), instance)
-    everyone = gather_fingerprints(hvd, mine, process_set)
-    ranks = process_set.ranks or range(len(everyone))
-    if any(theirs != mine for theirs in everyone):
-        table = "; ".join(f"rank {r}: strategy {s}, plan {p}, optimizer #{i}"
-                          for r, (s, p, i) in zip(ranks, everyone))
-        if switching:
-            raise ValueError(f"ranks disagree on the strategy passed to set_strategy() ({table}); every rank must "
-                             f"call set_strategy() with the same strategy at the same step. The previous "
-                             f"strategy stays in force.")
-        raise ValueError(f"ranks disagree on the synchronization strategy ({table}). Every rank must load "
-                         f"the same strategy file ({envvars.STRATEGY}={os.environ.get(envvars.STRATEGY)!r} "
-                         f"here), build the same model and create the same DistributedOptimizers in the "
-                         f"same order.")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,

@@ -144,10 +144,32 @@ class InProcessClient(PSClient):
         return method(key, worker, step, payload)
 
 
+class InProcessExchange:
+    """The ranks' all-gather of their gradient kinds (``Router``'s ``exchange``), through a barrier."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[str, list[list[int]]]] = []
+        """``(name, every rank's states)`` of each exchange, in order."""
+        self._barrier = threading.Barrier(SIZE, timeout=30)
+        self._states: list[list[int] | None] = [None] * SIZE
+
+    def for_rank(self, rank: int) -> Callable[[list[int], str], list[list[int]]]:
+        def exchange(states: list[int], name: str) -> list[list[int]]:
+            self._states[rank] = list(states)
+            self._barrier.wait()
+            everyone = [list(s) for s in self._states]  # type: ignore[arg-type]
+            if rank == 0:
+                self.rounds.append((name, everyone))
+            self._barrier.wait()  # nobody overwrites its states before every rank has read them
+            return everyone
+        return exchange
+
+
 class World:
     """The ranks' shared transports: an all-reduce store and one store per parameter server."""
 
     def __init__(self) -> None:
+        self.exchange = InProcessExchange()
         self.allreduce = KeyStore(num_workers=SIZE)
         self.servers = [KeyStore(num_workers=SIZE) for _ in range(NUM_SERVERS)]
         self.clients = [InProcessClient(PSConfig(role="worker", num_workers=SIZE, num_servers=NUM_SERVERS,
@@ -173,7 +195,7 @@ class World:
 
         runtime._ROUTERS_CREATED = itertools.count(instance)  # every rank numbers it alike, as in a job
         return Router(plan, list(model.parameters()), compression=compression, reduction=reduction,
-                      backends=backends, parameter_syncs=parameter_syncs)
+                      backends=backends, parameter_syncs=parameter_syncs, exchange=self.exchange.for_rank(rank))
 
 
 def run_ranks(work: Callable[[int], Any]) -> list[Any]:

@@ -30,6 +30,7 @@ import threading
 import uuid
 from typing import Any, Mapping, Sequence
 
+from hybridsync.children import die_with_parent
 from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one place
     NAMESPACE_PREFIX,
     NETNS_ETC,
@@ -263,14 +264,19 @@ class EmulatedCluster:
         """Starts ``argv`` on host ``node_index`` (``ip netns exec``) and tracks it for teardown.
 
         ``env`` replaces the environment (default: ours). The process leads its own session,
-        so a signal from the terminal reaches us, not it, and teardown decides its end.
+        so a signal from the terminal reaches us, not it, and teardown decides its end; if
+        this process dies without a teardown (SIGKILL), the kernel sends it SIGTERM
+        (``hybridsync.children.die_with_parent``: ``ip netns exec``, ``unshare`` and ``sh``
+        exec in turn, so the command itself gets it). The namespaces stay: ``hybridsync
+        cluster down``.
         Teardown closes its pipes: read them before leaving the ``with`` block.
         """
         if self._state != "up":
             raise RuntimeError(f"cluster {self.job_id} is {self._state}, not up")
         command = [*self.enter_argv(node_index), *argv]
         proc = subprocess.Popen(
-            command, env=dict(env) if env is not None else None, start_new_session=True, **popen_kwargs
+            command, env=dict(env) if env is not None else None, start_new_session=True,
+            preexec_fn=die_with_parent(), **popen_kwargs
         )
         self._processes.append(proc)
         return proc

@@ -156,6 +156,7 @@ class HostsTarget:
         launcher = os.path.join(os.path.dirname(sys.executable), "hybridsync-run")
         argv = [launcher, "-np", str(self.spec.num_workers), *self.placement, "--gloo",
                 "--num-servers", str(self.spec.num_servers), *self.launcher_args, *command]
+        from hybridsync.children import die_with_parent
         process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True)
+                                   text=True, start_new_session=True, preexec_fn=die_with_parent())
         return _LauncherJob(process=process, log=LineFollower(log.name))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.futures import Future
 
+from hybridsync.backends import stalls
 from hybridsync.backends.base import KeyedBackend, Reduction, SparseBackend, wire_of
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
@@ -209,8 +210,10 @@ class PSClient:
         pending = _Countdown(len(calls))
         for _, future in calls:
             future.add_done_callback(pending.done)
-        while not pending.event.wait(0.1):
-            self.check_usable()
+        with stalls.Watched() as watch:  # a rank out of step with the others is named, not waited for
+            while not pending.event.wait(0.1):
+                self.check_usable()
+                watch.tick()
         results = []
         for index, future in calls:
             try:
