@@ -53,11 +53,11 @@ def test_ssp_holds_a_worker_more_than_staleness_ahead():
     store = KeyStore(num_workers=2)
     store.init_async("p", torch.zeros(2), staleness=1)
     first = store.push_delta("p", 0, 0, torch.ones(2))  # lead 1: allowed
-    assert first.done() and first.wait().tolist() == [1.0, 1.0]
+    assert first.done() and first.wait().value.tolist() == [1.0, 1.0]
     second = store.push_delta("p", 0, 1, torch.ones(2))  # lead 2: held
     assert not second.done()
     store.push_delta("p", 1, 0, torch.ones(2))  # slowest advances to 1: lead 1 again
-    assert second.done() and second.wait().tolist() == [3.0, 3.0]
+    assert second.done() and second.wait().value.tolist() == [3.0, 3.0]
     counters = store.staleness_counters["ssp1"]
     assert counters.delayed == 1 and counters.max_lead_answered == 1
 
@@ -75,8 +75,8 @@ def test_asp_never_holds_and_goodbye_releases_ssp():
 
 def test_first_workers_value_wins_and_staleness_must_agree():
     store = KeyStore(num_workers=2)
-    assert store.init_async("p", torch.ones(2), staleness=2).tolist() == [1.0, 1.0]
-    assert store.init_async("p", torch.zeros(2), staleness=2).tolist() == [1.0, 1.0]
+    assert store.init_async("p", torch.ones(2), staleness=2).value.tolist() == [1.0, 1.0]
+    assert store.init_async("p", torch.zeros(2), staleness=2).value.tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="workers disagree on the staleness of key 'p'"):
         store.init_async("p", torch.zeros(2), staleness=3)
 
