@@ -1,34 +1,44 @@
 """A parameter server that dies or hangs under supervision is replaced, and training goes on
-exactly: 2 supervised servers (``hybridsync-server --supervise``) + 2 workers on loopback.
+exactly.
 
-The workers (``tests/workers/ps_scenarios.py``) check every BSP sum bitwise against the
-server's own summation, or that the ASP servers hold every delta exactly once, while the
-test kills (SIGKILL) or stops (SIGSTOP) server 1's process. Every process a test starts
-is stopped by pid in the fixture's teardown (a supervisor and its server share a process
-group).
+- 2 supervised servers (``hybridsync-server --supervise``) + 2 raw PS workers on loopback
+  (``tests/workers/ps_scenarios.py``): every BSP sum is checked bitwise against the server's
+  own summation, or the ASP servers must hold every delta exactly once, while the test kills
+  (SIGKILL) or stops (SIGSTOP) server 1's process;
+- whole 2-rank jobs under ``hybridsync-run`` (``tests/workers/fault_train.py``): a BSP job
+  whose server is killed ends bitwise like an undisturbed one, an ASP job survives, and a
+  dead worker ends the job with no process left.
+
+Every process a test starts is stopped by pid in a fixture's teardown (a supervisor and its
+server share a process group; hybridsync-run stops what it started).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
-from conftest import wait_for
+from conftest import BIN, REPO, WORKERS, wait_for
+from hybridsync.run.procs import stop
 from test_ps import Job, job_factory  # noqa: F401 - the fixture is used by name
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 
 
-def server_process(job: Job, index: int, *, newer_than: int | None = None) -> psutil.Process:
-    """Server ``index``'s current process (its supervisor's child)."""
+def server_process(job: Job, index: int) -> psutil.Process:
+    """Server ``index``'s serving process: its supervisor's oldest child (the standby starts after it)."""
     supervisor = psutil.Process(job.servers[index].pid)
 
     def child() -> psutil.Process | None:
-        children = [c for c in supervisor.children() if c.pid != newer_than and c.is_running()]
+        children = sorted(supervisor.children(), key=lambda c: c.create_time())
         return children[0] if children else None
     wait_for(lambda: child() is not None, 30, f"server{index}'s process")
     return child()
@@ -128,5 +138,111 @@ def test_a_dead_worker_ends_the_supervised_servers(job_factory, monkeypatch):
              "the servers' processes to end")
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
+# -- whole jobs under hybridsync-run (horovodrun, Gloo; servers supervised by the launcher) -----
+
+BSP = {"version": 1, "default": {"route": "ps", "protocol": "bsp"}}
+ASP = {"version": 1, "default": {"route": "ps", "protocol": "asp"}}
+
+
+def start_job(tmp_path: Path, name: str, strategy: dict, steps: int = 60) -> tuple[subprocess.Popen, Path]:
+    """``hybridsync-run`` of ``fault_train.py`` (2 ranks, 2 servers), its output in ``<name>.log``."""
+    (tmp_path / f"{name}.json").write_text(json.dumps(strategy))
+    argv = [str(BIN / "hybridsync-run"), "--strategy", str(tmp_path / f"{name}.json"), "--num-servers", "2",
+            "--partition-bytes", "2000", "-np", "2", "-H", "localhost:2", "--gloo",
+            sys.executable, str(WORKERS / "fault_train.py"), str(tmp_path / name), "--steps", str(steps)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen(argv, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True), tmp_path / name
+
+
+def steps_done(prefix: Path, rank: int) -> int:
+    try:
+        return int(Path(f"{prefix}.rank{rank}.step").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def serving(launcher: subprocess.Popen, index: int) -> psutil.Process:
+    """Server ``index``'s serving process in ``launcher``'s job: its supervisor's oldest child
+    (the supervisor's standby starts after it)."""
+    def find() -> psutil.Process | None:
+        for proc in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if "--supervise" in proc.cmdline() and proc.environ().get("DMLC_SERVER_ID") == str(index):
+                    children = sorted(proc.children(), key=lambda c: c.create_time())
+                    return children[0] if children else None
+            except psutil.NoSuchProcess:
+                continue
+        return None
+    wait_for(lambda: find() is not None, 60, f"server{index}'s process")
+    return find()
+
+
+def finish(launcher: subprocess.Popen, timeout: float) -> int:
+    try:
+        return launcher.wait(timeout=timeout)
+    finally:
+        if launcher.poll() is None:
+            stop(launcher, grace=5.0)
+
+
+@pytest.fixture
+def jobs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for launcher in started:
+        if launcher.poll() is None:
+            stop(launcher, grace=5.0)
+
+
+@pytest.mark.timeout(400)
+def test_a_bsp_job_whose_server_is_killed_ends_bitwise_like_an_undisturbed_one(tmp_path, jobs):
+    calm, calm_prefix = start_job(tmp_path, "calm", BSP)
+    jobs.append(calm)
+    assert finish(calm, 180) == 0, (tmp_path / "calm.log").read_text()[-4000:]
+    struck, prefix = start_job(tmp_path, "struck", BSP)
+    jobs.append(struck)
+    wait_for(lambda: steps_done(prefix, 0) >= 5 or struck.poll() is not None, 150, "5 steps of training")
+    serving(struck, 1).send_signal(signal.SIGKILL)
+    assert finish(struck, 200) == 0, (tmp_path / "struck.log").read_text()[-4000:]
+    log = (tmp_path / "struck.log").read_text()
+    for rank in range(2):
+        final, undisturbed = torch.load(f"{prefix}.rank{rank}.pt"), torch.load(f"{calm_prefix}.rank{rank}.pt")
+        assert all(torch.equal(final[name], undisturbed[name]) for name in final), rank
+        recoveries = json.loads(Path(f"{prefix}.rank{rank}.json").read_text())["recoveries"]
+        assert [(r["server"], r["incarnation"]) for r in recoveries] == [(1, 1)], recoveries
+    assert "died (SIGKILL); starting replacement 1" in log and "replaced (incarnation 1): recovered in" in log, log
+
+
+@pytest.mark.timeout(300)
+def test_an_asp_job_survives_a_server_kill(tmp_path, jobs):
+    struck, prefix = start_job(tmp_path, "asp", ASP)
+    jobs.append(struck)
+    wait_for(lambda: steps_done(prefix, 0) >= 5 or struck.poll() is not None, 150, "5 steps of training")
+    serving(struck, 0).send_signal(signal.SIGKILL)  # server 0: also the one the supervisor hosts the store beside
+    assert finish(struck, 200) == 0, (tmp_path / "asp.log").read_text()[-4000:]
+    for rank in range(2):
+        result = json.loads(Path(f"{prefix}.rank{rank}.json").read_text())
+        assert [r["server"] for r in result["recoveries"]] == [0], result["recoveries"]
+        assert result["losses"][-1] < result["losses"][0] / 2, result["losses"]
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_worker_ends_the_whole_job_and_leaves_no_process(tmp_path, jobs):
+    launcher, prefix = start_job(tmp_path, "dead", BSP, steps=400)
+    jobs.append(launcher)
+    wait_for(lambda: steps_done(prefix, 1) >= 3 or launcher.poll() is not None, 150, "3 steps of training")
+    job = psutil.Process(launcher.pid).children(recursive=True)
+    rank1 = [p for p in job if str(WORKERS / "fault_train.py") in " ".join(p.cmdline())
+             and p.environ().get("HOROVOD_RANK") == "1"]
+    killed_at = time.monotonic()
+    rank1[0].send_signal(signal.SIGKILL)
+    assert finish(launcher, 120) != 0
+    took = time.monotonic() - killed_at
+    gone = psutil.wait_procs(job, timeout=30)[1]
+    assert not [p for p in gone if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in gone]
+    log = (tmp_path / "dead.log").read_text()
+    assert "worker1 stopped answering" in log and "starting replacement" not in log, log[-4000:]
+    assert took < 90, took

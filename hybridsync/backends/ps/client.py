@@ -69,7 +69,7 @@ class PSClient:
         deadline = time.monotonic() + timeout_s
         missing = list(range(self.config.num_servers))
         while missing:
-            missing = [s for s in missing if not group.present(self._links.adopt_latest(s, self._store))]
+            missing = [s for s in missing if not group.joined(self._store, self._links.adopt_latest(s, self._store))]
             if missing and time.monotonic() > deadline:
                 raise RuntimeError(group.join_failure(self.config, timeout_s, "servers never joined: " + ", ".join(
                     group.server_name(s) for s in missing)))

@@ -146,9 +146,17 @@ def _unlist(store: Any, members: Iterable[tuple[str, int]]) -> None:
             names.set("_ALL_WORKER_INFOS", kept)
 
 
-def present(name: str) -> bool:
-    """Whether ``name`` is a member of the group as this process sees it."""
+def joined(store: Any, name: str) -> bool:
+    """Whether member ``name`` has joined the group and can be called from here.
+
+    Seeing the name (``rpc.get_worker_info``) is not enough: a joiner greets the members one
+    by one, and each learns its name before its address, so a call in between fails
+    ("could not find destination url") and would take the joiner down with it. A member
+    counts once ``count_join`` marked it in the store, after its greetings were all answered.
+    """
     from torch.distributed import rpc
+    if not store.check([store_key("members", name)]):
+        return False
     try:
         rpc.get_worker_info(name)
         return True
@@ -156,13 +164,13 @@ def present(name: str) -> bool:
         return False
 
 
-def wait_present(names: Iterable[str], *, timeout_s: float) -> list[str]:
+def wait_joined(store: Any, names: Iterable[str], *, timeout_s: float) -> list[str]:
     """Wait until every one of ``names`` has joined; returns those still missing after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    missing = [n for n in names if not present(n)]
+    missing = [n for n in names if not joined(store, n)]
     while missing and time.monotonic() < deadline:
         time.sleep(0.05)
-        missing = [n for n in missing if not present(n)]
+        missing = [n for n in missing if not joined(store, n)]
     return missing
 
 
@@ -236,15 +244,32 @@ def leave(*, timeout_s: float, store: Any) -> None:
     other (like ``hvd.shutdown``, up to ``timeout_s``); then each one's agent leaves the
     group (``join(shutdown=True)``: its own calls finished, its name off the list, closed
     connections expected from now on), they wait again, and only then close.
-    ``RuntimeError`` if the others do not come.
+    ``RuntimeError`` if the others do not come, or closing does not end in time (it runs in
+    a thread we stop waiting on: leaving must never hang a job's end).
     """
     from torch.distributed import rpc
     if not _meet(store, "finishing", timeout_s):
         raise RuntimeError(f"not every member of the group finished within {timeout_s:.0f} s")
-    rpc.api._get_current_rpc_agent().join(shutdown=True, timeout=timeout_s)
-    _meet(store, "closing", min(timeout_s, 30.0))
-    rpc.shutdown(graceful=False)
-    store.add(store_key("left"), 1)
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            rpc.api._get_current_rpc_agent().join(shutdown=True, timeout=timeout_s)
+            _meet(store, "closing", _CLOSING_S)
+            rpc.shutdown(graceful=False)
+            store.add(store_key("left"), 1)
+        except BaseException as e:  # noqa: BLE001 - handed to the leaving thread
+            errors.append(e)
+
+    closer = threading.Thread(target=close, name="hybridsync-ps-leave", daemon=True)
+    closer.start()
+    closer.join(timeout=2 * _CLOSING_S)
+    if closer.is_alive() or errors:
+        raise RuntimeError(f"closing the connections failed: {errors[0] if errors else 'timed out'}")
+
+
+_CLOSING_S = 30.0
+"""Bound on the members' second meeting when they leave, and half the bound on closing."""
 
 
 def wait_all_left(store: Any, *, timeout_s: float, supervisors_still_here: int = 0) -> bool:

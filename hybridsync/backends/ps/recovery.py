@@ -256,11 +256,11 @@ class Links:
                 remaining = max(10.0, deadline - time.monotonic())
                 self._client.transport(index, "rpc_restore", (self._worker, state), timeout=remaining).wait()
                 break
-            except Exception as e:  # noqa: BLE001 - the replacement died too, or refused: try the next one
-                if time.monotonic() > deadline:
+            except Exception as e:  # noqa: BLE001 - the replacement died too: again, with it or the next one
+                if time.monotonic() > deadline or not _connection_lost(e):
                     self._fail(index, f"{who}'s replacement failed while restoring its keys: {_first_line(e)}")
                     return
-                incarnation = new
+                time.sleep(0.5)
         with self._cond:
             self._links[index].state = "up"
             resend = [call for call in self._inflight if call.server == index]
@@ -288,7 +288,7 @@ class Links:
             latest = self._store_op(lambda s: group.latest_incarnation(s, index))
             if latest is None:
                 return f"the rendezvous store at {self._client.config.init_method} is gone (the job is ending)"
-            if latest > incarnation and group.present(group.server_name(index, latest)):
+            if latest > incarnation and self._store_op(lambda s: group.joined(s, group.server_name(index, latest))):
                 return latest
             why = self._store_op(lambda s: s.get(given_up).decode() if s.check([given_up]) else "")
             if why:

@@ -62,6 +62,8 @@ class Server:
         """A replacement serves the workers still in the group (others finished before it came)."""
         with self._lock:
             self._attached &= workers
+            if not self._attached:
+                self._finished.set()  # nobody left to serve: leave with the others
         for worker in set(range(self.config.num_workers)) - workers:
             self.store.detach(worker)
 
@@ -267,7 +269,7 @@ def serve(config: PSConfig, *, join_timeout_s: float = 120.0, shutdown_timeout_s
     group.count_join(store, group.server_name(config.index, incarnation))
     workers = [group.worker_name(w) for w in range(config.num_workers)]
     if incarnation == 0:
-        missing = group.wait_present(workers, timeout_s=join_timeout_s)
+        missing = group.wait_joined(store, workers, timeout_s=join_timeout_s)
         if missing and not server.failure:
             raise RuntimeError(group.join_failure(config, join_timeout_s, "workers never joined: " + ", ".join(missing)))
     else:
@@ -292,7 +294,7 @@ def _take_over(server: Server, store: Any, restore_timeout_s: float) -> None:
     config = server.config
     group.count_departed(store, [group.server_name(config.index, r) for r in range(server.incarnation)])
     workers = {w for w in range(config.num_workers)
-               if group.present(group.worker_name(w)) and not group.finished(store, w)}
+               if group.joined(store, group.worker_name(w)) and not group.finished(store, w)}
     server.attach_only(workers)
     log.info("%s: replaces %s; waiting for %d workers to restore its keys", server.name,
              group.server_name(config.index, server.incarnation - 1), len(workers))
