@@ -1,7 +1,7 @@
 """Parameter servers killed (or stopped) mid-training on an emulated 2 x 2 cluster (root): what it costs.
 
-    sudo .venv/bin/python benchmarks/faults.py                                 # BSP and ASP, kill every 25 steps
-    sudo .venv/bin/python benchmarks/faults.py --protocols bsp --faults kill stop --steps 150 --every 30
+    sudo .venv/bin/python benchmarks/faults.py             # BSP and ASP, kill / stop a server every 25 steps, a worker once
+    sudo .venv/bin/python benchmarks/faults.py --protocols bsp --faults kill --steps 250 --every 50
 
 Brings up 2 hosts (network namespaces, uplinks shaped to ``--bandwidth``) with 2 Horovod
 Gloo ranks and 1 supervised parameter server (``hybridsync-server --supervise``) each, and
@@ -12,6 +12,8 @@ process of server 0, 1, 0, ... whenever rank 0 has done another ``--every`` step
 - ``kill``: SIGKILL; the workers see the connection break, the supervisor starts its spare.
 - ``stop``: SIGSTOP (a hang, or a host cut off); found by the workers' pings
   (``HYBRIDSYNC_PS_PING_TIMEOUT``, 10 s by default), the supervisor kills it on their verdict.
+- ``worker``: rank 3 SIGKILLed once (not recoverable without Elastic Horovod): how long until
+  the other ranks are stopped, the servers exit on their own, and whether any process is left.
 
 Per fault: detection (strike -> the first worker notices), recovery (notice -> the workers
 resume on the replacement) and outage (strike -> resumed), from every worker's
@@ -131,6 +133,41 @@ def run_job(cluster, protocol: str, fault: str | None, args: argparse.Namespace,
         return {"name": name, "protocol": protocol, "fault": fault, "reports": json.load(handle), "strikes": strikes}
 
 
+def run_worker_death(cluster, args: argparse.Namespace, logs: str) -> dict:
+    """A BSP job whose rank 3 is SIGKILLed at step ``args.every``: no recovery without Elastic
+    Horovod. How long until the servers exit on their own and no process is left on any host."""
+    import psutil
+    from hybridsync.cluster.netns import namespace_pids
+    from hybridsync.run.emulated import launch_gloo, launch_servers, ps_env
+    out_dir = os.path.join(logs, "bsp-worker")
+    os.makedirs(out_dir)
+    strategy = os.path.join(out_dir, "strategy.json")
+    with open(strategy, "w") as handle:
+        json.dump({"version": 1, "default": {"route": "ps", "protocol": "bsp"}}, handle)
+    env = {**os.environ, **ps_env(cluster), "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "BYTEPS_PARTITION_BYTES": str(args.partition_bytes), "HYBRIDSYNC_STRATEGY": strategy}
+    with open(os.path.join(logs, "bsp-worker.log"), "a") as log:
+        servers = launch_servers(cluster, env=env, stdout=log, stderr=subprocess.STDOUT)
+        job = launch_gloo(cluster, [sys.executable, os.path.abspath(__file__), "--worker", out_dir, str(args.steps)],
+                          env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + args.timeout
+        while _progress(out_dir) < args.every and time.monotonic() < deadline:
+            time.sleep(0.1)
+        psutil.Process(job.processes[3].pid).kill()
+        killed = time.monotonic()
+        job.wait(timeout=120)  # stops the other ranks, as horovodrun does
+        ranks_ended = time.monotonic() - killed
+        while any(p.poll() is None for p in servers.processes) and time.monotonic() < killed + 120:
+            time.sleep(0.1)
+        servers_ended = time.monotonic() - killed
+        left = sum(len(namespace_pids(name)) for name in cluster.namespaces)
+    with open(os.path.join(logs, "bsp-worker.log")) as handle:
+        text = handle.read()
+    return {"ranks_ended_s": ranks_ended, "servers_ended_s": servers_ended, "processes_left": left,
+            "server_codes": [p.returncode for p in servers.processes],
+            "named": "worker3 stopped answering" in text, "replaced": "starting replacement" in text}
+
+
 def _progress(out_dir: str) -> int:
     try:
         with open(os.path.join(out_dir, "step")) as handle:
@@ -160,8 +197,14 @@ def fault_rows(job: dict) -> list[dict]:
 
 
 def report(jobs: list[dict], args: argparse.Namespace) -> str:
-    lines = ["", "| job | steps | mean step s | vs undisturbed | slowest step s | strikes | final params |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    """Two tables: per job (step times; the final parameters against the undisturbed job's), per strike.
+
+    Step times move with the machine's load from one job to the next, so a job is judged
+    against its own median step: "time above median" sums every step's excess over it, and
+    a strike costs what the struck job has above its median beyond what the undisturbed job
+    has above its own."""
+    lines = ["", "| job | steps | median step s | vs undisturbed | time above median s | per strike s | strikes | "
+             "final params |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     calm = {job["protocol"]: job for job in jobs if job["fault"] is None}
     for job in jobs:
         times = job["reports"][0]["times"][3:]  # the first steps create keys and seed parameters
@@ -170,8 +213,10 @@ def report(jobs: list[dict], args: argparse.Namespace) -> str:
         same = digests == {r["digest"] for r in calm[job["protocol"]]["reports"]}
         final = ("bitwise equal to undisturbed" if same and len(digests) == 1 else
                  "ranks differ (ASP)" if job["protocol"] == "asp" else "DIFFERENT")
-        lines.append(f"| {job['name']} | {len(times) + 3} | {statistics.mean(times):.3f} | "
-                     f"{statistics.mean(times) / statistics.mean(base):.2f}x | {max(times):.2f} | "
+        above, base_above = _above_median(times), _above_median(base)
+        per_strike = f"{(above - base_above) / len(job['strikes']):.2f}" if job["strikes"] else "-"
+        lines.append(f"| {job['name']} | {len(times) + 3} | {statistics.median(times):.3f} | "
+                     f"{statistics.median(times) / statistics.median(base):.2f}x | {above:.1f} | {per_strike} | "
                      f"{len(job['strikes'])} | {final if job['fault'] else '-'} |")
     lines += ["", "| job | strike | server | at step | detected s | recovered s | outage s | keys restored | "
               "calls resent |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -184,11 +229,17 @@ def report(jobs: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _above_median(times: list[float]) -> float:
+    median = statistics.median(times)
+    return sum(t - median for t in times)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bandwidth", default="1gbit", help="tc-style uplink rate (default 1gbit)")
     parser.add_argument("--protocols", nargs="+", default=["bsp", "asp"], choices=["bsp", "asp"])
-    parser.add_argument("--faults", nargs="+", default=["kill"], choices=["kill", "stop"])
+    parser.add_argument("--faults", nargs="+", default=["kill", "stop", "worker"], choices=["kill", "stop", "worker"],
+                        help="kill/stop: strike a server every --every steps; worker: SIGKILL rank 3 once (no recovery)")
     parser.add_argument("--steps", type=int, default=125, help="training steps per job (default 125)")
     parser.add_argument("--every", type=int, default=25, help="strike a server every N steps of rank 0 (default 25)")
     parser.add_argument("--partition-bytes", type=int, default=1 << 20, help="PS key size (default 1 MiB)")
@@ -202,18 +253,25 @@ def main(argv: list[str] | None = None) -> int:
     print("uptime before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     spec = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth=args.bandwidth, servers_per_node=1)
     logs = tempfile.mkdtemp(prefix="hs-faults-")
-    jobs = []
+    jobs, death = [], None
     with EmulatedCluster(spec) as cluster:
         for protocol in args.protocols:
-            for fault in [None, *args.faults]:
+            for fault in [None, *(f for f in args.faults if f != "worker")]:
                 started = time.monotonic()
                 jobs.append(run_job(cluster, protocol, fault, args, logs))
                 print(f"{jobs[-1]['name']}: {time.monotonic() - started:.0f} s", flush=True)
+        if "worker" in args.faults:
+            death = run_worker_death(cluster, args, logs)
     print("uptime after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(jobs, handle, indent=1)
+            json.dump({"jobs": jobs, "worker_death": death}, handle, indent=1)
     print(report(jobs, args))
+    if death is not None:
+        print(f"\nbsp-worker: rank 3 SIGKILLed at step {args.every}: the other ranks stopped after "
+              f"{death['ranks_ended_s']:.1f} s, the servers exited on their own after {death['servers_ended_s']:.1f} s "
+              f"(status {death['server_codes']}, named worker3: {death['named']}, replaced: {death['replaced']}); "
+              f"processes left on the hosts: {death['processes_left']}")
     print(f"\nlogs: {logs}")
     return 0
 

@@ -197,16 +197,15 @@ def jobs():
             stop(launcher, grace=5.0)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(560)
 def test_a_bsp_job_whose_server_is_killed_ends_bitwise_like_an_undisturbed_one(tmp_path, jobs):
-    calm, calm_prefix = start_job(tmp_path, "calm", BSP)
-    jobs.append(calm)
-    assert finish(calm, 180) == 0, (tmp_path / "calm.log").read_text()[-4000:]
+    calm, calm_prefix = start_job(tmp_path, "calm", BSP)  # both at once: same load, half the wall time
     struck, prefix = start_job(tmp_path, "struck", BSP)
-    jobs.append(struck)
-    wait_for(lambda: steps_done(prefix, 0) >= 5 or struck.poll() is not None, 150, "5 steps of training")
+    jobs.extend([calm, struck])
+    wait_for(lambda: steps_done(prefix, 0) >= 5 or struck.poll() is not None, 240, "5 steps of training")
     serving(struck, 1).send_signal(signal.SIGKILL)
-    assert finish(struck, 200) == 0, (tmp_path / "struck.log").read_text()[-4000:]
+    assert finish(struck, 240) == 0, (tmp_path / "struck.log").read_text()[-4000:]
+    assert finish(calm, 60) == 0, (tmp_path / "calm.log").read_text()[-4000:]
     log = (tmp_path / "struck.log").read_text()
     for rank in range(2):
         final, undisturbed = torch.load(f"{prefix}.rank{rank}.pt"), torch.load(f"{calm_prefix}.rank{rank}.pt")
@@ -216,24 +215,24 @@ def test_a_bsp_job_whose_server_is_killed_ends_bitwise_like_an_undisturbed_one(t
     assert "died (SIGKILL); starting replacement 1" in log and "replaced (incarnation 1): recovered in" in log, log
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_an_asp_job_survives_a_server_kill(tmp_path, jobs):
     struck, prefix = start_job(tmp_path, "asp", ASP)
     jobs.append(struck)
-    wait_for(lambda: steps_done(prefix, 0) >= 5 or struck.poll() is not None, 150, "5 steps of training")
+    wait_for(lambda: steps_done(prefix, 0) >= 5 or struck.poll() is not None, 240, "5 steps of training")
     serving(struck, 0).send_signal(signal.SIGKILL)  # server 0: also the one the supervisor hosts the store beside
-    assert finish(struck, 200) == 0, (tmp_path / "asp.log").read_text()[-4000:]
+    assert finish(struck, 240) == 0, (tmp_path / "asp.log").read_text()[-4000:]
     for rank in range(2):
         result = json.loads(Path(f"{prefix}.rank{rank}.json").read_text())
         assert [r["server"] for r in result["recoveries"]] == [0], result["recoveries"]
         assert result["losses"][-1] < result["losses"][0] / 2, result["losses"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 def test_a_dead_worker_ends_the_whole_job_and_leaves_no_process(tmp_path, jobs):
     launcher, prefix = start_job(tmp_path, "dead", BSP, steps=400)
     jobs.append(launcher)
-    wait_for(lambda: steps_done(prefix, 1) >= 3 or launcher.poll() is not None, 150, "3 steps of training")
+    wait_for(lambda: steps_done(prefix, 1) >= 3 or launcher.poll() is not None, 240, "3 steps of training")
     job = psutil.Process(launcher.pid).children(recursive=True)
     rank1 = [p for p in job if str(WORKERS / "fault_train.py") in " ".join(p.cmdline())
              and p.environ().get("HOROVOD_RANK") == "1"]

@@ -106,6 +106,7 @@ class _Standby:
             return
         try:
             process.stdin.close()  # type: ignore[union-attr]
+            process.terminate()  # it may still be importing: do not wait for that
             process.wait(timeout=5.0)
         except (OSError, subprocess.TimeoutExpired):
             process.kill()
