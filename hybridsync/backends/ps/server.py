@@ -274,8 +274,7 @@ def serve(config: PSConfig, *, join_timeout_s: float = 120.0, shutdown_timeout_s
             raise RuntimeError(group.join_failure(config, join_timeout_s, "workers never joined: " + ", ".join(missing)))
     else:
         _take_over(server, store, restore_timeout_s)
-    log.info("%s serving (incarnation %d, member %s) at %s", server.name, incarnation,
-             group.this_member(config, incarnation)[0], config.init_method)
+    log.info("%s serving (rank %d of %d) at %s", server.name, config.rank, config.world_size, config.init_method)
     code = server.run()
     try:
         group.leave(timeout_s=shutdown_timeout_s, store=store)

@@ -50,7 +50,9 @@ def supervise(config: PSConfig, env: Mapping[str, str], child_args: Sequence[str
         while True:
             incarnation = group.latest_incarnation(store, config.index) + 1
             child = standby.take()
-            log.info("supervisor of %s: started it (pid %d, incarnation %d)", config.name, child.pid, incarnation)
+            # A job that goes well prints only its servers' own lines: the first start is no news.
+            log.log(logging.INFO if incarnation else logging.DEBUG, "supervisor of %s: started it (pid %d, "
+                    "incarnation %d)", config.name, child.pid, incarnation)
             code = _watch(child, store, config.index, incarnation, stopping, standby)
             if stopping:
                 return 128 + stopping[0]
