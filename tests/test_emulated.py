@@ -219,3 +219,38 @@ def test_exception_while_job_runs_tears_everything_down(tmp_path: Path) -> None:
             raise RuntimeError("interrupted")
     assert leftovers(cluster.prefix) == []
     assert all(proc.poll() is not None for proc in [*servers.processes, *job.processes, *job.helpers])
+
+
+def test_a_dead_worker_ends_the_ps_servers_and_leaves_no_process(tmp_path: Path) -> None:
+    """Issue 23: a rank SIGKILLed mid-training under the PS route (no elastic mode). The job's
+    other ranks are stopped (as horovodrun does); the supervised servers notice, say which
+    worker stopped answering and exit 1 on their own, unreplaced; then no process of the job
+    is left on any host, before teardown."""
+    import psutil
+    from hybridsync.run.emulated import launch_gloo, launch_servers
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers, namespace_pids
+
+    log = tmp_path / "job.log"
+    (tmp_path / "bsp.json").write_text(json.dumps({"version": 1, "default": {"route": "ps", "protocol": "bsp"}}))
+    with open(log, "a") as out, EmulatedCluster(SPEC) as cluster:
+        env = _env(cluster, {"HYBRIDSYNC_STRATEGY": str(tmp_path / "bsp.json")})
+        servers = launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT)
+        prefix = tmp_path / "train"
+        job = launch_gloo(cluster, [sys.executable, str(WORKERS / "fault_train.py"), str(prefix), "--steps", "2000",
+                                    "--sleep", "0.02"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: Path(f"{prefix}.rank3.step").exists() or any(p.poll() is not None for p in job.processes),
+                 90, "rank 3 training", poll_s=0.2)
+        psutil.Process(job.processes[3].pid).kill()  # the rank itself: `ip netns exec` and `sh` exec'ed into it
+        killed_at = time.monotonic()
+        codes = job.wait(timeout=60)
+        assert codes[3] == -9 and all(code != 0 for code in codes), codes
+        # Each server on its own (``Job.wait`` would stop the second once the first failed).
+        wait_for(lambda: all(p.poll() is not None for p in servers.processes), 60, "the servers to exit")
+        assert [p.returncode for p in servers.processes] == [1, 1], log.read_text()[-3000:]
+        ended = time.monotonic() - killed_at
+        text = log.read_text()
+        assert "stopped answering" in text and "worker3" in text and "starting replacement" not in text, text[-3000:]
+        assert ended < 60, ended
+        wait_for(lambda: not any(namespace_pids(name) for name in cluster.namespaces), 15,
+                 "every process on the emulated hosts to end")
+    assert leftovers(cluster.prefix) == []

@@ -128,7 +128,7 @@ class InProcessClient(PSClient):
     def _connect(self, *timeouts: float) -> None:
         pass
 
-    def call(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Future:
+    def transport(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Future:
         store = self.stores[index]
         if function == "rpc_init_async":
             key, _, value, staleness = args

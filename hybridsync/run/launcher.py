@@ -10,7 +10,8 @@ With horovodrun's ``--config-file``, the file's ``hybridsync:`` section (``strat
 relative to the file, ``num_servers``, ``partition_bytes``) supplies what the command line
 does not set; the flags win. The launcher sets ``HYBRIDSYNC_STRATEGY`` for every rank, starts K
 parameter servers (BytePS's ``DMLC_*`` settings) beside the workers when the strategy
-routes anything through the PS, and stops them when the job ends, however it ends.
+routes anything through the PS, each under a supervisor that replaces it if it dies or
+hangs (``hybridsync-server --supervise``), and stops them when the job ends, however it ends.
 
 Where the servers run: on the hosts of ``--server-hosts`` (one server per entry), else
 colocated with the workers, round-robin over the job's hosts (``-H``/``--hostfile``), else
