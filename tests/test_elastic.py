@@ -1,0 +1,228 @@
+"""Elastic Horovod (issue 23, item 3): hybridsync's optimizer in jobs that lose or gain workers.
+
+Unit: ``hybridsync.world`` fits a strategy to a world (which routes fall back, and why).
+Multiprocess: real ``horovodrun --min-np/--max-np --host-discovery-script`` jobs of
+``examples/elastic_train.py`` on this machine (``localhost`` and ``127.0.0.1`` are two
+hosts to Horovod): one grows from 1 to 2 workers when the discovery script's answer
+changes, one loses a worker to SIGKILL, one grows into a world of 2 nodes x 2 ranks where
+the hierarchical route runs. Each must end with every rank holding the same model, and
+that model must be the one a single process computes from the world size of each
+committed step (``replay``): the gradients were averaged over exactly the ranks there were.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from conftest import BIN, REPO, wait_for
+from hybridsync.router.plan import build_plan
+from hybridsync.run import procs
+from hybridsync.strategy import Strategy
+from hybridsync.variables import variables_from_model
+from hybridsync.world import World, fit_to_world
+
+EXAMPLE = REPO / "examples" / "elastic_train.py"
+JOB_TIMEOUT_S = 240.0
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("elastic_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- unit: fitting a strategy to a world ----------------------------------------------------------
+
+NAMES = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def _example_strategy() -> Strategy:
+    return Strategy.from_dict(_example().STRATEGY)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [World(size=2, local_size=2), World(size=4, local_size=1),
+                                   World(size=3, local_size=None), World(size=1, local_size=1)],
+                         ids=["one-node", "one-rank-per-node", "uneven-nodes", "one-rank"])
+def test_hierarchical_falls_back_to_ring_where_it_has_one_level(world):
+    fitted, notes = fit_to_world(_example_strategy(), NAMES, world)
+    assert fitted.config_for("2.weight").algorithm == "ring"
+    assert fitted.config_for("2.weight").partitions == 2  # only the route changes
+    assert notes == [f"2.weight: allreduce/hierarchical -> allreduce/ring ({world.hierarchical_problem()})"]
+    assert fitted.config_for("2.bias").route == "ps"  # not an elastic job: the servers still fit
+
+
+@pytest.mark.unit
+def test_two_nodes_of_two_keep_the_hierarchical_route():
+    strategy = _example_strategy()
+    assert fit_to_world(strategy, NAMES, World(size=4, local_size=2)) == (strategy, [])
+
+
+@pytest.mark.unit
+def test_an_elastic_job_sends_ps_variables_by_ring_keeping_partitions_and_groups():
+    strategy = Strategy.from_dict({"default": {"route": "ps", "protocol": "asp"}, "variables": {
+        "0.weight": {"route": "ps", "partitions": 2, "group": 3, "servers": [1, 0], "compression": "fp16"},
+        "0.bias": {"route": "ps", "group": 3, "compression": "fp16"}}})
+    fitted, notes = fit_to_world(strategy, NAMES, World(size=4, local_size=2, elastic=True))
+    assert fitted.config_for("0.weight").to_dict() == {"route": "allreduce", "algorithm": "ring", "partitions": 2,
+                                                       "group": 3, "compression": "fp16"}
+    assert fitted.config_for("2.weight").to_dict() == {"route": "allreduce", "algorithm": "ring"}
+    assert [note.split(" (")[0] for note in notes] == ["0.weight, 0.bias: ps/bsp -> allreduce/ring",
+                                                       "2.weight, 2.bias: ps/asp -> allreduce/ring"]
+    model = _example().build_model()
+    build_plan(variables_from_model(model), fitted)  # the fitted strategy is valid for the model
+
+
+@pytest.mark.unit
+def test_a_sync_switch_policy_goes_with_the_last_ps_variable():
+    strategy = Strategy.from_dict({"default": {"route": "ps"},
+                                   "sync": {"policy": "switch", "switch_at": 10, "total_steps": 100}})
+    fitted, notes = fit_to_world(strategy, NAMES, World(size=2, local_size=2, elastic=True))
+    assert fitted.sync is None and fitted.default.route == "allreduce"
+    assert notes[-1] == "sync policy 'switch' dropped: no variable is left on the PS route"
+    assert fit_to_world(None, NAMES, World(size=2, local_size=2, elastic=True)) == (None, [])
+
+
+# --- multiprocess: real elastic jobs -------------------------------------------------------------
+
+class ElasticJob:
+    """``horovodrun`` in elastic mode on this machine, with a discovery script that prints ``hosts``
+    (a file the test rewrites); every process it starts is stopped by pid at ``stop``."""
+
+    def __init__(self, tmp_path: Path, hosts: list[str], *, np: int, max_np: int, steps: int) -> None:
+        self.out, self.hosts_file = tmp_path / "out", tmp_path / "hosts"
+        self.out.mkdir()
+        self.set_hosts(hosts)
+        script = tmp_path / "discover.sh"
+        script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+        argv = [str(BIN / "horovodrun"), "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
+                "--network-interface", "lo", "--host-discovery-script", str(script),
+                sys.executable, str(EXAMPLE), "--steps", str(steps), "--pause", "0.1", "--out", str(self.out)]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        self.proc = procs.start(argv, env=env, cwd=str(REPO))
+        self.started = time.monotonic()
+
+    def set_hosts(self, hosts: list[str]) -> None:
+        self.hosts_file.write_text("".join(f"{h}\n" for h in hosts))
+
+    def events(self) -> list[dict]:
+        path = self.out / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def steps_done(self) -> int:
+        return max((e["step"] for e in self.events() if "step" in e), default=0)
+
+    def worker_pids(self, host: str | None = None) -> list[int]:
+        return [int(p.name.split(".")[-1]) for p in self.out.glob("pid.*")
+                if host is None or p.name.startswith(f"pid.{host}.")]
+
+    def finish(self) -> tuple[int, str]:
+        """Exit code and output, within what is left of the job's time bound."""
+        try:
+            output, _ = self.proc.communicate(timeout=max(1.0, JOB_TIMEOUT_S - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"elastic job did not finish within {JOB_TIMEOUT_S} s:\n{self.proc.communicate()[0][-5000:]}")
+        return self.proc.returncode, output
+
+    def stop(self) -> None:
+        """horovodrun and its process group, then every worker it started (each in a session of its own)."""
+        procs.stop(self.proc, grace=3.0)
+        for pid in self.worker_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def results(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob("result.*.json"))]
+
+
+def _run(tmp_path: Path, hosts: list[str], *, np: int, max_np: int, steps: int,
+         change: Callable[[ElasticJob], None]) -> tuple[list[dict], str]:
+    job = ElasticJob(tmp_path, hosts, np=np, max_np=max_np, steps=steps)
+    try:
+        change(job)
+        code, output = job.finish()
+    finally:
+        job.stop()
+    assert code == 0, output[-6000:]
+    return job.results(), output
+
+
+def _assert_one_correct_model(results: list[dict], size: int) -> None:
+    """Every rank holds the same parameters, and they are the replayed run's."""
+    assert sorted(r["rank"] for r in results) == list(range(size))
+    assert all(r["sizes"] == results[0]["sizes"] and r["params"] == results[0]["params"] for r in results)
+    expected = _example().replay(results[0]["sizes"])
+    for name, p in expected.named_parameters():
+        torch.testing.assert_close(torch.tensor(results[0]["params"][name]), p.detach().flatten(),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def _wait_for_step(job: ElasticJob, step: int) -> None:
+    wait_for(lambda: job.steps_done() >= step or job.proc.poll() is not None, JOB_TIMEOUT_S / 2,
+             f"step {step} of the elastic job")
+    assert job.proc.poll() is None, "the elastic job ended before the world changed"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+def test_grows_from_one_to_two_workers(tmp_path):
+    def grow(job: ElasticJob) -> None:
+        _wait_for_step(job, 3)
+        job.set_hosts(["localhost:2"])
+
+    results, output = _run(tmp_path, ["localhost:1"], np=1, max_np=2, steps=60, change=grow)
+    _assert_one_correct_model(results, size=2)
+    sizes = results[0]["sizes"]
+    assert sizes[0] == 1 and sizes[-1] == 2 and sizes == sorted(sizes), sizes
+    assert results[0]["routes"] == ["allreduce/ring"]
+    for world in ("1 node x 1 rank, elastic", "1 node x 2 ranks, elastic"):
+        assert f"the strategy does not fit this world ({world}); falling back: 2.weight: allreduce/hierarchical " \
+               f"-> allreduce/ring" in output, output[-6000:]
+    assert "2.bias: ps/bsp -> allreduce/ring" in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+def test_survives_losing_a_worker(tmp_path):
+    def kill_one(job: ElasticJob) -> None:
+        _wait_for_step(job, 5)
+        [victim] = job.worker_pids("127.0.0.1")
+        os.kill(victim, signal.SIGKILL)
+
+    # Two host names: Horovod blacklists the host of a failed worker, and with one host it would
+    # have no host left to go on with.
+    results, output = _run(tmp_path, ["localhost:2", "127.0.0.1:1"], np=3, max_np=3, steps=40, change=kill_one)
+    _assert_one_correct_model(results, size=2)
+    sizes = results[0]["sizes"]
+    assert sizes[0] == 3 and sizes[-1] == 2 and sizes == sorted(sizes, reverse=True), sizes
+    assert "3 ranks on nodes of different sizes, elastic" in output and "1 node x 2 ranks, elastic" in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+def test_grows_into_a_world_where_the_hierarchical_route_runs(tmp_path):
+    def grow(job: ElasticJob) -> None:
+        _wait_for_step(job, 3)
+        job.set_hosts(["localhost:2", "127.0.0.1:2"])
+
+    results, output = _run(tmp_path, ["localhost:2"], np=2, max_np=4, steps=50, change=grow)
+    _assert_one_correct_model(results, size=4)
+    assert results[0]["sizes"][0] == 2 and results[0]["sizes"][-1] == 4
+    assert results[0]["routes"] == ["allreduce/hierarchical", "allreduce/ring"]  # rebuilt for 2 nodes x 2
+    assert "(2 nodes x 2 ranks, elastic); falling back: 2.bias: ps/bsp -> allreduce/ring" in output
