@@ -69,7 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--pause", type=float, default=0.05, help="seconds of 'compute' per step")
-    parser.add_argument("--strategy", default=None, help="strategy file (default: the built-in STRATEGY)")
+    parser.add_argument("--strategy", default=None,
+                        help="strategy file (default: $HYBRIDSYNC_STRATEGY, else the built-in STRATEGY)")
     parser.add_argument("--horovod", action="store_true", help="Horovod's own optimizer and TorchState")
     parser.add_argument("--out", type=Path, default=None, help="directory for pid, event and result files")
     args = parser.parse_args()
@@ -85,8 +86,9 @@ def main() -> None:
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     named = model.named_parameters()
+    strategy = args.strategy or (None if os.environ.get("HYBRIDSYNC_STRATEGY") else STRATEGY)
     optimizer = (hs.DistributedOptimizer(optimizer, named_parameters=named) if args.horovod else
-                 hs.DistributedOptimizer(optimizer, named_parameters=named, strategy=args.strategy or STRATEGY))
+                 hs.DistributedOptimizer(optimizer, named_parameters=named, strategy=strategy))
 
     def record(event: dict[str, Any]) -> None:
         if args.out is not None and hs.rank() == 0:

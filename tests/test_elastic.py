@@ -1,11 +1,12 @@
 """Elastic Horovod (issue 23, item 3): hybridsync's optimizer in jobs that lose or gain workers.
 
-Unit: ``hybridsync.world`` fits a strategy to a world (which routes fall back, and why).
+Unit: ``hybridsync.world`` fits a strategy to a world (which routes fall back, and why);
+``hybridsync-run`` checks an elastic job's discovery script and says what it will not do.
 Multiprocess: real ``horovodrun --min-np/--max-np --host-discovery-script`` jobs of
 ``examples/elastic_train.py`` on this machine (``localhost`` and ``127.0.0.1`` are two
 hosts to Horovod): one grows from 1 to 2 workers when the discovery script's answer
-changes, one loses a worker to SIGKILL, one grows into a world of 2 nodes x 2 ranks where
-the hierarchical route runs. Each must end with every rank holding the same model, and
+changes, one (under ``hybridsync-run``) loses a worker to SIGKILL, one grows into a world
+of 2 nodes x 2 ranks where the hierarchical route runs. Each must end with every rank holding the same model, and
 that model must be the one a single process computes from the world size of each
 committed step (``replay``): the gradients were averaged over exactly the ranks there were.
 """
@@ -28,6 +29,7 @@ import torch
 from conftest import BIN, REPO, wait_for
 from hybridsync.router.plan import build_plan
 from hybridsync.run import procs
+from hybridsync.run.launcher import JobShape, elastic_notes
 from hybridsync.strategy import Strategy
 from hybridsync.variables import variables_from_model
 from hybridsync.world import World, fit_to_world
@@ -95,20 +97,37 @@ def test_a_sync_switch_policy_goes_with_the_last_ps_variable():
     assert fit_to_world(None, NAMES, World(size=2, local_size=2, elastic=True)) == (None, [])
 
 
+@pytest.mark.unit
+def test_hybridsync_run_refuses_a_discovery_script_horovodrun_could_not_run(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    job = JobShape(num_proc=2, hosts=(), elastic=True, discovery_script=str(script), nics=("lo",))
+    with pytest.raises(ValueError, match=f"{script} is not executable \\(chmod \\+x"):
+        elastic_notes(job, num_servers=0)
+    with pytest.raises(ValueError, match="'absent.sh' is not a file"):
+        elastic_notes(JobShape(num_proc=2, hosts=(), elastic=True, discovery_script="absent.sh"), num_servers=0)
+    script.chmod(0o755)
+    assert elastic_notes(job, num_servers=0) == []
+    notes = elastic_notes(JobShape(num_proc=2, hosts=(), elastic=True, discovery_script=f"{script} --arg"),
+                          num_servers=1)
+    assert [note.split(" ")[:3] for note in notes] == [["an", "elastic", "job"], ["no", "parameter", "servers"]]
+
+
 # --- multiprocess: real elastic jobs -------------------------------------------------------------
 
 class ElasticJob:
     """``horovodrun`` in elastic mode on this machine, with a discovery script that prints ``hosts``
     (a file the test rewrites); every process it starts is stopped by pid at ``stop``."""
 
-    def __init__(self, tmp_path: Path, hosts: list[str], *, np: int, max_np: int, steps: int) -> None:
+    def __init__(self, tmp_path: Path, hosts: list[str], *, np: int, max_np: int, steps: int,
+                 launcher: tuple[str, ...] = (str(BIN / "horovodrun"),)) -> None:
         self.out, self.hosts_file = tmp_path / "out", tmp_path / "hosts"
         self.out.mkdir()
         self.set_hosts(hosts)
         script = tmp_path / "discover.sh"
         script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
-        argv = [str(BIN / "horovodrun"), "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
+        argv = [*launcher, "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
                 "--network-interface", "lo", "--host-discovery-script", str(script),
                 sys.executable, str(EXAMPLE), "--steps", str(steps), "--pause", "0.1", "--out", str(self.out)]
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -139,7 +158,7 @@ class ElasticJob:
         return self.proc.returncode, output
 
     def stop(self) -> None:
-        """horovodrun and its process group, then every worker it started (each in a session of its own)."""
+        """The launcher and its process group, then every worker (each in a session of its own)."""
         procs.stop(self.proc, grace=3.0)
         for pid in self.worker_pids():
             try:
@@ -152,8 +171,8 @@ class ElasticJob:
 
 
 def _run(tmp_path: Path, hosts: list[str], *, np: int, max_np: int, steps: int,
-         change: Callable[[ElasticJob], None]) -> tuple[list[dict], str]:
-    job = ElasticJob(tmp_path, hosts, np=np, max_np=max_np, steps=steps)
+         change: Callable[[ElasticJob], None], **launcher) -> tuple[list[dict], str]:
+    job = ElasticJob(tmp_path, hosts, np=np, max_np=max_np, steps=steps, **launcher)
     try:
         change(job)
         code, output = job.finish()
@@ -206,8 +225,13 @@ def test_survives_losing_a_worker(tmp_path):
         os.kill(victim, signal.SIGKILL)
 
     # Two host names: Horovod blacklists the host of a failed worker, and with one host it would
-    # have no host left to go on with.
-    results, output = _run(tmp_path, ["localhost:2", "127.0.0.1:1"], np=3, max_np=3, steps=40, change=kill_one)
+    # have no host left to go on with. Through hybridsync-run, which starts no server for the PS
+    # variable of the strategy it is given (they fall back to ring all-reduce).
+    strategy = tmp_path / "strategy.json"
+    strategy.write_text(json.dumps(_example().STRATEGY))
+    results, output = _run(tmp_path, ["localhost:2", "127.0.0.1:1"], np=3, max_np=3, steps=40, change=kill_one,
+                           launcher=(str(BIN / "hybridsync-run"), "--strategy", str(strategy)))
+    assert "hybridsync-run: no parameter servers are started for an elastic job" in output
     _assert_one_correct_model(results, size=2)
     sizes = results[0]["sizes"]
     assert sizes[0] == 3 and sizes[-1] == 2 and sizes == sorted(sizes, reverse=True), sizes
