@@ -6,7 +6,10 @@ Multiprocess: real ``horovodrun --min-np/--max-np --host-discovery-script`` jobs
 ``examples/elastic_train.py`` on this machine (``localhost`` and ``127.0.0.1`` are two
 hosts to Horovod): one grows from 1 to 2 workers when the discovery script's answer
 changes, one (under ``hybridsync-run``) loses a worker to SIGKILL, one grows into a world
-of 2 nodes x 2 ranks where the hierarchical route runs. Each must end with every rank holding the same model, and
+of 2 nodes x 2 ranks where the hierarchical route runs. Emulated: on two network-namespace
+hosts (ssh replaced by the emulated cluster's stand-in), a job grows from 2 x 1 to 2 x 2,
+where the hierarchical route runs across the shaped link, then loses a worker of host 1
+mid-run and ends on host 0's two. Each must end with every rank holding the same model, and
 that model must be the one a single process computes from the world size of each
 committed step (``replay``): the gradients were averaged over exactly the ranks there were.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -27,6 +31,7 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, wait_for
+from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.router.plan import build_plan
 from hybridsync.run import procs
 from hybridsync.run.launcher import JobShape, elastic_notes
@@ -36,6 +41,9 @@ from hybridsync.world import World, fit_to_world
 
 EXAMPLE = REPO / "examples" / "elastic_train.py"
 JOB_TIMEOUT_S = 240.0
+GLOO_TIMEOUT = ("--gloo-timeout-seconds", "120")
+"""After a reset the running workers wait in hvd.init() for a joining one, which on these shared
+cores took over Horovod's default 30 s to start (the waiters then abort: README, "Elastic training")."""
 
 
 def _example():
@@ -115,38 +123,53 @@ def test_hybridsync_run_refuses_a_discovery_script_horovodrun_could_not_run(tmp_
 
 # --- multiprocess: real elastic jobs -------------------------------------------------------------
 
+class ExampleOutput:
+    """What ``examples/elastic_train.py --out DIR`` writes, read while the job runs and after."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        out.mkdir()
+
+    def events(self) -> list[dict]:
+        path = self.out / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def worker_pids(self, host: str | None = None) -> list[int]:
+        return [int(p.name.split(".")[-1]) for p in self.out.glob("pid.*")
+                if host is None or p.name.startswith(f"pid.{host}.")]
+
+    def results(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob("result.*.json"))]
+
+    def wait_until(self, condition: Callable[[list[dict]], bool], proc: subprocess.Popen, what: str) -> None:
+        """Until ``condition(events)`` holds; fails if the job ends first (it should still be running)."""
+        wait_for(lambda: condition(self.events()) or proc.poll() is not None, JOB_TIMEOUT_S / 2, what)
+        assert proc.poll() is None, f"the elastic job ended before {what}"
+
+    def wait_for_step(self, step: int, proc: subprocess.Popen) -> None:
+        self.wait_until(lambda events: any(e.get("step", 0) >= step for e in events), proc, f"step {step}")
+
+
 class ElasticJob:
-    """``horovodrun`` in elastic mode on this machine, with a discovery script that prints ``hosts``
-    (a file the test rewrites); every process it starts is stopped by pid at ``stop``."""
+    """``horovodrun`` (or ``launcher``) in elastic mode on this machine, with a discovery script
+    that prints ``hosts`` (a file the test rewrites); every process it starts is stopped by pid."""
 
     def __init__(self, tmp_path: Path, hosts: list[str], *, np: int, max_np: int, steps: int,
                  launcher: tuple[str, ...] = (str(BIN / "horovodrun"),)) -> None:
-        self.out, self.hosts_file = tmp_path / "out", tmp_path / "hosts"
-        self.out.mkdir()
+        self.output, self.hosts_file = ExampleOutput(tmp_path / "out"), tmp_path / "hosts"
         self.set_hosts(hosts)
         script = tmp_path / "discover.sh"
         script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
-        argv = [*launcher, "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
+        argv = [*launcher, "-np", str(np), "--min-np", "1", "--max-np", str(max_np), *GLOO_TIMEOUT,
                 "--network-interface", "lo", "--host-discovery-script", str(script),
-                sys.executable, str(EXAMPLE), "--steps", str(steps), "--pause", "0.1", "--out", str(self.out)]
+                sys.executable, str(EXAMPLE), "--steps", str(steps), "--pause", "0.1", "--out", str(self.output.out)]
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         self.proc = procs.start(argv, env=env, cwd=str(REPO))
         self.started = time.monotonic()
 
     def set_hosts(self, hosts: list[str]) -> None:
         self.hosts_file.write_text("".join(f"{h}\n" for h in hosts))
-
-    def events(self) -> list[dict]:
-        path = self.out / "events.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def steps_done(self) -> int:
-        return max((e["step"] for e in self.events() if "step" in e), default=0)
-
-    def worker_pids(self, host: str | None = None) -> list[int]:
-        return [int(p.name.split(".")[-1]) for p in self.out.glob("pid.*")
-                if host is None or p.name.startswith(f"pid.{host}.")]
 
     def finish(self) -> tuple[int, str]:
         """Exit code and output, within what is left of the job's time bound."""
@@ -160,14 +183,11 @@ class ElasticJob:
     def stop(self) -> None:
         """The launcher and its process group, then every worker (each in a session of its own)."""
         procs.stop(self.proc, grace=3.0)
-        for pid in self.worker_pids():
+        for pid in self.output.worker_pids():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-    def results(self) -> list[dict]:
-        return [json.loads(p.read_text()) for p in sorted(self.out.glob("result.*.json"))]
 
 
 def _run(tmp_path: Path, hosts: list[str], *, np: int, max_np: int, steps: int,
@@ -179,7 +199,7 @@ def _run(tmp_path: Path, hosts: list[str], *, np: int, max_np: int, steps: int,
     finally:
         job.stop()
     assert code == 0, output[-6000:]
-    return job.results(), output
+    return job.output.results(), output
 
 
 def _assert_one_correct_model(results: list[dict], size: int) -> None:
@@ -192,17 +212,11 @@ def _assert_one_correct_model(results: list[dict], size: int) -> None:
                                    rtol=1e-4, atol=1e-5)
 
 
-def _wait_for_step(job: ElasticJob, step: int) -> None:
-    wait_for(lambda: job.steps_done() >= step or job.proc.poll() is not None, JOB_TIMEOUT_S / 2,
-             f"step {step} of the elastic job")
-    assert job.proc.poll() is None, "the elastic job ended before the world changed"
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(360)
 def test_grows_from_one_to_two_workers(tmp_path):
     def grow(job: ElasticJob) -> None:
-        _wait_for_step(job, 3)
+        job.output.wait_for_step(3, job.proc)
         job.set_hosts(["localhost:2"])
 
     results, output = _run(tmp_path, ["localhost:1"], np=1, max_np=2, steps=60, change=grow)
@@ -220,8 +234,8 @@ def test_grows_from_one_to_two_workers(tmp_path):
 @pytest.mark.timeout(360)
 def test_survives_losing_a_worker(tmp_path):
     def kill_one(job: ElasticJob) -> None:
-        _wait_for_step(job, 5)
-        [victim] = job.worker_pids("127.0.0.1")
+        job.output.wait_for_step(5, job.proc)
+        [victim] = job.output.worker_pids("127.0.0.1")
         os.kill(victim, signal.SIGKILL)
 
     # Two host names: Horovod blacklists the host of a failed worker, and with one host it would
@@ -242,7 +256,7 @@ def test_survives_losing_a_worker(tmp_path):
 @pytest.mark.timeout(360)
 def test_grows_into_a_world_where_the_hierarchical_route_runs(tmp_path):
     def grow(job: ElasticJob) -> None:
-        _wait_for_step(job, 3)
+        job.output.wait_for_step(3, job.proc)
         job.set_hosts(["localhost:2", "127.0.0.1:2"])
 
     results, output = _run(tmp_path, ["localhost:2"], np=2, max_np=4, steps=50, change=grow)
@@ -250,3 +264,46 @@ def test_grows_into_a_world_where_the_hierarchical_route_runs(tmp_path):
     assert results[0]["sizes"][0] == 2 and results[0]["sizes"][-1] == 4
     assert results[0]["routes"] == ["allreduce/hierarchical", "allreduce/ring"]  # rebuilt for 2 nodes x 2
     assert "(2 nodes x 2 ranks, elastic); falling back: 2.bias: ps/bsp -> allreduce/ring" in output
+
+
+# --- emulated: two hosts behind a shaped link -----------------------------------------------------
+
+IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+@pytest.mark.emulated
+@pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")
+@pytest.mark.timeout(600)
+def test_on_the_emulated_cluster_grows_into_two_nodes_of_two_then_loses_a_host(tmp_path):
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers
+    from hybridsync.run.emulated import launch_horovodrun_elastic
+
+    hosts, script, log = tmp_path / "hosts", tmp_path / "discover.sh", tmp_path / "job.log"
+    output = ExampleOutput(tmp_path / "out")
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    with EmulatedCluster(ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="1gbit")) as cluster, \
+            open(log, "w") as stream:
+        ip0, ip1 = cluster.ips
+        hosts.write_text(f"{ip0}:1\n{ip1}:1\n")  # not host 0 alone: see launch_horovodrun_elastic
+        command = [sys.executable, str(EXAMPLE), "--steps", "60", "--pause", "0.1", "--out", str(output.out)]
+        job = launch_horovodrun_elastic(cluster, command, discovery_script=str(script), num_proc=2, max_proc=4,
+                                        horovodrun_args=GLOO_TIMEOUT, env={"PYTHONPATH": str(REPO)},
+                                        stdout=stream, stderr=subprocess.STDOUT)
+        [horovodrun] = job.processes
+        output.wait_for_step(3, horovodrun)
+        hosts.write_text(f"{ip0}:2\n{ip1}:2\n")
+        output.wait_until(lambda events: any(e.get("size") == 4 for e in events), horovodrun,
+                          "a step on 2 nodes x 2 ranks")
+        os.kill(output.worker_pids(ip1)[0], signal.SIGKILL)
+        codes = job.wait(timeout=JOB_TIMEOUT_S)
+    assert leftovers(cluster.prefix) == []
+    text = log.read_text()
+    assert codes == [0], text[-6000:]
+    results = output.results()
+    _assert_one_correct_model(results, size=2)
+    sizes = results[0]["sizes"]
+    assert sizes[0] == 2 and 4 in sizes and sizes[-1] == 2, sizes
+    for world in ("2 nodes x 1 rank", "1 node x 2 ranks"):
+        assert f"({world}, elastic); falling back: 2.weight: allreduce/hierarchical -> allreduce/ring" in text
+    assert "(2 nodes x 2 ranks, elastic); falling back: 2.bias: ps/bsp -> allreduce/ring" in text
