@@ -109,7 +109,7 @@ def test_a_sync_switch_policy_goes_with_the_last_ps_variable():
 def test_hybridsync_run_refuses_a_discovery_script_horovodrun_could_not_run(tmp_path):
     script = tmp_path / "discover.sh"
     script.write_text("#!/bin/sh\necho localhost:2\n")
-    job = JobShape(num_proc=2, hosts=(), elastic=True, discovery_script=str(script), nics=("lo",))
+    job = JobShape(num_proc=2, hosts=(), elastic=True, discovery_script=str(script), nics=("lo",), gloo_timeout_s=120)
     with pytest.raises(ValueError, match=f"{script} is not executable \\(chmod \\+x"):
         elastic_notes(job, num_servers=0)
     with pytest.raises(ValueError, match="'absent.sh' is not a file"):
@@ -118,7 +118,8 @@ def test_hybridsync_run_refuses_a_discovery_script_horovodrun_could_not_run(tmp_
     assert elastic_notes(job, num_servers=0) == []
     notes = elastic_notes(JobShape(num_proc=2, hosts=(), elastic=True, discovery_script=f"{script} --arg"),
                           num_servers=1)
-    assert [note.split(" ")[:3] for note in notes] == [["an", "elastic", "job"], ["no", "parameter", "servers"]]
+    assert [note.split(" ")[:3] for note in notes] == [["an", "elastic", "job"], ["after", "each", "reset"],
+                                                       ["no", "parameter", "servers"]]
 
 
 # --- multiprocess: real elastic jobs -------------------------------------------------------------

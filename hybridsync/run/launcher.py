@@ -216,6 +216,8 @@ class JobShape:
     """``--host-discovery-script`` as given (a shell command)."""
     nics: tuple[str, ...] = ()
     """``--network-interface(s)`` as given."""
+    gloo_timeout_s: int | None = None
+    """``--gloo-timeout-seconds`` (or its config-file setting), else ``HOROVOD_GLOO_TIMEOUT_SECONDS``."""
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -239,7 +241,15 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
     elastic = args.host_discovery_script is not None or args.min_num_proc is not None
     return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file,
                     command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile, elastic=elastic,
-                    discovery_script=args.host_discovery_script, nics=tuple(args.nics or ()))
+                    discovery_script=args.host_discovery_script, nics=tuple(args.nics or ()),
+                    gloo_timeout_s=args.gloo_timeout_seconds or _int_or_none(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")))
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
 
 
 def elastic_notes(job: JobShape, num_servers: int) -> list[str]:
@@ -260,6 +270,10 @@ def elastic_notes(job: JobShape, num_servers: int) -> list[str]:
         notes.append("an elastic job without --network-interface waits (up to --elastic-timeout, 600 s by "
                      "default) until the discovery script lists 2 hosts, which horovodrun 0.28.1 needs to find "
                      "a common interface; on one host pass --network-interface lo")
+    if job.gloo_timeout_s is None or job.gloo_timeout_s < 60:
+        notes.append(f"after each reset the running workers wait for the joining ones only "
+                     f"{job.gloo_timeout_s or 30} s (Horovod's Gloo timeout), then abort; a worker's start-up "
+                     f"can take longer on a busy host: pass --gloo-timeout-seconds 120")
     if num_servers:
         notes.append("no parameter servers are started for an elastic job: the strategy's PS variables go by "
                      "ring all-reduce (README, \"Elastic training\")")
