@@ -35,12 +35,15 @@ _LAZY = {
     "broadcast_optimizer_state": "hybridsync.horovod_options",
 }
 
-__all__ = ["Strategy", "VarConfig", "elastic", *sorted(_LAZY), *sorted(_HOROVOD_FUNCTIONS)]
+_SUBMODULES = ("elastic",)
+"""``hs.elastic.run``, ``hs.elastic.TorchState``: Horovod's elastic API, aware of hybridsync's plans."""
+
+__all__ = ["Strategy", "VarConfig", *_SUBMODULES, *sorted(_LAZY), *sorted(_HOROVOD_FUNCTIONS)]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "elastic":  # hs.elastic.run, hs.elastic.TorchState: Horovod's elastic API, plan-aware
-        return importlib.import_module("hybridsync.elastic")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _HOROVOD_FUNCTIONS:
