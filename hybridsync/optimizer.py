@@ -208,6 +208,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sync_controller = self._controller_for(running)
         return self._router
 
+    def _fail_step(self, error: RuntimeError) -> None:
+        """In an elastic job a collective of this step failed (a worker died): drop the plan now, so
+        that peers waiting on this rank in its groups fail too instead of waiting while this rank
+        re-forms the job, and raise ``HorovodInternalError``, the one error ``hvd.elastic.run``
+        recovers from (the other routes' failures are given that type)."""
+        self._drop_router()
+        if isinstance(error, self._hvd.HorovodInternalError):
+            raise error
+        raise self._hvd.HorovodInternalError(f"hybridsync: a collective of this step failed: {error}") from error
+
     def _check_elastic_process_set(self) -> None:
         if self._elastic and self._process_set_option not in (None, self._hvd.global_process_set):
             raise ValueError(f"process_set={self._process_set_option} cannot be used in an elastic job: its "
@@ -256,7 +266,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] -= 1
             self._fired.add(p)
             if self._allreduce_delay[p] == 0:
-                (self._router or self._built_router()).mark_ready(self._index[p])
+                try:
+                    (self._router or self._built_router()).mark_ready(self._index[p])
+                except RuntimeError as e:
+                    if not self._elastic:
+                        raise
+                    self._fail_step(e)
         return hook
 
     def synchronize(self) -> None:
@@ -271,13 +286,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         except RuntimeError as e:  # Horovod's errors, Gloo's, a node peer gone, a parameter server gone
             if not self._elastic:
                 raise
-            # Drop the plan now: peers waiting on this rank in its groups fail too, instead of
-            # waiting while this rank re-forms the job. hvd.elastic.run recovers from
-            # HorovodInternalError only, so the other routes' failures are given that type.
-            self._drop_router()
-            if isinstance(e, self._hvd.HorovodInternalError):
-                raise
-            raise self._hvd.HorovodInternalError(f"hybridsync: a collective of this step failed: {e}") from e
+            self._fail_step(e)
         finally:
             self._fired.clear()
             for p in self._allreduce_delay:
