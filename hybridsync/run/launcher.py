@@ -218,6 +218,8 @@ class JobShape:
     """``--network-interface(s)`` as given."""
     gloo_timeout_s: int | None = None
     """``--gloo-timeout-seconds`` (or its config-file setting), else ``HOROVOD_GLOO_TIMEOUT_SECONDS``."""
+    max_proc: int | None = None
+    """``--max-np`` (``None``: no bound)."""
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -242,7 +244,8 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
     return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file,
                     command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile, elastic=elastic,
                     discovery_script=args.host_discovery_script, nics=tuple(args.nics or ()),
-                    gloo_timeout_s=args.gloo_timeout_seconds or _int_or_none(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")))
+                    gloo_timeout_s=args.gloo_timeout_seconds or _int_or_none(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")),
+                    max_proc=args.max_num_proc)
 
 
 def _int_or_none(text: str | None) -> int | None:
@@ -270,10 +273,11 @@ def elastic_notes(job: JobShape, num_servers: int) -> list[str]:
         notes.append("an elastic job without --network-interface waits (up to --elastic-timeout, 600 s by "
                      "default) until the discovery script lists 2 hosts, which horovodrun 0.28.1 needs to find "
                      "a common interface; on one host pass --network-interface lo")
-    if job.gloo_timeout_s is None or job.gloo_timeout_s < 60:
-        notes.append(f"after each reset the running workers wait for the joining ones only "
-                     f"{job.gloo_timeout_s or 30} s (Horovod's Gloo timeout), then abort; a worker's start-up "
-                     f"can take longer on a busy host: pass --gloo-timeout-seconds 120")
+    may_grow = job.max_proc is None or job.max_proc > job.num_proc
+    if may_grow and (job.gloo_timeout_s or 30) < 60:
+        notes.append(f"when workers join, the running ones wait for them only {job.gloo_timeout_s or 30} s "
+                     f"(Horovod's Gloo timeout), then abort; a worker's start-up can take longer on a busy "
+                     f"host: pass --gloo-timeout-seconds 120 (it also bounds a survivor's wait on a dead rank)")
     if num_servers:
         notes.append("no parameter servers are started for an elastic job: the strategy's PS variables go by "
                      "ring all-reduce (README, \"Elastic training\")")
