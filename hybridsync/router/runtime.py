@@ -180,8 +180,8 @@ class Router:
         """Forget the step in flight and release this plan's resources, talking to no other rank.
 
         For a world that is gone (a rank died, or an elastic reset re-formed the job): its
-        collectives cannot complete, and a peer still waiting on this rank in shared memory or
-        a Gloo group fails at once instead of waiting (``close`` of each backend). Idempotent.
+        collectives cannot complete. ``close`` of each backend lets go of the hierarchical
+        route's groups (``backends.forget_world`` closes them whoever holds them). Idempotent.
         """
         self._in_flight.clear()
         self._ready.clear()

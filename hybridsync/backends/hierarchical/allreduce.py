@@ -19,12 +19,11 @@ The intra-node steps go through one of two transports (``HYBRIDSYNC_INTRA_NODE``
   uses ``horovod``.
 - ``horovod`` (the default in elastic Horovod jobs): a Gloo all-reduce of the whole message
   within the node's group, then the cross-node step on the slice, then an all-gather of the
-  slices within the node. Moves
-  about twice a reduce-scatter's bytes within the node: Horovod 0.28.1's Gloo
-  ``reducescatter`` on a process set intermittently returned wrong sums (one contribution
-  counted twice) and sometimes hung for 64 MiB buffers on the emulated cluster
-  (``tests/workers/reducescatter_stress.py`` reproduces it). The fallback: the shared
-  segment is several times faster (benchmarks/RESULTS.md, collectives.py).
+  slices within the node. Moves about twice a reduce-scatter's bytes within the node:
+  Horovod 0.28.1's Gloo ``reducescatter`` on a process set intermittently returned wrong
+  sums (one contribution counted twice) and sometimes hung for 64 MiB buffers on the
+  emulated cluster (``tests/workers/reducescatter_stress.py`` reproduces it). The fallback:
+  the shared segment is several times faster (benchmarks/RESULTS.md, collectives.py).
 
 A message's tensors travel as one flat buffer padded to a multiple of the node size, so
 every rank's slice has the same length. Where one level has a single member (one node,
