@@ -49,23 +49,28 @@ class RankFacts:
     """The optimizer's arguments that change what is sent, by name."""
 
 
-def check_ranks_agree(hvd: Any, facts: RankFacts, process_set: Any, *, switching: bool = False) -> None:
-    """``ValueError`` on every rank of ``process_set`` if any two of them differ in ``facts``.
+def check_ranks_agree(hvd: Any, facts: RankFacts, process_set: Any, *, switching: bool = False,
+                      elastic: bool = False) -> int:
+    """``ValueError`` on every rank of ``process_set`` if any two of them differ in ``facts``;
+    returns the plan number (``facts.instance``) they agree on.
 
     Collective over ``process_set``. ``switching``: called by ``set_strategy`` (the plan being
     replaced is ``facts.instance``), whose message says the previous strategy stays in force.
+    ``elastic``: in an elastic job a worker that joined has built fewer plans than the others, so
+    the numbers may differ and the largest serves every rank; the stall watch, whose board lives
+    on the first world's rank 0, is not offered there.
     """
     global_set = process_set is hvd.global_process_set or getattr(process_set, "process_set_id", 0) == 0
-    offer = stalls.host_board(hvd.rank(), hvd.size()) if global_set and hvd.rank() == 0 else None
+    offer = stalls.host_board(hvd.rank(), hvd.size()) if global_set and hvd.rank() == 0 and not elastic else None
     mine = {"strategy": facts.strategy, "plan": facts.plan, "instance": facts.instance,
             "frozen": _digest(facts.frozen), "settings": facts.settings, "board": offer}
     stalls.where = ("set_strategy" if switching else "build", facts.instance)
     try:
         everyone = gather_records(hvd, mine, process_set, "hybridsync.agreement")
-        if global_set and hvd.rank() != 0:
+        if global_set and hvd.rank() != 0 and not elastic:
             stalls.accept_board(everyone[0]["board"], hvd.rank(), hvd.size())
         ranks = list(process_set.ranks or range(len(everyone)))
-        problems = [_strategy_problem(everyone, ranks, switching), _settings_problem(everyone, ranks)]
+        problems = [_strategy_problem(everyone, ranks, switching, elastic), _settings_problem(everyone, ranks)]
         if len({record["frozen"] for record in everyone}) > 1:
             frozen = gather_records(hvd, {"frozen": list(facts.frozen)}, process_set, "hybridsync.agreement.frozen")
             problems.append(_frozen_problem([set(record["frozen"]) for record in frozen], ranks, switching))
@@ -76,6 +81,7 @@ def check_ranks_agree(hvd: Any, facts: RankFacts, process_set: Any, *, switching
         if switching:
             problems.append("The previous strategy stays in force.")
         raise ValueError(" ".join(problems))
+    return max(record["instance"] for record in everyone)
 
 
 def gather_records(hvd: Any, record: dict[str, Any], process_set: Any, name: str) -> list[dict[str, Any]]:
@@ -98,9 +104,9 @@ def _digest(names: Sequence[str]) -> str:
     return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 
-def _strategy_problem(everyone: list[dict[str, Any]], ranks: list[int], switching: bool) -> str:
+def _strategy_problem(everyone: list[dict[str, Any]], ranks: list[int], switching: bool, elastic: bool) -> str:
     keys = [(r["strategy"], r["plan"], r["instance"]) for r in everyone]
-    if len(set(keys)) == 1:
+    if len({key[:2] if elastic else key for key in keys}) == 1:
         return ""
     table = "; ".join(f"rank {rank}: strategy {s}, plan {p}, optimizer #{i}" for rank, (s, p, i) in zip(ranks, keys))
     if switching:

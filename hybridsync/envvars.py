@@ -52,6 +52,8 @@ PARTITION_BYTES = "BYTEPS_PARTITION_BYTES"
 HOROVOD_RANK = "HOROVOD_RANK"
 LAUNCHER_RANKS = (HOROVOD_RANK, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 """A process's rank as horovodrun, Open MPI's and PMI launchers set it (a PS worker id fallback)."""
+HOROVOD_ELASTIC = "HOROVOD_ELASTIC"
+"""``1`` in every rank of an elastic Horovod job (``horovodrun --min-np/--max-np/--host-discovery-script``)."""
 INTERFACE = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
 """The network interface Gloo uses, as horovodrun and torch spell it (first one set wins)."""
 

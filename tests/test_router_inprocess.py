@@ -17,7 +17,6 @@ some or all ranks), and every key a client pushed must be where ``RoutingPlan.ps
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -31,7 +30,6 @@ from hybridsync.backends.ps import route
 from hybridsync.backends.ps.client import PSBackend, PSClient
 from hybridsync.backends.ps.config import PSConfig
 from hybridsync.backends.ps.store import KeyStore
-from hybridsync.router import runtime
 from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.router.runtime import Router
 from hybridsync.strategy import Strategy
@@ -193,9 +191,9 @@ class World:
         def parameter_syncs(pieces, staleness, namespace=""):
             return route.parameter_sync(pieces, staleness, namespace, client=client)
 
-        runtime._ROUTERS_CREATED = itertools.count(instance)  # every rank numbers it alike, as in a job
         return Router(plan, list(model.parameters()), compression=compression, reduction=reduction,
-                      backends=backends, parameter_syncs=parameter_syncs, exchange=self.exchange.for_rank(rank))
+                      backends=backends, parameter_syncs=parameter_syncs, exchange=self.exchange.for_rank(rank),
+                      instance=instance)
 
 
 def run_ranks(work: Callable[[int], Any]) -> list[Any]:

@@ -31,7 +31,6 @@ when the router is built. Key names, servers and wire sizes come from the plan.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -44,8 +43,20 @@ from hybridsync.compression import compressor_named
 from hybridsync.router.plan import Message, Piece, RoutingPlan
 
 
-_ROUTERS_CREATED = itertools.count()
+_routers_created = 0
 """Routers built in this process so far: every rank builds the same ones, in the same order."""
+
+
+def next_instance() -> int:
+    """The number the next ``Router`` built in this process takes unless it is given one."""
+    return _routers_created
+
+
+def _take_instance(instance: int | None) -> int:
+    global _routers_created
+    instance = _routers_created if instance is None else instance
+    _routers_created = max(_routers_created, instance + 1)
+    return instance
 
 
 class GradientKinds:
@@ -86,13 +97,17 @@ class Router:
                  compression: Any, reduction: Reduction, process_set: Any = None, sparse_as_dense: bool = False,
                  backends: BackendFactory = make_backend,
                  parameter_syncs: ParameterSyncFactory = make_parameter_sync,
-                 kinds: GradientKinds | None = None, exchange: KindsExchange | None = None) -> None:
+                 kinds: GradientKinds | None = None, exchange: KindsExchange | None = None,
+                 instance: int | None = None) -> None:
         """``sparse_as_dense``: every sparse gradient is made dense for its message, whatever the
         backend could send (Horovod's option). ``backends`` and ``parameter_syncs`` make the
         transports, ``exchange`` the all-gather that agrees on gradient kinds (a test passes
-        fakes); ``kinds``: what earlier routers over the same parameters agreed."""
+        fakes); ``kinds``: what earlier routers over the same parameters agreed. ``instance``:
+        the number the ranks agreed on, when their processes built different numbers of routers
+        before (a worker that joined an elastic job); by default ``next_instance()``. Either way
+        the next router numbers past it."""
         assert len(params) == len(plan.var_names)
-        self.instance = next(_ROUTERS_CREATED)
+        self.instance = _take_instance(instance)
         """Identical on every rank (the optimizer's fingerprint check covers it)."""
         self.namespace = f"opt{self.instance}"
         """Prefix of every name kept beyond a step (parameter-server keys): two routers never share one."""
@@ -205,6 +220,20 @@ class Router:
             backend.close()
         for sync in self._parameter_syncs or ():
             sync.close()
+
+    def abandon(self) -> None:
+        """Forget the step in flight and release this plan's resources, talking to no other rank.
+
+        For a world that is gone (a rank died, or an elastic reset re-formed the job): its
+        collectives cannot complete. ``close`` of each backend lets go of the hierarchical
+        route's groups (``backends.forget_world`` closes them whoever holds them). Idempotent.
+        """
+        self._in_flight.clear()
+        self._ready.clear()
+        self._sparse_results.clear()
+        self._densified.clear()
+        self._waiting_on = [len(m.var_indices) for m in self.plan.messages]
+        self.close()
 
     @property
     def pending(self) -> bool:

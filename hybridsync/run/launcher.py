@@ -13,6 +13,11 @@ parameter servers (BytePS's ``DMLC_*`` settings) beside the workers when the str
 routes anything through the PS, each under a supervisor that replaces it if it dies or
 hangs (``hybridsync-server --supervise``), and stops them when the job ends, however it ends.
 
+An elastic job (horovodrun's ``--min-np``/``--max-np``/``--host-discovery-script``) gets no
+servers (its PS variables go by ring all-reduce, ``hybridsync.world``), a discovery script
+that cannot run is an error at once, and a job without ``--network-interface`` is told why
+it may wait for a second host.
+
 Where the servers run: on the hosts of ``--server-hosts`` (one server per entry), else
 colocated with the workers, round-robin over the job's hosts (``-H``/``--hostfile``), else
 on this host. Servers on this host alone are plain child processes; otherwise a second
@@ -24,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -263,6 +270,16 @@ class JobShape:
     """``-H`` as given."""
     hostfile: str | None = None
     """``--hostfile`` as given."""
+    elastic: bool = False
+    """Elastic Horovod (``--min-np``/``--max-np``/``--host-discovery-script``): workers come and go."""
+    discovery_script: str | None = None
+    """``--host-discovery-script`` as given (a shell command)."""
+    nics: tuple[str, ...] = ()
+    """``--network-interface(s)`` as given."""
+    gloo_timeout_s: int | None = None
+    """``--gloo-timeout-seconds`` (or its config-file setting), else ``HOROVOD_GLOO_TIMEOUT_SECONDS``."""
+    max_proc: int | None = None
+    """``--max-np`` (``None``: no bound)."""
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -282,8 +299,49 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
     names = tuple(h.hostname for h in horovod_hosts.parse_hosts(spec)) if spec else ()
     ssh_args = (("-p", str(args.ssh_port)) if args.ssh_port else ()) + (
         ("-i", args.ssh_identity_file) if args.ssh_identity_file else ())
+    # horovodrun's own test for elastic mode (launch._is_elastic)
+    elastic = args.host_discovery_script is not None or args.min_num_proc is not None
     return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file,
-                    command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile)
+                    command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile, elastic=elastic,
+                    discovery_script=args.host_discovery_script, nics=tuple(args.nics or ()),
+                    gloo_timeout_s=args.gloo_timeout_seconds or _int_or_none(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")),
+                    max_proc=args.max_num_proc)
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
+
+
+def elastic_notes(job: JobShape, num_servers: int) -> list[str]:
+    """What to tell the user before an elastic job starts; ``ValueError`` for a discovery script
+    horovodrun could not run (it fails on it too, but after starting up)."""
+    if job.discovery_script is not None:
+        words = shlex.split(job.discovery_script)
+        program = words[0] if words else ""
+        found = shutil.which(program) if os.sep not in program else program
+        if not found or not os.path.isfile(found):
+            raise ValueError(f"--host-discovery-script {job.discovery_script!r}: {program!r} is not a file "
+                             f"(give a path, e.g. ./discover.sh)")
+        if not os.access(found, os.X_OK):
+            raise ValueError(f"--host-discovery-script {job.discovery_script!r}: {found} is not executable "
+                             f"(chmod +x {found})")
+    notes = []
+    if not job.nics:
+        notes.append("an elastic job without --network-interface waits (up to --elastic-timeout, 600 s by "
+                     "default) until the discovery script lists 2 hosts, which horovodrun 0.28.1 needs to find "
+                     "a common interface; on one host pass --network-interface lo")
+    may_grow = job.max_proc is None or job.max_proc > job.num_proc
+    if may_grow and (job.gloo_timeout_s or 30) < 60:
+        notes.append(f"when workers join, the running ones wait for them only {job.gloo_timeout_s or 30} s "
+                     f"(Horovod's Gloo timeout), then abort; a worker's start-up can take longer on a busy "
+                     f"host: pass --gloo-timeout-seconds 120 (it also bounds a survivor's wait on a dead rank)")
+    if num_servers:
+        notes.append("no parameter servers are started for an elastic job: the strategy's PS variables go by "
+                     "ring all-reduce (README, \"Elastic training\")")
+    return notes
 
 
 def with_run_config(options: LaunchOptions, config_file: str | None) -> LaunchOptions:
@@ -395,7 +453,11 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     job_shape = horovodrun_job(horovodrun_argv)
     options = with_run_config(options, job_shape.config_file)
     num_servers = options.num_servers if options.num_servers is not None else int(_uses_ps(options.strategy))
-    if num_servers == 0 and _uses_ps(options.strategy):
+    if job_shape.elastic:
+        for note in elastic_notes(job_shape, num_servers):
+            print(f"hybridsync-run: {note}", file=sys.stderr)
+        num_servers = 0
+    elif num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
                          f"but the number of servers (--num-servers or the config's num_servers) is 0")
     placement = server_placement(options, job_shape, num_servers) if num_servers else None

@@ -135,6 +135,12 @@ class GlooGroup:
         self._group.allgather([list(out.chunk(self.size))], [tensor]).wait()
         return out
 
+    def close(self) -> None:
+        """Close the group's connections now: a peer waiting in one of its collectives fails at
+        once. (Gloo's ``abort()`` and ``shutdown()`` leave them open; only dropping the group
+        closes them, so no reference elsewhere, say in a traceback, may keep it.)"""
+        self._group = None
+
 
 _groups: dict[str, Any] = {}
 
@@ -173,16 +179,30 @@ def hierarchical_groups_in_use() -> int:
     return _groups.get("users", 0)
 
 
-def release_hierarchical_groups() -> None:
+def release_hierarchical_groups(groups: HierarchicalGroups | None = None) -> None:
     """Give back groups taken with ``hierarchical_groups``; the last one back drops them.
 
     Collective in effect: every rank gives them back at the same point of the program.
+    ``groups``: the ones taken; nothing happens when they are no longer this process's
+    (``forget_hierarchical_groups`` dropped them for a new world).
     """
-    if not _groups:
+    if not _groups or (groups is not None and groups is not _groups["groups"]):
         return
     _groups["users"] -= 1
     if _groups["users"] <= 0:
-        _groups.clear()  # the Gloo groups and the store close when their last reference goes
+        forget_hierarchical_groups()
+
+
+def forget_hierarchical_groups() -> None:
+    """Close and drop this process's groups whoever holds them (rank 0's store closes with its
+    last reference). Also for a world that is gone (a rank failed, an elastic reset re-formed
+    the job): peers waiting in a group's collective fail at once, and the next plan that uses
+    the route builds groups for the new world."""
+    groups = _groups.get("groups")
+    for group in (getattr(groups, "intra_node", None), getattr(groups, "cross_node", None)):
+        if isinstance(group, GlooGroup):
+            group.close()
+    _groups.clear()
 
 
 def _rendezvous(hvd: Any) -> tuple[Any, str]:
