@@ -1,7 +1,7 @@
 """What the runtime dataset says: does any strategy beat every baseline, by how much, and how?
 
     .venv/bin/python benchmarks/dataset_report.py --store sqlite:///data/trials.db
-    .venv/bin/python benchmarks/dataset_report.py --jsonl data/trials.jsonl
+    .venv/bin/python benchmarks/dataset_report.py --jsonl data/trials.jsonl.gz
 
 Per model x cluster: the best baseline, plain Horovod, the best trial, and the best trial
 among those that keep the baselines' semantics (no fp16 compression: it changes the
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--store", help="trial store URL")
-    source.add_argument("--jsonl", help="an export (data/trials.jsonl), loaded into a temporary store")
+    source.add_argument("--jsonl", help="an export (data/trials.jsonl.gz), loaded into a temporary store")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from hybridsync.description import parse_description

@@ -169,7 +169,8 @@ def fits_budget(model: ZooModel) -> bool:
 
 def forward_macs(model: ZooModel, built: torch.nn.Module) -> int:
     """Multiply-accumulates of the linear and convolution layers in one sample's forward pass
-    (attention's own products and element-wise work are left out: small here)."""
+    (attention's own products and element-wise work are left out: small here). ``built`` is
+    ``model.build()`` on the meta device."""
     macs = 0
 
     def count(module: torch.nn.Module, _: Any, output: torch.Tensor) -> None:
@@ -181,7 +182,8 @@ def forward_macs(model: ZooModel, built: torch.nn.Module) -> int:
             macs += output.numel() * kernel
 
     hooks = [m.register_forward_hook(count) for m in built.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
-    inputs, _ = model.make_batch(torch.Generator().manual_seed(0), 2)  # batch norm needs 2 samples
+    with torch.device("cpu"):  # even inside a meta context: the data's teacher tensors are cached
+        inputs, _ = model.make_batch(torch.Generator().manual_seed(0), 2)  # batch norm needs 2 samples
     to_meta = lambda t: t.to("meta")  # noqa: E731
     with torch.no_grad():
         forward(built, tuple(map(to_meta, inputs)) if isinstance(inputs, tuple) else to_meta(inputs))
