@@ -7,10 +7,11 @@
 # 2. Calibration: on the first cluster, the reference row, every baseline and the first
 #    CALIBRATION random strategies of each zoo model with AutoSync's full protocol (10 warm-up +
 #    40 timed steps); benchmarks/trial_protocol.py compares shorter protocols against it.
-# 3. The sweeps, with the short protocol (3 warm-up + 10 timed steps): every generated model x
-#    every cluster with SAMPLE random strategies, then every zoo model x every cluster with
-#    ZOO_SAMPLE. Every (model, cluster) job also measures the plain-Horovod row and every
-#    baseline, the controls of that job. Trials already in the store are skipped.
+# 3. The sweeps, cluster by cluster, with the short protocol (3 warm-up + 10 timed steps): every
+#    generated model with SAMPLE random strategies, then every zoo model with ZOO_SAMPLE. Every
+#    (model, cluster) job also measures the plain-Horovod row and every baseline, the controls of
+#    that job. Trials already in the store are skipped. The slowest cluster comes last, so that
+#    an interrupted run already covers the others.
 # 4. Exports the store to data/trials.jsonl.gz.
 # The store (data/trials.db, not in git) keeps every finished trial: rerun to resume. To extend
 # the shipped dataset rather than measure it all again, import it into the store first:
@@ -26,8 +27,8 @@ zoo_sample=${ZOO_SAMPLE:-77}
 calibration=${CALIBRATION:-12}
 zoo_models=(ncf bert vgg resnet)
 read -r -a generated <<< "$("$py" -c "from hybridsync.zoo import GENERATED_MODELS; print(*GENERATED_MODELS)")"
-clusters=(horovodrun_configs/cluster_2x2_1gbit.yaml horovodrun_configs/cluster_2x2_250mbit.yaml
-          horovodrun_configs/cluster_4x1_500mbit.yaml horovodrun_configs/cluster_2x2_500mbit_2ps.yaml)
+clusters=(horovodrun_configs/cluster_2x2_1gbit.yaml horovodrun_configs/cluster_2x2_500mbit_2ps.yaml
+          horovodrun_configs/cluster_4x1_500mbit.yaml horovodrun_configs/cluster_2x2_250mbit.yaml)
 mkdir -p data/descriptions
 for model in "${zoo_models[@]}" "${generated[@]}"; do
   out=data/descriptions/$model.json
@@ -36,10 +37,12 @@ for model in "${zoo_models[@]}" "${generated[@]}"; do
     "$hs" profile --name "$model" --batch-size "$batch" -o "$out" -- "$py" -m hybridsync.zoo.train --model "$model"
   fi
 done
-sweep=("$hs" trials sweep --clusters "${clusters[@]}" --warmup 3 --steps 10 --trial-timeout 120 --store "$store"
-       --descriptions data/descriptions)
 "$hs" trials sweep --models "${zoo_models[@]}" --clusters "${clusters[0]}" --sample "$calibration" \
   --warmup 10 --steps 40 --store "$store" --descriptions data/descriptions
-"${sweep[@]}" --models "${generated[@]}" --sample "$sample"
-"${sweep[@]}" --models "${zoo_models[@]}" --sample "$zoo_sample" --export data/trials.jsonl.gz
+sweep=("$hs" trials sweep --warmup 3 --steps 10 --trial-timeout 120 --store "$store" --descriptions data/descriptions)
+for cluster in "${clusters[@]}"; do
+  "${sweep[@]}" --clusters "$cluster" --models "${generated[@]}" --sample "$sample"
+  "${sweep[@]}" --clusters "$cluster" --models "${zoo_models[@]}" --sample "$zoo_sample"
+done
+"$hs" dataset export --store "$store" -o data/trials.jsonl.gz
 "$hs" dataset stats --store "$store"
