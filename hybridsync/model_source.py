@@ -12,7 +12,8 @@ from hybridsync.variables import VariableInfo, load_model_description
 
 def load_model_variables(model: str) -> dict[str, VariableInfo]:
     """The variables of ``model``: an existing description file wins, else a zoo model name
-    (``ncf``, ``bert``, ``vgg``, ``resnet``); ``ValueError`` naming both possibilities otherwise."""
+    (``ncf``, ``bert``, ``vgg``, ``resnet``, or generated: ``gen-recsys-7``); ``ValueError`` naming
+    both possibilities otherwise."""
     if os.path.exists(model):
         return load_model_description(model)
     try:
@@ -20,7 +21,7 @@ def load_model_variables(model: str) -> dict[str, VariableInfo]:
     except ImportError as e:  # no torch here: only description files can be read
         raise ValueError(f"--model {model!r}: no such model description file, and the model zoo "
                          f"cannot be imported ({e})") from None
-    if model not in zoo.ZOO_MODELS:
+    if not zoo.is_model(model):
         raise ValueError(f"--model {model!r}: neither a model description file nor a zoo model "
-                         f"(zoo models: {', '.join(zoo.ZOO_MODELS)})")
+                         f"(zoo models: {', '.join(zoo.ZOO_MODELS)}; generated: gen-<family>-<k>)")
     return zoo.describe(model)

@@ -36,9 +36,10 @@ def load_or_profile(model: str) -> Any:
             raise ValueError(f"{model}: has no compute timing; the search needs a profiled description "
                              f"(hybridsync profile -o {model} -- python train.py)")
         return description
-    from hybridsync.zoo import ZOO_MODELS
-    if model not in ZOO_MODELS:
-        raise ValueError(f"--model {model!r} is neither a file nor a zoo model ({', '.join(ZOO_MODELS)})")
+    from hybridsync.zoo import ZOO_MODELS, is_model
+    if not is_model(model):
+        raise ValueError(f"--model {model!r} is neither a file nor a zoo model ({', '.join(ZOO_MODELS)}, "
+                         f"or generated: gen-<family>-<k>)")
     from hybridsync.run.profile import profile_command
     output = os.path.join(tempfile.mkdtemp(prefix="hybridsync-profile-"), f"{model}.json")
     print(f"profiling the zoo model {model} (one process)...", file=sys.stderr)
@@ -67,8 +68,8 @@ def workload_for(model: str | None, command: Sequence[str]) -> Any:
     from hybridsync.trials.runner import ScriptWorkload, ZooWorkload
     if command:
         return ScriptWorkload(tuple(command))
-    from hybridsync.zoo import ZOO_MODELS
-    if model not in ZOO_MODELS:
+    from hybridsync.zoo import is_model
+    if model is None or not is_model(model):
         raise ValueError(f"the description names model {model!r}, which is not a zoo model: give the training "
                          f"script to measure trials with after --, e.g. -- python train.py")
     return ZooWorkload(model)

@@ -35,7 +35,7 @@ def add_parser(commands: Any) -> None:
     _model_arguments(p)
     p.set_defaults(func=_list)
     p = sub.add_parser("sweep", help="every model x every emulated cluster into one store (resumable)")
-    p.add_argument("--models", nargs="+", required=True, help="zoo model names")
+    p.add_argument("--models", nargs="+", required=True, help="zoo or generated model names")
     p.add_argument("--clusters", nargs="+", required=True, help="cluster spec YAML files (emulated)")
     p.add_argument("--descriptions", help="directory of profiled descriptions <model>.json (optional)")
     p.add_argument("--sample", type=int, default=80, help="random strategies per model and cluster")
@@ -46,7 +46,7 @@ def add_parser(commands: Any) -> None:
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="zoo model name (ncf, bert, vgg, resnet)")
+    p.add_argument("--model", required=True, help="zoo model name (ncf, bert, vgg, resnet) or generated (gen-recsys-7)")
     p.add_argument("--cluster", required=True, help="cluster spec YAML (hybridsync.cluster.ClusterSpec)")
     p.add_argument("--description", help="profiled model description (default: the zoo model's variables)")
     source = p.add_mutually_exclusive_group()

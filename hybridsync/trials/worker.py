@@ -1,4 +1,4 @@
-"""The ranks of a trial job: one zoo model, many strategies, measured one after the other.
+"""The ranks of a trial job: one zoo model (or generated one), many strategies, measured one after the other.
 
     python -m hybridsync.trials.worker --model ncf --schedule S.jsonl --results R.jsonl
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hybridsync.trials.worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="zoo model name (hybridsync.zoo.ZOO_MODELS)")
+    parser.add_argument("--model", required=True, help="zoo or generated model name (hybridsync.zoo.get)")
     parser.add_argument("--schedule", required=True, help="JSON lines: index, kind, strategy (null: plain Horovod)")
     parser.add_argument("--results", required=True, help="JSON lines appended by the ranks")
     parser.add_argument("--warmup-steps", type=int, default=10)
