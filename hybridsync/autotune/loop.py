@@ -23,6 +23,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -61,6 +62,9 @@ class AutotuneSettings:
     """Times each confirmation candidate is measured, interleaved (A B C A B C ...): on shared cores
     the step time drifts by +-15% within a job, and four short passes average that drift out
     better than two long ones for the same steps."""
+    calibrate: bool = True
+    """Before the first search, measure the cluster's collectives in a seconds-long job
+    (``model.calibration``) so that the simulator prices its paths as measured, not as its spec says."""
 
     def __post_init__(self) -> None:
         if self.trial_budget < 1 or self.per_round < 1 or self.search_budget < 1:
@@ -153,6 +157,7 @@ class Autotuner:
     def run(self) -> AutotuneResult:
         start = time.monotonic()
         self.store.add_description(description_id(self.description), self.model, self.description.to_dict())
+        self._calibrate()
         self._refit()  # trials of this model and cluster already in the store (a resumed run) count
         references = self.references
         round_index = 0
@@ -211,6 +216,22 @@ class Autotuner:
             self.trials.append(TrialOutcome(round=round_index, kind=candidate.kind, fingerprint=candidate.fingerprint,
                                             predicted_s=float(guess), measured_s=record.median_s if ok else None,
                                             reason=None if ok else (record.reason if record else "not measured")))
+
+    def _calibrate(self) -> None:
+        """The cluster's measured paths into the simulator (``settings.calibrate``); a failed
+        calibration is a warning: the spec's nominal paths serve instead."""
+        if not self.settings.calibrate:
+            return
+        from hybridsync.model.calibration import calibrate
+        started = time.monotonic()
+        try:
+            links = calibrate(self.runner_for(self.settings.protocol, self.store).target, self.cluster)
+        except RuntimeError as error:
+            warnings.warn(f"calibration failed, the simulator prices the cluster from its spec: {error}",
+                          RuntimeWarning, stacklevel=2)
+        else:
+            self.base = self.simulator = self.base.calibrated(self.cluster, links)
+        self.seconds["calibrate"] = time.monotonic() - started
 
     def _refit(self) -> None:
         from hybridsync.model.simulator import Simulator, load_samples

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridsync.autotune.loop import AutotuneResult
+from hybridsync.model.evaluate import describe_live, live_accuracy
 from hybridsync.trials.store import cluster_label
 
 
@@ -32,6 +33,7 @@ def to_dict(result: AutotuneResult) -> dict[str, Any]:
         "confirmed_s": dict(sorted(result.confirmed_s.items(), key=lambda item: item[1])),
         "trials": [dataclasses.asdict(t) for t in result.trials],
         "best_so_far_s": result.best_so_far(),
+        "simulator_accuracy": live.to_dict() if (live := live_accuracy(result.trials)) else None,
         "seconds": result.seconds,
     }
 
@@ -56,6 +58,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"Best hand-made choice: {best['kind']}, {best['step_s'] * 1e3:.1f} ms: the winner is "
                      f"**{doc['speedup_over_best_baseline']:.2f}x** as fast.")
     seconds = doc["seconds"]
+    lines += ["", describe_live(doc.get("simulator_accuracy"))]
     lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()), "",
               "## Confirmation job (one job, interleaved repeats)", "", "| kind | ms per step | winner's speedup |",
               "| --- | ---: | ---: |"]
