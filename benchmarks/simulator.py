@@ -5,14 +5,17 @@
 
 The one command that refits the shipped simulator: reads the successful trials of the shipped
 dataset (default: ``data/trials.jsonl.gz``, else ``data/trials.jsonl``, loaded into a temporary
-store; or a store URL, read only) and the calibrated links of its clusters
-(``data/calibrations.json``, ``python -m hybridsync.model.calibration``; clusters without one
-are priced from their spec), then prints, for the analytic model alone, XGBoost alone and
+store; or a store URL, read only) and the calibrations of its clusters
+(``data/calibrations.json``, ``python -m hybridsync.model.calibration``: the reference an
+autotune's calibration of a new cluster is read against; the training clusters themselves are
+priced by their spec), then prints, for the analytic model alone, XGBoost alone and
 both: leave-one-model-out, leave-one-family-out (``evaluate.family_of``: ``gen-<family>-<k>``;
-skipped while every model is a family of its own) and leave-one-cluster-out pairwise ranking
+skipped while every model is a family of its own; by default family and cluster once the
+dataset has families, model and cluster before) and leave-one-cluster-out pairwise ranking
 accuracy, Kendall tau, MAPE (raw, and within a job: each job's level taken out by its
 controls) and top-1 regret, every metric within trial jobs (times of different jobs are not
-comparable); warm-start transfer to each held-out model with k = 0, 5, 10, 20 of its trials;
+comparable); warm-start transfer to each held-out zoo model (not the generator's) with k = 0, 5,
+10, 20 of its trials;
 how many candidate strategies per second a fitted simulator scores; and, with ``--save``,
 fits on every trial and writes the simulator. For scale, the measurements' own repeatability:
 how well the median of each trial's odd steps ranks trials as the median of its even steps
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="calibrated clusters (python -m hybridsync.model.calibration); '' for none")
     parser.add_argument("--cores", type=float, default=os.cpu_count(),
                         help="cores the emulated cluster's ranks shared when measured (default: this machine's)")
-    parser.add_argument("--splits", default="model,family,cluster", help="held-out evaluations to run")
+    parser.add_argument("--splits", help="held-out evaluations to run, of model,family,cluster (default: family "
+                                         "and cluster once the dataset has families, else model and cluster)")
     parser.add_argument("--kinds", default="analytic,xgboost,both", help="simulator kinds to evaluate")
     parser.add_argument("--png", help="write the predicted-vs-measured plot (first split) here")
     parser.add_argument("--save", help="fit on every trial and save the simulator here")
@@ -87,7 +91,8 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
     print(f"{len(samples)} successful trials, {len(models)} models in {len(families)} families, clusters {clusters}; "
           f"{len({s.job for s in samples})} jobs; cores {args.cores:g}; calibrated: {sorted(links) or 'none'}")
     rows = []
-    for split in [s for s in args.splits.split(",") if s]:
+    splits = args.splits or ("family,cluster" if len(families) < len(models) else "model,cluster")
+    for split in [s for s in splits.split(",") if s]:
         if split not in SPLITS:
             raise SystemExit(f"--splits: {split!r} is not one of {', '.join(SPLITS)}")
         if split == "family" and len(families) == len(models):
@@ -102,13 +107,13 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
     pooled = summarize(rows)
     print("\npooled over held-out sets (metrics within each trial job):")
     print(format_table(pooled))
-    if not args.no_transfer:
-        _transfer(samples, models, constants, params, links, args.seed)
+    if not args.no_transfer:  # to the models that are a family of their own (the zoo's): a few fits each
+        _transfer(samples, [m for m in models if family_of(m) == m], constants, params, links, args.seed)
     if args.png and pooled:
         plot_predictions([r for r in pooled if r.split == pooled[0].split], args.png)
         print(f"\nplot: {args.png}")
     print()
-    simulator = Simulator(constants=constants, params=params, links=links).fit(samples)
+    simulator = Simulator(constants=constants, params=params).fit(samples, calibrations=links)
     print(_scoring_speed(simulator, samples))
     if args.save:
         simulator.save(args.save)

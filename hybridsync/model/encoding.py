@@ -271,8 +271,8 @@ class Units:
     fp16_pieces: np.ndarray
     """(N,): pieces sent as float16 (a cast each way, per piece, on every rank)."""
     merged_pieces: np.ndarray
-    """(N,): pieces that travel in a hierarchical or BSP parameter-server merge group (copied into
-    the message's flat buffer and back by the router; Horovod fuses ring groups as it fuses any op)."""
+    """(N,): pieces that travel in a merge group (copied into the message's flat buffer and back by
+    the router, or handed to Horovod as one grouped all-reduce that waits for all of them)."""
 
 
 def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) -> Units:
@@ -299,7 +299,7 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
     fp16_bytes, fp16_ps_bytes = fp16_sent.sum(axis=1), np.where(is_ps, fp16_sent, 0.0).sum(axis=1)
     densified_bytes = np.where(sparse & ~touched & ~asynchronous, arrays.nbytes, 0.0).sum(axis=1)
     fp16_pieces = np.where(fp16_sent > 0, parts, 0).sum(axis=1)
-    merged_pieces = np.where(grouped & ~asynchronous & (batch.route != RING), parts, 0).sum(axis=1)
+    merged_pieces = np.where(grouped & ~asynchronous, parts, 0).sum(axis=1)
 
     order = arrays.ready_order  # units: columns in ready order
     route = np.where(gather, GATHER, np.where(asynchronous, PS_ASYNC, batch.route))

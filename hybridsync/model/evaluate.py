@@ -222,7 +222,7 @@ def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: 
                    "xgboost", "both"), constants: CostConstants | None = None,
                    params: BoosterParams | None = None, links: Mapping[str, LinkConstants] | None = None) -> list[Row]:
     """Leave-one-model-out (``split="model"``), leave-one-family-out or leave-one-cluster-out
-    evaluation of each kind (``links``: calibrated clusters, as ``Simulator`` takes them)."""
+    evaluation of each kind (``links``: calibrated clusters, ``Simulator.fit(calibrations=)``)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     names = sorted({held_out_name(s, split) for s in samples})
@@ -234,8 +234,8 @@ def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: 
         test = [s for s in samples if held_out_name(s, split) == name]
         fitted_constants = None
         for kind in kinds:
-            simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params, links=links)
-            simulator.fit(train, refit_constants=fitted_constants is None)
+            simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params)
+            simulator.fit(train, refit_constants=fitted_constants is None, calibrations=links)
             if kind != "xgboost":
                 fitted_constants = simulator.constants  # analytic and both share one least-squares fit
             rows.append(_row(simulator, kind, split, name, len(train), test))
@@ -263,7 +263,7 @@ def transfer(samples: Sequence[Sample], *, held_out: str, split: Split = "model"
                          f"got {len(train)} and {len(target)}")
     order = np.random.default_rng(seed).permutation(len(target))
     test = [target[i] for i in order[max(ks):]]
-    base = Simulator(kind=kind, constants=constants, params=params, links=links).fit(train)
+    base = Simulator(kind=kind, constants=constants, params=params).fit(train, calibrations=links)
     rows = []
     for k in ks:
         simulator = base if k == 0 else Simulator(kind=kind, params=params).fit(

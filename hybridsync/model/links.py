@@ -119,3 +119,36 @@ def nominal_links(cluster: ClusterSpec) -> LinkConstants:
                          hier_alpha_s=NOMINAL_HIER_ALPHA_S + 2 * (cluster.nodes - 1) * (NOMINAL_HIER_HOP_S + latency),
                          hier_s_per_byte=hier, ps_alpha_s=NOMINAL_PS_ALPHA_S + 2 * latency, ps_s_per_byte=ps,
                          cpu_s_per_byte=1.0 / NOMINAL_CPU_BYTES_PER_S, source="nominal")
+
+
+CALIBRATED_FIELDS = ("ring_alpha_s", "ring_s_per_byte", "hier_alpha_s", "hier_s_per_byte", "ps_alpha_s",
+                     "ps_s_per_byte", "cpu_s_per_byte")
+"""The fields a calibration measures."""
+
+
+def deviation(cluster: ClusterSpec, measured: LinkConstants) -> dict[str, float]:
+    """How a cluster's measured paths differ from its spec: measured / nominal, field by field."""
+    nominal = nominal_links(cluster)
+    return {f: getattr(measured, f) / getattr(nominal, f) if getattr(nominal, f) > 0 else 1.0
+            for f in CALIBRATED_FIELDS}
+
+
+def mean_deviation(calibrations: list[tuple[ClusterSpec, LinkConstants]]) -> dict[str, float]:
+    """The geometric mean of ``deviation`` over calibrated clusters ({} for none)."""
+    if not calibrations:
+        return {}
+    ratios = [deviation(cluster, measured) for cluster, measured in calibrations]
+    return {f: math.exp(sum(math.log(max(r[f], 1e-12)) for r in ratios) / len(ratios)) for f in CALIBRATED_FIELDS}
+
+
+def relative_links(cluster: ClusterSpec, measured: LinkConstants, reference: Mapping[str, float]) -> LinkConstants:
+    """The paths to price ``cluster`` by: its spec's, times how much more its calibration deviates
+    from the spec than the calibrations of the clusters the simulator was fit on did
+    (``reference``, a ``mean_deviation``; {}: not at all). A calibration measures the software
+    too (Python, Gloo, the servers' CPU, how loaded the machine is); taking out the deviation
+    seen on the training clusters leaves what is this cluster's own, and a cluster like them
+    is priced as they were."""
+    nominal = nominal_links(cluster)
+    ratio = deviation(cluster, measured)
+    return dataclasses.replace(nominal, source="calibrated",
+                               **{f: getattr(nominal, f) * ratio[f] / reference.get(f, 1.0) for f in CALIBRATED_FIELDS})

@@ -40,7 +40,7 @@ from hybridsync.description import ModelDescription, description_id, parse_descr
 from hybridsync.model.analytic import CostConstants, Problem, analytic_terms, fit_constants, job_residuals, reference_terms
 from hybridsync.model.encoding import ModelArrays, StrategyBatch, Units, from_strategies, model_arrays, units
 from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
-from hybridsync.model.links import LinkConstants, nominal_links
+from hybridsync.model.links import LinkConstants, mean_deviation, nominal_links, relative_links
 from hybridsync.strategy import Strategy
 
 Kind = Literal["both", "xgboost", "analytic"]
@@ -205,26 +205,31 @@ class Simulator:
 
     def __init__(self, *, kind: Kind = "both", constants: CostConstants | None = None,
                  params: BoosterParams | None = None, links: Mapping[str, LinkConstants] | None = None) -> None:
-        """``links``: measured paths of clusters, by ``cluster_label`` (``calibrated``); any other
-        cluster is priced by its spec (``nominal_links``)."""
+        """``links``: measured paths of clusters, by ``cluster_label`` (``calibrated``), priced
+        relative to the calibrations of the clusters it was fit on (``links.relative_links``);
+        any other cluster is priced by its spec (``nominal_links``)."""
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         self.kind = kind
         self.constants = constants or CostConstants()
         self.params = params or BoosterParams()
         self.links: dict[str, LinkConstants] = dict(links or {})
+        self.reference: dict[str, float] = {}
+        """``links.mean_deviation`` of the training clusters' calibrations (``fit(calibrations=)``)."""
         self.booster: Any = None
         self.meta: dict[str, Any] = {}
         self._columns = [j for j, name in enumerate(FEATURE_NAMES) if kind == "both" or name not in ANALYTIC_FEATURES]
 
     # --- fitting ------------------------------------------------------------------------
-    def fit(self, samples: Sequence[Sample], *, base: "Simulator | None" = None,
-            refit_constants: bool = True) -> "Simulator":
+    def fit(self, samples: Sequence[Sample], *, base: "Simulator | None" = None, refit_constants: bool = True,
+            calibrations: Mapping[str, LinkConstants] | None = None) -> "Simulator":
         """Fit to measured ``samples`` (returns ``self``). With ``base``: warm start from it
-        (its kind, constants and trees, plus ``warm_rounds`` trees for these samples).
-        ``refit_constants=False`` keeps the analytic constants given to the constructor.
-        ``ValueError`` for no samples, a description without timing, or a strategy the
-        sample's cluster cannot run."""
+        (its kind, constants, calibrations and trees, plus ``warm_rounds`` trees for these
+        samples). ``refit_constants=False`` keeps the analytic constants given to the
+        constructor. ``calibrations``: measured paths of (some of) the samples' clusters, by
+        label: the training clusters are priced by their spec, and these become the reference
+        a later calibration is read against (``links.relative_links``). ``ValueError`` for no
+        samples, a description without timing, or a strategy the sample's cluster cannot run."""
         samples = list(samples)
         if not samples:
             raise ValueError("Simulator.fit: no samples (is the trial store empty, or every trial failed?)")
@@ -236,7 +241,12 @@ class Simulator:
             if base.kind != self.kind:
                 raise ValueError(f"warm start from a {base.kind!r} simulator into a {self.kind!r} one")
             self.constants = base.constants
-            self.links = {**base.links, **self.links}
+            self.links, self.reference = {**base.links, **self.links}, dict(base.reference)
+        elif calibrations:
+            from hybridsync.trials.store import cluster_label
+            clusters = {cluster_label(s.cluster.to_dict()): s.cluster for s in samples}
+            self.reference = mean_deviation([(clusters[label], links) for label, links in calibrations.items()
+                                             if label in clusters])
         problems = self._problems(samples)
         if self.kind != "xgboost" and base is None and refit_constants:
             self.constants = fit_constants([p.fit_problem() for p in problems], self.constants)
@@ -266,9 +276,10 @@ class Simulator:
         return problems
 
     def links_for(self, cluster: ClusterSpec) -> LinkConstants:
-        """The cluster's paths: calibrated (``calibrate``) or from its spec."""
+        """The paths the cluster is priced by: calibrated (``calibrated``) or from its spec."""
         from hybridsync.trials.store import cluster_label
-        return self.links.get(cluster_label(cluster.to_dict())) or nominal_links(cluster)
+        measured = self.links.get(cluster_label(cluster.to_dict()))
+        return nominal_links(cluster) if measured is None else relative_links(cluster, measured, self.reference)
 
     def calibrated(self, cluster: ClusterSpec, links: LinkConstants) -> "Simulator":
         """This simulator pricing ``cluster`` with measured ``links`` (``model.calibration``): a copy
@@ -338,6 +349,7 @@ class Simulator:
         import hybridsync
         doc = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind, "constants": self.constants.to_dict(),
                "links": {label: links.to_dict() for label, links in sorted(self.links.items())},
+               "reference": self.reference,
                "params": dataclasses.asdict(self.params), "feature_names": self.feature_names,
                "meta": {**self.meta, "xgboost": xgboost.__version__, "hybridsync": hybridsync.__version__},
                "booster": None if self.booster is None else json.loads(bytes(self.booster.save_raw("json")))}
@@ -365,6 +377,7 @@ class Simulator:
         simulator = cls(kind=doc["kind"], constants=CostConstants.from_dict(doc["constants"]),
                         params=BoosterParams(**doc["params"]),
                         links={label: LinkConstants.from_dict(links) for label, links in doc["links"].items()})
+        simulator.reference = dict(doc["reference"])
         if doc["feature_names"] != simulator.feature_names:
             raise ValueError(f"{path!r}: saved with other features than this hybridsync computes; refit it")
         simulator.meta = dict(doc.get("meta", {}))
