@@ -14,9 +14,9 @@ Three kinds, to compare what each part brings:
 - ``both`` (default): trees regress log(measured / analytic) on every feature, so they
   learn what the analytic model misses (contention for the cores, densifying, mixing
   routes) and fall back to it where they know nothing. By default (``BoosterParams.target``)
-  that log ratio is centered within each (model, cluster) before the fit: the trees learn
-  how strategies of one job differ, not how far off the analytic level of each training
-  model was, which does not carry over to another model; the level is the analytic model's.
+  that log ratio is centered within each trial job before the fit: the trees learn how
+  strategies of one job differ, not how far off the analytic level of each training job
+  was, which does not carry over to another model or job; the level is the analytic model's.
 
 Warm start (``fit(..., base=...)``): keeps the base's constants and adds ``warm_rounds``
 trees fit to the new trials on top of the base's (xgboost's ``xgb_model=`` continuation).
@@ -98,9 +98,10 @@ class BoosterParams:
     seed: int = 0
     """xgboost's seed: equal seeds and data give equal models."""
     target: Target = "centered"
-    """``both`` only, fresh fits: ``centered`` subtracts each (model, cluster)'s mean of
-    log(measured / analytic) from its trials' targets; ``log_ratio`` keeps it. A warm start
-    fits the plain log ratio, so a few trials of a new job also correct its level."""
+    """``both`` only: ``centered`` takes each trial job's level (and drift, ``Sample.job_position``)
+    out of log(measured / analytic) before the trees see it (``analytic.job_residuals``), fresh
+    fits and warm starts alike: a job's level is its own, and an autotune's next round runs in
+    a new job; ``log_ratio`` keeps it."""
 
     def __post_init__(self) -> None:
         if self.target not in ("centered", "log_ratio"):
@@ -300,7 +301,7 @@ class Simulator:
             matrix = feature_matrix(p.arrays, p.units, p.cluster, terms, reference=reference)
             features[p.indices] = matrix[:, self._columns]
             ratio = np.log(p.step_s) - (np.log(terms["step_s"]) if self.kind == "both" else 0.0)
-            if self.kind == "both" and base is None and self.params.target == "centered":
+            if self.kind == "both" and self.params.target == "centered":
                 ratio = -job_residuals(-ratio, p.jobs, p.positions, level_weight=0.0)
             target[p.indices] = ratio
         train = xgboost.DMatrix(features, label=target, feature_names=self.feature_names)
