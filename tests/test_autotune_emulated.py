@@ -40,6 +40,8 @@ def test_autotune_picks_measures_and_trains_with_a_winner(tmp_path):
     assert doc["kendall_tau"]["strategies"] >= 3 and -1.0 <= doc["kendall_tau"]["tau"] <= 1.0
     assert set(doc["job_levels"]) == {t["job"] for t in doc["trials"]}
     assert (report / "report.png").stat().st_size > 10_000 and (report / "report.md").exists()
+    assert doc["seconds"]["calibrate"] > 0 and "calibration failed" not in proc.stdout  # measured before the search
+    assert "Simulator accuracy on these trials" in (report / "report.md").read_text()
     variables = load_description(report / "model.json").variables
     Strategy.load(report / "strategy.json").validate_for(variables)
 

@@ -31,6 +31,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -77,6 +78,9 @@ class AutotuneSettings:
     """Times each confirmation candidate is measured, interleaved (A B C A B C ...): on shared cores
     the step time drifts by +-15% within a job, and four short passes average that drift out
     better than two long ones for the same steps."""
+    calibrate: bool = True
+    """Before the first search, measure the cluster's collectives in a seconds-long job
+    (``model.calibration``) so that the simulator prices its paths as measured, not as its spec says."""
 
     def __post_init__(self) -> None:
         if self.trial_budget < 1 or self.per_round < 1 or self.search_budget < 1:
@@ -120,6 +124,7 @@ class Autotuner:
     def run(self) -> AutotuneResult:
         start = time.monotonic()
         self.store.add_description(description_id(self.description), self.model, self.description.to_dict())
+        self._calibrate()
         self._refit()  # trials of this model and cluster already in the store (a resumed run) count
         references = self.references
         round_index = 0
@@ -199,6 +204,22 @@ class Autotuner:
         others = [f for f in ranked if f in known and f != best_rival]
         chosen = ([best_rival] if best_rival else []) + others[:1 if best_rival else 2]
         return [known[f] for f in chosen]
+
+    def _calibrate(self) -> None:
+        """The cluster's measured paths into the simulator (``settings.calibrate``); a failed
+        calibration is a warning: the spec's nominal paths serve instead."""
+        if not self.settings.calibrate:
+            return
+        from hybridsync.model.calibration import calibrate
+        started = time.monotonic()
+        try:
+            links = calibrate(self.runner_for(self.settings.protocol, self.store).target, self.cluster)
+        except RuntimeError as error:
+            warnings.warn(f"calibration failed, the simulator prices the cluster from its spec: {error}",
+                          RuntimeWarning, stacklevel=2)
+        else:
+            self.base = self.simulator = self.base.calibrated(self.cluster, links)
+        self.seconds["calibrate"] = time.monotonic() - started
 
     def _refit(self) -> None:
         from hybridsync.description import parse_description

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridsync.autotune.result import TAU_TARGET, AutotuneResult, rival_rule
+from hybridsync.model.evaluate import describe_live, live_accuracy
 from hybridsync.trials.store import cluster_label
 
 
@@ -41,6 +42,7 @@ def to_dict(result: AutotuneResult) -> dict[str, Any]:
         "trials": [dataclasses.asdict(t) for t in result.trials],
         "job_levels": result.job_levels,
         "best_so_far_s": result.best_so_far(),
+        "simulator_accuracy": live.to_dict() if (live := live_accuracy(result.trials)) else None,
         "seconds": result.seconds,
     }
 
@@ -72,6 +74,7 @@ def markdown(doc: dict[str, Any]) -> str:
                  else f"Kendall tau **{tau['tau']:.2f}** over {tau['strategies']} strategies (target >= "
                       f"{tau['target']})") + ".")
     seconds = doc["seconds"]
+    lines += ["", describe_live(doc.get("simulator_accuracy"))]
     lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()), "",
               "## Confirmation job (one job, interleaved repeats)", "",
               "| kind | ms per step | trials' ms (normalized) | winner's speedup |", "| --- | ---: | ---: | ---: |"]
