@@ -68,7 +68,9 @@ def fenced_blocks(path: Path) -> list[Block]:
 
 
 ALL_BLOCKS = [block for path in DOC_FILES for block in fenced_blocks(path)]
-RUNNABLE = [block for block in ALL_BLOCKS if block.language in PROGRAMS and block.not_run is None]
+RUNNABLE = list({(block.language, block.code): block for block in reversed(ALL_BLOCKS)
+                 if block.language in PROGRAMS and block.not_run is None}.values())[::-1]
+"""Program blocks to run, each distinct one once (the README repeats the getting-started program)."""
 
 
 @pytest.mark.multiprocess
@@ -137,9 +139,9 @@ def test_the_readme_links_resolve() -> None:
 @pytest.mark.parametrize("block", RUNNABLE, ids=[block.name for block in RUNNABLE])
 def test_the_block_runs(block: Block, tmp_path: Path) -> None:
     """The block, as a user would paste it: in a fresh directory that holds the repository's
-    ``examples/`` and ``horovodrun_configs/``, with the environment's commands first on PATH;
+    ``examples/``, ``horovodrun_configs/`` and ``data/``, with the environment's commands first on PATH;
     a python block runs as one process."""
-    for name in ("examples", "horovodrun_configs"):
+    for name in ("examples", "horovodrun_configs", "data"):
         (tmp_path / name).symlink_to(REPO / name)
     script = tmp_path / ("block.py" if PROGRAMS[block.language] == "python" else "block.sh")
     script.write_text(block.code)
