@@ -28,7 +28,7 @@ DATA = {"json", "yaml", "text"}
 NOT_RUN = re.compile(r"^<!-- not-run: (?P<reason>\S.*?) -->$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>[\w-]*)\s*$")
 README_MAX_LINES = 250
-BLOCK_TIMEOUT_S = 150
+BLOCK_TIMEOUT_S = 240
 """One block's bound: the longest runnable ones import torch and Horovod on a loaded machine."""
 
 
