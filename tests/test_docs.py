@@ -7,6 +7,7 @@ before it is ``<!-- not-run: REASON -->``.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -71,6 +72,51 @@ ALL_BLOCKS = [block for path in DOC_FILES for block in fenced_blocks(path)]
 RUNNABLE = list({(block.language, block.code): block for block in reversed(ALL_BLOCKS)
                  if block.language in PROGRAMS and block.not_run is None}.values())[::-1]
 """Program blocks to run, each distinct one once (the README repeats the getting-started program)."""
+
+
+def _message_texts() -> str:
+    """Every string literal of the package, f-strings with their fields as NUL (module constants
+    such as environment variable names resolved), backticks dropped: what messages can say."""
+    trees = [ast.parse(path.read_text()) for path in (REPO / "hybridsync").rglob("*.py")]
+    assigned = [(node.targets[0].id, node.value) for tree in trees for node in tree.body
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)]
+    constants = {name: value.value for name, value in assigned
+                 if isinstance(value, ast.Constant) and isinstance(value.value, str)}
+    constants |= {name: constants[value.attr] for name, value in assigned  # NAME = envvars.OTHER
+                  if isinstance(value, ast.Attribute) and value.attr in constants and name not in constants}
+
+    def field(value: ast.FormattedValue) -> str:
+        name = getattr(value.value, "id", None) or getattr(value.value, "attr", None)
+        return constants.get(name, "\0") if name and name.isupper() else "\0"
+
+    texts = []
+    for node in (node for tree in trees for node in ast.walk(tree)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            texts.append(node.value)
+        elif isinstance(node, ast.JoinedStr):
+            texts.append("".join(part.value if isinstance(part, ast.Constant) else field(part) for part in node.values))
+    return "\n".join(texts).replace("`", "")
+
+
+@pytest.mark.unit
+def test_troubleshooting_quotes_messages_the_code_can_print() -> None:
+    """Each message the troubleshooting page's tables quote (first column, ``...`` and ``N``, ``M``,
+    ``K``, ``<key>`` standing for what varies) is made of text the package's strings hold, so the
+    page cannot keep an error the code no longer raises, or misquote one."""
+    texts = _message_texts()
+    page = (REPO / "docs" / "guides" / "troubleshooting.md").read_text()
+    quoted = [message for row in page.splitlines() if row.startswith("| `")
+              for message in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+    assert len(quoted) > 50
+    misquoted = []
+    for message in quoted:
+        message = re.sub(r"^[\w.]+(?:Error|Warning): ", "", message)
+        message = re.sub(r"'\.\.\.'|\b[NMK]\b|<key>", "...", message)
+        for fragment in message.split("..."):
+            fragment = fragment.strip(" ,:;(.").rstrip(" (")
+            if len(fragment) >= 14 and fragment not in texts:
+                misquoted.append(fragment)
+    assert not misquoted, f"docs/guides/troubleshooting.md quotes text no message holds: {misquoted}"
 
 
 @pytest.mark.multiprocess
