@@ -102,7 +102,8 @@ STALENESS = Knob(name="staleness", kind="integer", doc="steps a worker may run a
                  routes=("ps",), optional=True, only_with=("protocol", "ssp"), merged_alike=True, draw=(1, 2, 3),
                  column="how", text=lambda staleness: f"(s={staleness})")
 SERVERS = Knob(name="servers", kind="per_shard", doc="the server index of each shard; absent balances shards by bytes",
-               routes=("ps",), optional=True, item="placement", draw=(0.3,))
+               routes=("ps",), optional=True, item="placement", draw=(0.3,), column="servers",
+               text=lambda servers: ",".join(str(s) for s in servers))
 PARTITIONS = Knob(name="partitions", kind="integer", doc="split along dim 0 into this many near-equal shards, "
                   "one message each", default=1, minimum=1, draw=(None, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024),
                   column="shards")
@@ -112,7 +113,7 @@ COMPRESSION = Knob(name="compression", kind="choice", doc="wire compression; abs
                    optional=True, choices=("none", "fp16"), merged_alike=True, draw=(0.0, 0.0, 0.5, 1.0),
                    column="compr")
 
-KNOBS: tuple[Knob, ...] = (ROUTE, ALGORITHM, PROTOCOL, STALENESS, SERVERS, PARTITIONS, GROUP, COMPRESSION)
+KNOBS: tuple[Knob, ...] = (ROUTE, ALGORITHM, PROTOCOL, STALENESS, PARTITIONS, SERVERS, GROUP, COMPRESSION)
 """Every knob, in the canonical document's key order."""
 BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
 

@@ -50,8 +50,8 @@ class VarConfig:
     algorithm: Algorithm = knobs.ALGORITHM.default
     protocol: Protocol = knobs.PROTOCOL.default
     staleness: int | None = knobs.STALENESS.default
-    servers: tuple[int, ...] | None = knobs.SERVERS.default
     partitions: int = knobs.PARTITIONS.default
+    servers: tuple[int, ...] | None = knobs.SERVERS.default
     group: int | None = knobs.GROUP.default
     compression: CompressionName | None = knobs.COMPRESSION.default
     """``None``: the optimizer's ``compression=`` argument decides."""
