@@ -19,8 +19,8 @@ optimizer push and pull, and assigns the servers' values back.
 Inside ``tf.function`` (and Keras' ``fit``) both calls run as ``tf.numpy_function``: the
 synchronization is real Python at run time, not a traced graph, which is also why
 XLA-compiled steps (``jit_compile=True``) are refused. ``numpy_function`` rather than
-``py_function``: it hands over NumPy arrays without wrapping each in an eager tensor, which
-saved about 0.65 ms per step on 16 gradients; a step's conversions run on a core that the other
+``py_function``: it hands over NumPy arrays without wrapping each in an eager tensor (what that
+saves: benchmarks/RESULTS.md, "tensorflow.py"); a step's conversions run on a core that the other
 ranks of a CPU job may be waiting for.
 """
 from __future__ import annotations
