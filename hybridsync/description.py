@@ -1,9 +1,11 @@
-"""The model description a simulator reads: variables plus the compute timing a profiler measured.
+"""Model description files: a model's variables, plus the compute timing a profiler measured.
 
 The simulator and the search never import the user's model; they read this file and a
-cluster spec. It extends the plain description of ``hybridsync.variables`` (which keeps
-loading these files, ignoring the timing) with what the profiler (``hybridsync profile``)
-measures on one process: forward, backward and optimizer time per step, each gradient's
+cluster spec. This module is the one home of the file: the plain description (variables
+only, ``VariableInfo`` of ``hybridsync.variables``: ``load_model_description`` and its
+siblings, which read any description and ignore its timing) and the profiled one
+(``ModelDescription``: ``load_description`` and its siblings), which adds what the profiler
+(``hybridsync profile``) measures on one process: forward, backward and optimizer time per step, each gradient's
 ready order and time within the backward pass, and rows touched per step of sparse
 gradients. One variable per line, so descriptions diff well::
 
@@ -32,7 +34,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from hybridsync.variables import VariableInfo, parse_variable_entries
+from hybridsync.variables import DTYPES, VariableInfo
 
 DESCRIPTION_VERSION = 1
 _TOP_LEVEL_KEYS = ("version", "name", "timing", "meta", "variables")
@@ -217,6 +219,55 @@ def parse_description(doc: Any, where: str = "model description") -> ModelDescri
         raise ValueError(f"{where}:\n  - " + "\n  - ".join(errors))
     return ModelDescription(variables=variables, name=name, timing=timing, variable_timing=variable_timing,
                             meta=dict(meta))
+
+
+def load_model_description(path: str | os.PathLike) -> dict[str, VariableInfo]:
+    """Read a model description: ``{"variables": [{"name", "shape", "dtype"?, "sparse"?}, ...]}``."""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    return parse_model_description(doc, where=os.fspath(path))
+
+
+def parse_model_description(doc: Mapping[str, Any], where: str = "model description") -> dict[str, VariableInfo]:
+    """Validate and convert a model description document; ``ValueError`` names every bad entry.
+
+    Reads only the variables' ``name``, ``shape``, ``dtype`` and ``sparse``: a profiled
+    description loads here too, its timing ignored.
+    """
+    entries = doc.get("variables") if isinstance(doc, Mapping) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{where}: expected {{\"variables\": [...]}}")
+    out, errors = parse_variable_entries(entries)
+    if errors:
+        raise ValueError(f"{where}:\n  - " + "\n  - ".join(errors))
+    return out
+
+
+def parse_variable_entries(entries: list[Any]) -> tuple[dict[str, VariableInfo], list[str]]:
+    """``VariableInfo`` per valid entry of a description's ``variables`` list, and one message per bad one."""
+    errors, out = [], {}
+    for i, entry in enumerate(entries):
+        try:
+            info = VariableInfo(name=str(entry["name"]), shape=tuple(int(d) for d in entry["shape"]),
+                                dtype=str(entry.get("dtype", "float32")), sparse=bool(entry.get("sparse", False)))
+        except (KeyError, TypeError, ValueError) as e:
+            errors.append(f"entry {i}: needs 'name' and an integer 'shape' ({e!r})")
+            continue
+        if info.dtype not in DTYPES:
+            errors.append(f"entry {i} ({info.name}): unknown dtype {info.dtype!r}")
+        if info.name in out:
+            errors.append(f"entry {i}: duplicate variable name {info.name!r}")
+        out[info.name] = info
+    return out, errors
+
+
+def save_model_description(variables: Mapping[str, VariableInfo], path: str | os.PathLike) -> None:
+    """Write the description that ``load_model_description`` reads."""
+    doc = {"variables": [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype, "sparse": v.sparse}
+                         for v in variables.values()]}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
 
 
 def _parse_variable_timing(entry: Any, label: str, errors: list[str]) -> VariableTiming | None:

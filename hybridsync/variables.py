@@ -1,16 +1,16 @@
-"""What hybridsync needs to know about a model's variables, without the model itself.
+"""What hybridsync needs to know about one of a model's variables, without the model itself.
 
 Strategies are validated, builders run and the simulator reasons on ``VariableInfo``
 records, so all of them work from a model description file on a laptop with no
-framework and no cluster.
+framework and no cluster. The file itself (reading, writing, checking it) is
+``hybridsync.description``'s; its plain readers and writer are still importable from here.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
+import importlib
 import math
-import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 FLOATING_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",
                              "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"})
@@ -19,6 +19,17 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8
              "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
              "complex128": 16, "complex64": 8, "complex32": 4,
              **{name: 1 for name in FLOATING_DTYPES if name.startswith("float8")}}
+DTYPES = frozenset(_ITEMSIZE)
+"""Every dtype name a model description may give."""
+_DESCRIPTION_NAMES = frozenset({"load_model_description", "parse_model_description", "save_model_description",
+                                "parse_variable_entries"})
+"""Where they were before ``hybridsync.description`` became the one home of description files."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DESCRIPTION_NAMES:
+        return getattr(importlib.import_module("hybridsync.description"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def itemsize(dtype: str) -> int:
@@ -75,52 +86,3 @@ def sparse_parameter_names(model: Any) -> set[str]:
         if getattr(module, "sparse", False) is True:
             names.update(f"{module_name}.{p}" if module_name else p for p, _ in module.named_parameters(recurse=False))
     return names
-
-
-def load_model_description(path: str | os.PathLike) -> dict[str, VariableInfo]:
-    """Read a model description: ``{"variables": [{"name", "shape", "dtype"?, "sparse"?}, ...]}``."""
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    return parse_model_description(doc, where=os.fspath(path))
-
-
-def parse_model_description(doc: Mapping[str, Any], where: str = "model description") -> dict[str, VariableInfo]:
-    """Validate and convert a model description document; ``ValueError`` names every bad entry.
-
-    Reads only the variables' ``name``, ``shape``, ``dtype`` and ``sparse``: a profiled
-    description (``hybridsync.description``) loads here too, its timing ignored.
-    """
-    entries = doc.get("variables") if isinstance(doc, Mapping) else None
-    if not isinstance(entries, list):
-        raise ValueError(f"{where}: expected {{\"variables\": [...]}}")
-    out, errors = parse_variable_entries(entries)
-    if errors:
-        raise ValueError(f"{where}:\n  - " + "\n  - ".join(errors))
-    return out
-
-
-def parse_variable_entries(entries: list[Any]) -> tuple[dict[str, VariableInfo], list[str]]:
-    """``VariableInfo`` per valid entry of a description's ``variables`` list, and one message per bad one."""
-    errors, out = [], {}
-    for i, entry in enumerate(entries):
-        try:
-            info = VariableInfo(name=str(entry["name"]), shape=tuple(int(d) for d in entry["shape"]),
-                                dtype=str(entry.get("dtype", "float32")), sparse=bool(entry.get("sparse", False)))
-        except (KeyError, TypeError, ValueError) as e:
-            errors.append(f"entry {i}: needs 'name' and an integer 'shape' ({e!r})")
-            continue
-        if info.dtype not in _ITEMSIZE:
-            errors.append(f"entry {i} ({info.name}): unknown dtype {info.dtype!r}")
-        if info.name in out:
-            errors.append(f"entry {i}: duplicate variable name {info.name!r}")
-        out[info.name] = info
-    return out, errors
-
-
-def save_model_description(variables: Mapping[str, VariableInfo], path: str | os.PathLike) -> None:
-    """Write the description that ``load_model_description`` reads."""
-    doc = {"variables": [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype, "sparse": v.sparse}
-                         for v in variables.values()]}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
