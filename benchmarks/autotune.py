@@ -5,7 +5,7 @@
 
 For each model, on one emulated cluster that lives for the model's whole run:
 
-1. a simulator that has never seen the model: fit on the shipped dataset (``data/trials.jsonl``)
+1. a simulator that has never seen the model: fit on the shipped dataset (``data/trials.jsonl.gz``)
    without that model's trials (leave-one-model-out), as a user's new model would meet it;
 2. the autotune loop (``hybridsync.autotune``) with the zoo worker, ``--trial-budget`` distinct
    strategies (baselines and plain Horovod included), ending in its confirmation job, which
@@ -15,9 +15,12 @@ For each model, on one emulated cluster that lives for the model's whole run:
    from the autotune log then applies to a second side-by-side job: Horovod with those settings
    vs the winner and the best baseline, interleaved, under the same settings.
 
-Every ratio comes from one job. The printed table: the winner's speedup over the best of
-{every baseline, plain Horovod} (confirmation job) and over Horovod-autotuned (second job),
-the number of trials and the autotune's wall time. Where 1.2x is not reached, the columns
+Every ratio comes from one job. The printed table: the winner and the levers it uses, its
+speedup over the best *fair* rival (confirmation job: plain Horovod and every baseline, plus
+Horovod with fp16 and the baselines' fp16 twins when the winner uses fp16; ``--exact`` autotunes
+without fp16, against the exact rivals) and over Horovod-autotuned (second job), the Kendall tau
+of the trials' ranking against the confirmation job's, the number of trials and the autotune's
+wall time. Where 1.2x is not reached, the columns
 "space" (the dataset's best sampled strategy over its best baseline: what the search space
 holds on this cluster) and "sim pairwise" (the simulator's ranking of this run's own trials)
 show which part falls short. Writes ``summary.json``, ``summary.md`` and ``best_so_far.png``
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import json
 import os
 import statistics
@@ -40,32 +42,21 @@ sys.path.insert(0, REPO)
 
 from hybridsync.autotune.launch import run_on  # noqa: E402
 from hybridsync.autotune.loop import AutotuneSettings  # noqa: E402
+from hybridsync.autotune.result import TAU_TARGET  # noqa: E402
 from hybridsync.autotune.session import autotune  # noqa: E402
 from hybridsync.cluster.spec import ClusterSpec  # noqa: E402
 from hybridsync.description import description_id, load_description  # noqa: E402
-from hybridsync.trials.candidates import Candidate, baseline_candidates  # noqa: E402
+from hybridsync.trials.candidates import Candidate, rivals  # noqa: E402
 from hybridsync.trials.jobs import EmulatedTarget  # noqa: E402
-from hybridsync.trials.runner import TrialProtocol, TrialRunner, ZooWorkload  # noqa: E402
+from hybridsync.trials.runner import EnvWorkload, TrialProtocol, TrialRunner, ZooWorkload  # noqa: E402
 from hybridsync.trials.store import HOROVOD_KIND, TrialStore, cluster_label  # noqa: E402
 
-DATASET = os.path.join(REPO, "data", "trials.jsonl")
+DATASET = os.path.join(REPO, "data", "trials.jsonl.gz")
 DESCRIPTIONS = os.path.join(REPO, "data", "descriptions")
 HOROVOD_TUNED = "horovod-autotuned"
 COMPARE_PROTOCOL = AutotuneSettings().confirm_protocol
 COMPARE_REPEATS = AutotuneSettings().confirm_repeats
 TARGET_SPEEDUP, TOLERANCE = 1.2, 0.97
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvWorkload:
-    """A workload whose every rank also gets ``env`` (Horovod's tuned settings)."""
-
-    inner: ZooWorkload
-    env: tuple[tuple[str, str], ...]
-
-    def job(self, schedule, results, protocol, seed):
-        command, env = self.inner.job(schedule, results, protocol, seed)
-        return command, {**env, **dict(self.env)}
 
 
 def dataset_store() -> TrialStore:
@@ -90,8 +81,8 @@ def dataset_headroom(model: str, cluster: ClusterSpec, dataset: TrialStore) -> f
     if not summaries or summaries[0].best_baseline is None or not summaries[0].best_s:
         return None
     summary = summaries[0]
-    rivals = [summary.best_baseline[1]] + ([summary.horovod_s] if summary.horovod_s else [])
-    return min(rivals) / summary.best_s
+    hand_made = [summary.best_baseline[1]] + ([summary.horovod_s] if summary.horovod_s else [])
+    return min(hand_made) / summary.best_s
 
 
 def horovod_autotune(target: EmulatedTarget, model: str, steps: int, workdir: str) -> dict[str, str]:
@@ -133,7 +124,7 @@ def compare_with_tuned_horovod(target: EmulatedTarget, model: str, description, 
 
 def simulator_pairwise(trials) -> float | None:
     from hybridsync.model.evaluate import score
-    measured = [(t.predicted_s, t.measured_s) for t in trials if t.measured_s is not None and t.predicted_s]
+    measured = [(t.predicted_s, t.normalized_s) for t in trials if t.normalized_s is not None and t.predicted_s]
     if len(measured) < 3:
         return None
     return score([p for p, _ in measured], [m for _, m in measured], ["run"] * len(measured)).pairwise
@@ -144,7 +135,7 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
     os.makedirs(out, exist_ok=True)
     description = load_description(os.path.join(DESCRIPTIONS, f"{model}.json"))
     simulator = simulator_without(model, dataset, args.out)
-    settings = AutotuneSettings(trial_budget=args.trial_budget, seed=args.seed)
+    settings = AutotuneSettings(trial_budget=args.trial_budget, seed=args.seed, exact=args.exact)
     with EmulatedTarget(cluster) as target:
         started = time.monotonic()
         result = autotune(description, cluster, target=target, workload=ZooWorkload(model), settings=settings,
@@ -152,18 +143,20 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
                           workdir=out)
         autotune_s = time.monotonic() - started
         tuned = horovod_autotune(target, model, args.horovod_autotune_steps, out)
-        best_kind, _ = result.best_baseline
+        best_kind, _ = result.best_rival
         contenders = [Candidate(kind="winner", strategy=result.winner)]
         if best_kind != HOROVOD_KIND and best_kind != result.winner_kind:
-            best = next(t for t in baseline_candidates(description.variables, cluster) if t.kind == best_kind)
-            contenders.append(best)
+            references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact)
+            contenders.append(next(c for c in references if c.kind == best_kind))
         compared = compare_with_tuned_horovod(target, model, description, tuned, contenders, out)
-    best_kind, best_s = result.best_baseline
+    best_kind, best_s = result.best_rival
     over_rivals = best_s / result.confirmed_s[result.winner_kind]
     over_tuned = compared[HOROVOD_TUNED] / compared["winner"]
-    return {"model": model, "winner": result.winner_kind, "best_rival": best_kind,
+    return {"model": model, "mode": "exact" if args.exact else "default", "winner": result.winner_kind,
+            "winner_levers": sorted(result.winner_levers), "best_rival": best_kind,
             "speedup_over_best_rival": over_rivals, "speedup_over_horovod_autotune": over_tuned,
             "speedup": min(over_rivals, over_tuned), "horovod_autotune_env": tuned,
+            "not_runnable": result.not_runnable, "tau": result.kendall_tau,
             "trials": len({t.fingerprint for t in result.trials}), "autotune_s": autotune_s,
             "space": dataset_headroom(model, cluster, dataset), "sim_pairwise": simulator_pairwise(result.trials),
             "best_so_far_ms": [b * 1e3 for b in result.best_so_far()], "compare_ms": {k: v * 1e3 for k, v in compared.items()},
@@ -171,18 +164,24 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | winner | best rival (confirm job) | x rival | x Horovod autotune | x (min) | trials | "
-             "autotune s | space | sim pairwise |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | mode | winner (levers) | best fair rival (confirm job) | x rival | x Horovod autotune | x (min) | "
+             "tau | trials | autotune s | space | sim pairwise |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         space = "-" if r["space"] is None else f"{r['space']:.2f}x"
         pairwise = "-" if r["sim_pairwise"] is None else f"{r['sim_pairwise']:.2f}"
-        lines.append(f"| {r['model']} | {r['winner']} | {r['best_rival']} | {r['speedup_over_best_rival']:.2f}x | "
-                     f"{r['speedup_over_horovod_autotune']:.2f}x | {r['speedup']:.2f}x | {r['trials']} | "
+        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        lines.append(f"| {r['model']} | {r['mode']} | {r['winner']} ({', '.join(r['winner_levers']) or 'none'}) | "
+                     f"{r['best_rival']} | {r['speedup_over_best_rival']:.2f}x | "
+                     f"{r['speedup_over_horovod_autotune']:.2f}x | {r['speedup']:.2f}x | {tau} | {r['trials']} | "
                      f"{r['autotune_s']:.0f} | {space} | {pairwise} |")
     reached = sum(r["speedup"] >= TARGET_SPEEDUP for r in rows)
     never_slower = all(r["speedup"] >= TOLERANCE for r in rows)
+    taus = [r["tau"] for r in rows if r["tau"] is not None]
     lines += ["", f">= {TARGET_SPEEDUP}x on {reached} of {len(rows)} models (target: >= 2 of 4); "
-              f"never more than 3% slower: {'yes' if never_slower else 'NO'}"]
+              f"never more than 3% slower: {'yes' if never_slower else 'NO'}; trials vs confirmation Kendall tau "
+              + (f"{min(taus):.2f}-{max(taus):.2f} (target >= {TAU_TARGET})" if taus else "-")]
+    lines += [f"not runnable: {r['model']}: {kind}: {reason}" for r in rows for kind, reason in r["not_runnable"].items()]
     return "\n".join(lines)
 
 
@@ -194,7 +193,7 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, r in zip(axes[0], rows):
         ax.plot(range(1, len(r["best_so_far_ms"]) + 1), r["best_so_far_ms"], drawstyle="steps-post")
         rival = r["confirm_ms"][r["best_rival"]]
-        ax.axhline(rival, color="tab:orange", linestyle="--", label=f"{r['best_rival']} (confirmed)")
+        ax.axhline(rival, color="tab:orange", linestyle="--", label=f"best fair rival {r['best_rival']} (confirmed)")
         ax.axhline(r["confirm_ms"][r["winner"]], color="tab:green", linestyle=":", label="winner (confirmed)")
         ax.set(title=r["model"], xlabel="trials", ylabel="best ms per step so far")
         ax.legend(fontsize=7)
@@ -209,6 +208,8 @@ def main() -> int:
     parser.add_argument("--trial-budget", type=int, default=50)
     parser.add_argument("--horovod-autotune-steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exact", action="store_true", help="autotune in exact mode (no fp16, BSP only): the "
+                        "rivals are then plain Horovod and the baselines")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "hybridsync-autotune-bench"))
     args = parser.parse_args()
     from hybridsync.autotune.session import load_cluster

@@ -1,19 +1,23 @@
 """What the runtime dataset says: does any strategy beat every baseline, by how much, and how?
 
     .venv/bin/python benchmarks/dataset_report.py --store sqlite:///data/trials.db
-    .venv/bin/python benchmarks/dataset_report.py --jsonl data/trials.jsonl
+    .venv/bin/python benchmarks/dataset_report.py --jsonl data/trials.jsonl.gz
+    .venv/bin/python benchmarks/dataset_report.py --jsonl data/trials.jsonl.gz --by-family
 
 Per model x cluster: the best baseline, plain Horovod, the best trial, and the best trial
 among those that keep the baselines' semantics (no fp16 compression: it changes the
 numerics; no ASP/SSP: they change the algorithm), each with its speedup over the best
 baseline; how many trials beat the best baseline; and the winner's shape (bytes per route,
 merge groups, compression, shards). Every speedup is a ratio of medians measured in one job.
+``--by-family``: one line per model family (the zoo, or a generator family) x cluster instead.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import os
+import re
+import statistics
 import sys
 import tempfile
 
@@ -44,11 +48,39 @@ def shape(strategy: dict | None, variables: dict) -> str:
     return f"{routes}; {len(groups)} groups; fp16 on {fp16}/{len(variables)}; {shards} partitioned"
 
 
+def family(model: str) -> str:
+    """``recsys`` for ``gen-recsys-3``; ``zoo`` for the zoo's models."""
+    match = re.fullmatch(r"gen-([a-z]+)-\d+", model)
+    return match.group(1) if match else "zoo"
+
+
+def by_family(records: list) -> str:
+    """Per family x cluster: models, trials, the most frequent best baseline, and the medians over
+    the models of the best trial's speedup over the best baseline and over Horovod, and of p90/p10."""
+    from hybridsync.trials.dataset import summarize
+    groups = collections.defaultdict(list)
+    for summary in summarize(records):
+        groups[family(summary.model), summary.cluster].append(summary)
+    lines = [f"{'family':<12} {'cluster':<16} {'models':>6} {'ok':>5} {'failed':>6}  {'best baseline (most often)':<28}"
+             f" {'x baseline':>10} {'(max)':>6} {'x horovod':>9} {'p90/p10':>7}"]
+    for (name, cluster), summaries in sorted(groups.items()):
+        best = collections.Counter(s.best_baseline[0] for s in summaries if s.best_baseline).most_common(1)
+        over_baseline = [s.speedup_over_baseline for s in summaries if s.speedup_over_baseline]
+        over_horovod = [s.speedup_over_horovod for s in summaries if s.speedup_over_horovod]
+        spread = [s.medians_p90_p10 for s in summaries if s.medians_p90_p10]
+        lines.append(f"{name:<12} {cluster:<16} {len(summaries):>6} {sum(s.ok for s in summaries):>5} "
+                     f"{sum(s.failed for s in summaries):>6}  {best[0][0] if best else '-':<28} "
+                     f"{statistics.median(over_baseline):>9.2f}x {max(over_baseline):>5.2f}x "
+                     f"{statistics.median(over_horovod):>8.2f}x {statistics.median(spread):>6.2f}x")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--store", help="trial store URL")
-    source.add_argument("--jsonl", help="an export (data/trials.jsonl), loaded into a temporary store")
+    source.add_argument("--jsonl", help="an export (data/trials.jsonl.gz), loaded into a temporary store")
+    parser.add_argument("--by-family", action="store_true", help="one line per model family x cluster")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from hybridsync.description import parse_description
@@ -61,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             records = store.trials(status="ok")
             descriptions = {did: parse_description(entry["doc"]).variables
                             for did, entry in store.descriptions().items()}
+    if args.by_family:
+        print(by_family(records))
+        return 0
     groups = collections.defaultdict(list)
     for record in records:
         groups[record.model, cluster_label(record.cluster)].append(record)

@@ -1,107 +1,149 @@
-"""How well does the runtime simulator predict held-out trials, and how fast does it score?
+"""How well does the runtime simulator predict trials of models (families, clusters) it never saw?
 
-    .venv/bin/python benchmarks/simulator.py --store sqlite:///data/trials.db [--png sim.png] [--save sim.json]
+    .venv/bin/python benchmarks/simulator.py [--jsonl data/trials.jsonl.gz | --store URL] \
+        [--save hybridsync/model/simulator.json] [--png sim.png] [--splits model,family,cluster]
 
-Reads the successful trials of a store (read only) and prints, for the analytic model
-alone, XGBoost alone and both: leave-one-model-out and leave-one-cluster-out pairwise
-ranking accuracy, Kendall tau, MAPE and top-1 regret (per held-out set, then pooled);
-warm-start transfer to each held-out model with k = 0, 5, 10, 20 of its trials; and how
-many candidate strategies per second a fitted simulator scores (features + XGBoost, one
-thread) on the largest model. For scale, the measurements' own repeatability: how well the
-median of each trial's odd steps ranks trials as the median of its even steps does. Column
-``pw>noise``: pairwise accuracy over the pairs whose measured difference exceeds twice its
-standard error (``evaluate.NOISE_Z``, each trial's from its timed steps), the pairs the
-measurements resolve; ``pairwise`` counts every pair.
-Targets on a held-out model: pairwise >= 0.90, MAPE <= 10%. One process, one xgboost
-thread: seconds to a minute, depending on the store's size.
+The one command that refits the shipped simulator: reads the successful trials of the shipped
+dataset (default: ``data/trials.jsonl.gz``, else ``data/trials.jsonl``, loaded into a temporary
+store; or a store URL, read only) and the calibrations of its clusters
+(``data/calibrations.json``, ``python -m hybridsync.model.calibration``: the reference an
+autotune's calibration of a new cluster is read against; the training clusters themselves are
+priced by their spec), then prints, for the analytic model alone, XGBoost alone and
+both: leave-one-model-out, leave-one-family-out (``evaluate.family_of``: ``gen-<family>-<k>``;
+skipped while every model is a family of its own; by default family and cluster once the
+dataset has families, model and cluster before) and leave-one-cluster-out pairwise ranking
+accuracy, Kendall tau, MAPE (raw, and within a job: each job's level taken out by its
+controls) and top-1 regret, every metric within trial jobs (times of different jobs are not
+comparable); warm-start transfer to each held-out zoo model (not the generator's) with k = 0, 5,
+10, 20 of its trials;
+how many candidate strategies per second a fitted simulator scores; and, with ``--save``,
+fits on every trial and writes the simulator. For scale, the measurements' own repeatability:
+how well the median of each trial's odd steps ranks trials as the median of its even steps
+does. ``pw>noise``: pairwise accuracy over the pairs whose measured difference exceeds twice
+its standard error (``evaluate.NOISE_Z``), the pairs the measurements resolve.
+Targets on models the fit never saw: pairwise >= 0.90, top-1 regret <= 5%, MAPE <= 10%.
+One process, one xgboost thread: minutes, growing with the dataset (``--splits`` to choose).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATASETS = [os.path.join(REPO, "data", name) for name in ("trials.jsonl.gz", "trials.jsonl")]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--store", required=True, help="trial store URL (sqlite:///data/trials.db)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--store", help="trial store URL (sqlite:///data/trials.db), read only")
+    source.add_argument("--jsonl", help="a dataset export, loaded into a temporary store (default: the shipped one)")
+    parser.add_argument("--calibrations", default=os.path.join(REPO, "data", "calibrations.json"),
+                        help="calibrated clusters (python -m hybridsync.model.calibration); '' for none")
     parser.add_argument("--cores", type=float, default=os.cpu_count(),
                         help="cores the emulated cluster's ranks shared when measured (default: this machine's)")
-    parser.add_argument("--png", help="write the predicted-vs-measured plot (leave-one-model-out) here")
+    parser.add_argument("--splits", help="held-out evaluations to run, of model,family,cluster (default: family "
+                                         "and cluster once the dataset has families, else model and cluster)")
+    parser.add_argument("--kinds", default="analytic,xgboost,both", help="simulator kinds to evaluate")
+    parser.add_argument("--png", help="write the predicted-vs-measured plot (first split) here")
     parser.add_argument("--save", help="fit on every trial and save the simulator here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-transfer", action="store_true", help="skip the warm-start rows")
     args = parser.parse_args(argv)
+    sys.path.insert(0, REPO)
 
-    from hybridsync.model.analytic import CostConstants
-    from hybridsync.model.evaluate import cross_validate, format_table, plot_predictions, summarize, transfer
-    from hybridsync.model.simulator import BoosterParams, Simulator, load_samples
-    from hybridsync.trials.store import cluster_label
+    from hybridsync.model.simulator import load_samples
+    from hybridsync.trials.store import TrialStore
 
     started = time.perf_counter()
-    samples = load_samples(args.store)
-    constants, params = CostConstants(cores=args.cores), BoosterParams(seed=args.seed)
-    models = sorted({s.model for s in samples})
-    clusters = sorted({cluster_label(s.cluster.to_dict()) for s in samples})
-    print(f"store {args.store}: {len(samples)} successful trials, models {models}, clusters {clusters}; "
-          f"cores {args.cores:g}")
-    print(_repeatability(args.store))
-    rows = []
-    for split in ("model", "cluster"):
-        try:
-            rows += cross_validate(samples, split=split, constants=constants, params=params)
-        except ValueError as error:
-            print(f"leave-one-{split}-out skipped: {error}")
-    print(format_table(rows))
-    pooled = summarize(rows)
-    print("\npooled over held-out sets (metrics within each model x cluster):")
-    print(format_table(pooled))
-    longest = max(s.timed_steps for s in samples)
-    if any(s.timed_steps < longest for s in samples):
-        long_rows = [row.where(np.array(row.timed_steps) >= longest) for row in pooled if row.split == "model"]
-        print(f"\nleave-one-model-out, scored on the held-out trials measured with {longest} timed steps only "
-              f"({sum(s.timed_steps >= longest for s in samples)} trials; training on all):")
-        print(format_table(long_rows))
-    if not args.no_transfer:
-        transfer_rows = []
-        labels = sorted({cluster_label(s.cluster.to_dict()) for s in samples})
-        for split, names in (("model", models), ("cluster", labels)):
-            for name in names:
-                try:
-                    transfer_rows += transfer(samples, held_out=name, split=split, seed=args.seed,
-                                              constants=constants, params=params)
-                except ValueError as error:
-                    print(f"transfer to {name} skipped: {error}")
-        if transfer_rows:
-            print("\nwarm start on a held-out model or cluster with k of its trials (test: its other trials):")
-            print(format_table(transfer_rows))
-    if args.png and pooled:
-        plot_predictions([r for r in pooled if r.split == "model"] or pooled, args.png)
-        print(f"\nplot: {args.png}")
-    print()
-    simulator = Simulator(constants=constants, params=params).fit(samples)
-    print(_scoring_speed(simulator, samples))
-    if args.save:
-        simulator.save(args.save)
-        print(f"saved: {args.save} (fit on all {len(samples)} trials)")
+    with tempfile.TemporaryDirectory() as tmp:
+        url = args.store or os.path.join(tmp, "trials.db")
+        with TrialStore(url, create=not args.store) as store:
+            if not args.store:
+                path = args.jsonl or next((p for p in DATASETS if os.path.exists(p)), DATASETS[-1])
+                store.import_jsonl(path)
+                print(f"dataset {path}")
+            samples = load_samples(store)
+            print(_repeatability(store))
+    evaluate(samples, args)
     print(f"took {time.perf_counter() - started:.1f} s")
     return 0
 
 
-def _repeatability(url: str) -> str:
+def evaluate(samples: list, args: argparse.Namespace) -> None:
+    """Every table the module docstring lists, for ``samples``."""
+    from hybridsync.model.analytic import CostConstants
+    from hybridsync.model.calibration import load_calibrations
+    from hybridsync.model.evaluate import SPLITS, cross_validate, family_of, format_table, plot_predictions, summarize
+    from hybridsync.model.simulator import BoosterParams, Simulator
+    from hybridsync.trials.store import cluster_label
+
+    constants, params = CostConstants(cores=args.cores), BoosterParams(seed=args.seed)
+    links = load_calibrations(args.calibrations) if args.calibrations else {}
+    models = sorted({s.model for s in samples})
+    families = sorted({family_of(m) for m in models})
+    clusters = sorted({cluster_label(s.cluster.to_dict()) for s in samples})
+    print(f"{len(samples)} successful trials, {len(models)} models in {len(families)} families, clusters {clusters}; "
+          f"{len({s.job for s in samples})} jobs; cores {args.cores:g}; calibrated: {sorted(links) or 'none'}")
+    rows = []
+    splits = args.splits or ("family,cluster" if len(families) < len(models) else "model,cluster")
+    for split in [s for s in splits.split(",") if s]:
+        if split not in SPLITS:
+            raise SystemExit(f"--splits: {split!r} is not one of {', '.join(SPLITS)}")
+        if split == "family" and len(families) == len(models):
+            print("leave-one-family-out skipped: every model is a family of its own (the same as leave-one-model-out)")
+            continue
+        try:
+            rows += cross_validate(samples, split=split, kinds=args.kinds.split(","), constants=constants,
+                                   params=params, links=links)
+        except ValueError as error:
+            print(f"leave-one-{split}-out skipped: {error}")
+    print(format_table(rows))
+    pooled = summarize(rows)
+    print("\npooled over held-out sets (metrics within each trial job):")
+    print(format_table(pooled))
+    if not args.no_transfer:  # to the models that are a family of their own (the zoo's): a few fits each
+        _transfer(samples, [m for m in models if family_of(m) == m], constants, params, links, args.seed)
+    if args.png and pooled:
+        plot_predictions([r for r in pooled if r.split == pooled[0].split], args.png)
+        print(f"\nplot: {args.png}")
+    print()
+    simulator = Simulator(constants=constants, params=params).fit(samples, calibrations=links)
+    print(_scoring_speed(simulator, samples))
+    if args.save:
+        simulator.save(args.save)
+        print(f"saved: {args.save} (fit on all {len(samples)} trials)")
+
+
+def _transfer(samples: list, models: list[str], constants: object, params: object, links: dict, seed: int) -> None:
+    from hybridsync.model.evaluate import format_table, transfer
+    rows = []
+    for name in models:
+        try:
+            rows += transfer(samples, held_out=name, split="model", seed=seed, constants=constants, params=params,
+                             links=links)
+        except ValueError as error:
+            print(f"transfer to {name} skipped: {error}")
+    if rows:
+        print("\nwarm start on a held-out model with k of its trials (test: its other trials):")
+        print(format_table(rows))
+
+
+def _repeatability(store: object) -> str:
     """The measurements' own ranking noise (``evaluate.split_half``): the ceiling of any simulator."""
     from hybridsync.model.evaluate import split_half
-    from hybridsync.trials.store import TrialStore, cluster_label
+    from hybridsync.trials.store import cluster_label
 
-    with TrialStore(url, create=False) as store:
-        records = [r for r in store.trials(status="ok") if r.median_s]
+    records = [r for r in store.trials(status="ok") if r.median_s]
     lines = []
     for label, kept in (("all trials", records), ("trials of most steps", [
             r for r in records if len(r.timed_steps) == max(len(x.timed_steps) for x in records)])):
-        m = split_half([r.timed_steps for r in kept], [(r.model, cluster_label(r.cluster)) for r in kept])
+        m = split_half([r.timed_steps for r in kept], [(r.model, cluster_label(r.cluster), r.job) for r in kept])
         lines.append(f"measurement repeatability, {label} ({len(kept)}; odd vs even timed steps of each trial): "
                      f"pairwise {m.pairwise:.3f} (pairs the noise resolves: {m.pairwise_resolved:.3f}), "
                      f"tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")

@@ -51,12 +51,13 @@ def main() -> int:
         return code or 1
     with open(report, encoding="utf-8") as handle:
         doc = json.load(handle)
-    winner, best = doc["winner"], doc["best_baseline"]
+    winner, best, tau = doc["winner"], doc["best_rival"], doc["kendall_tau"]["tau"]
     print(f"\n== {doc['model']} on {doc['cluster_label']}: {len(doc['trials'])} trials")
-    print(f"winner: {winner['kind']}, {winner['step_s'] * 1e3:.1f} ms per step (confirmation job)")
-    print(f"best hand-made strategy: {best['kind']}, {best['step_s'] * 1e3:.1f} ms per step")
-    print(f"measured speedup of the autotuned strategy over the best hand-made one: "
-          f"{doc['speedup_over_best_baseline']:.2f}x")
+    print(f"winner: {winner['kind']}, {winner['step_s'] * 1e3:.1f} ms per step (confirmation job; levers: "
+          f"{', '.join(winner['levers']) or 'none'})")
+    print(f"best fair hand-made rival: {best['kind']}, {best['step_s'] * 1e3:.1f} ms per step")
+    print(f"measured speedup of the autotuned strategy over it: {doc['speedup_over_best_rival']:.2f}x")
+    print(f"trials vs confirmation job, Kendall tau: {'-' if tau is None else f'{tau:.2f}'}")
     print(f"whole run (profile, search, trials, confirmation, training): {elapsed / 60:.1f} min; "
           f"report: {os.path.relpath(args.out, REPO)}/report.md")
     return 0

@@ -3,7 +3,8 @@
 ``import hybridsync as hs`` replaces ``import horovod.torch as hvd`` in a training
 script. ``hs.DistributedOptimizer`` takes an extra ``strategy=`` (or reads
 ``HYBRIDSYNC_STRATEGY``); without one it behaves exactly like Horovod's.
-``hs.broadcast_optimizer_state`` is Horovod's, made aware of hybridsync's optimizer. The
+``hs.broadcast_optimizer_state`` is Horovod's, made aware of hybridsync's optimizer, and
+``hs.elastic`` Horovod's elastic training (``run``, ``TorchState``), made aware of its plans. The
 process functions (``init``, ``rank``, ``size``, ``broadcast_parameters``...) are Horovod's own,
 imported on first use so that ``import hybridsync`` works where Horovod is absent
 (e.g. to run the search or ``hybridsync explain`` on a laptop).
@@ -24,10 +25,15 @@ _LAZY = {
     "broadcast_optimizer_state": "hybridsync.horovod_options",
 }
 
-__all__ = ["Strategy", "VarConfig", "Average", "Sum", *sorted(_LAZY), *sorted(_HOROVOD_FUNCTIONS)]
+_SUBMODULES = ("elastic",)
+"""``hs.elastic.run``, ``hs.elastic.TorchState``: Horovod's elastic API, aware of hybridsync's plans."""
+
+__all__ = ["Strategy", "VarConfig", "Average", "Sum", *_SUBMODULES, *sorted(_LAZY), *sorted(_HOROVOD_FUNCTIONS)]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _HOROVOD_FUNCTIONS:

@@ -1,16 +1,19 @@
 """Hand-made strategies, as plain functions of a model's variables.
 
 These are what a user would pick by hand (and what AutoDist ships as builders); the
-autotuner has to beat every one of them. Each returns a validated ``Strategy``.
+autotuner has to beat every one of them. Each returns a validated ``Strategy``. Three have
+an fp16 twin (``<name>-fp16``): a strategy that wins with fp16 compression is compared with
+rivals that have it too (``fp16_twin``, ``levers``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping
 
 from hybridsync.placement import DEFAULT_PARTITION_BYTES, LeastLoaded, place_keys
 from hybridsync.strategy import Strategy, VarConfig
-from hybridsync.variables import VariableInfo
+from hybridsync.variables import FLOATING_DTYPES, VariableInfo
 
 
 def _build(variables: Mapping[str, VariableInfo], configs: Mapping[str, VarConfig]) -> Strategy:
@@ -97,6 +100,36 @@ def parallax(variables: Mapping[str, VariableInfo], num_servers: int, num_groups
     return _build(variables, {name: configs[name] for name in variables})
 
 
+def with_fp16(strategy: Strategy, variables: Mapping[str, VariableInfo]) -> Strategy:
+    """``strategy`` with fp16 compression on every dense floating-point gradient: the twin a Horovod
+    user gets by passing ``compression=hvd.Compression.fp16``. Sparse gradients keep their config
+    (Horovod's fp16 cannot take them, see ``fp16_twin``)."""
+    configs = {name: strategy.config_for(name) for name in variables}
+    return _build(variables, {name: dataclasses.replace(config, compression="fp16")
+                              if not variables[name].sparse and variables[name].dtype in FLOATING_DTYPES else config
+                              for name, config in configs.items()})
+
+
+FP16_SUFFIX = "-fp16"
+FP16_TWINS = ("allreduce", "horovod-hierarchical", "parallax")
+"""Baselines with an fp16 twin (``<name>-fp16``): the fair rivals of a strategy that uses fp16."""
+NOT_RUNNABLE_SPARSE_FP16 = ("Horovod 0.28.1's compression=hvd.Compression.fp16 crashes on sparse gradients "
+                            "(decompress gets no dtype)")
+
+
+def fp16_twin(name: str, variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
+    """Baseline ``name`` with fp16 on its dense gradients; ``ValueError`` where the twin cannot run.
+
+    The ``allreduce`` twin is Horovod with ``Compression.fp16`` (every gradient fp16), which
+    Horovod cannot run on a model with sparse gradients: no Horovod user has that rival then.
+    """
+    if name not in FP16_TWINS:
+        raise ValueError(f"baseline {name!r} has no fp16 twin (twins: {', '.join(FP16_TWINS)})")
+    if name == "allreduce" and any(info.sparse for info in variables.values()):
+        raise ValueError(f"not runnable: {NOT_RUNNABLE_SPARSE_FP16}")
+    return with_fp16(build_baseline(name, variables, num_servers), variables)
+
+
 def _check_servers(num_servers: int) -> None:
     if not isinstance(num_servers, int) or num_servers < 1:
         raise ValueError(f"num_servers must be an integer >= 1, got {num_servers!r}")
@@ -111,7 +144,27 @@ NEEDS_SERVERS = frozenset({"ps", "ps-lb", "ps-partitioned", "parallax"})
 
 
 def build_baseline(name: str, variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
-    """The baseline ``name`` for ``variables``; ``num_servers`` is used only by the PS builders."""
+    """The baseline ``name`` (a builder, or a twin ``<builder>-fp16``) for ``variables``;
+    ``num_servers`` is used only by the PS builders."""
+    if name.endswith(FP16_SUFFIX) and name.removesuffix(FP16_SUFFIX) in FP16_TWINS:
+        return fp16_twin(name.removesuffix(FP16_SUFFIX), variables, num_servers)
     if name not in BUILDERS:
-        raise ValueError(f"unknown baseline {name!r} (known: {', '.join(BUILDERS)})")
+        raise ValueError(f"unknown baseline {name!r} (known: {', '.join(BUILDERS)}, and the fp16 twins "
+                         f"{', '.join(n + FP16_SUFFIX for n in FP16_TWINS)})")
     return BUILDERS[name](variables, num_servers=num_servers) if name in NEEDS_SERVERS else BUILDERS[name](variables)
+
+
+def levers(strategy: Strategy | None, variables: Mapping[str, VariableInfo]) -> frozenset[str]:
+    """What a strategy uses beyond plain Horovod's numerics on ``variables``: ``fp16``
+    (compression on some variable) and ``async`` (ASP/SSP or a switching policy on the PS).
+    A rival is fair to a strategy when it uses no lever the strategy does not use."""
+    if strategy is None:
+        return frozenset()
+    configs = [strategy.config_for(name) for name in variables]
+    out = set()
+    if any(c.compression == "fp16" for c in configs):
+        out.add("fp16")
+    if any(c.route == "ps" and c.protocol != "bsp" for c in configs) or (
+            strategy.sync is not None and strategy.sync.policy != "static"):
+        out.add("async")
+    return frozenset(out)

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a zoo model name (ncf, bert, vgg, resnet)")
     p.set_defaults(func=_explain)
     p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model")
-    p.add_argument("name", choices=sorted(baselines.BUILDERS))
+    twins = [name + baselines.FP16_SUFFIX for name in baselines.FP16_TWINS]
+    p.add_argument("name", choices=sorted([*baselines.BUILDERS, *twins]))
     p.add_argument("--model", required=True,
                    help="model description JSON; write it with hybridsync.description.save_model_description("
                         "variables_from_model(model), path) so sparse embeddings are marked sparse; "
@@ -92,31 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-_RUN_FLAGS = """
-hybridsync flags (anywhere before the command; they override the --config-file's hybridsync: section):
-  --strategy PATH        strategy file for every rank
-  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)
-  --server-hosts H,...   host of each server (default: colocated with the workers)
-  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)
-  --ps-root-port P       rendezvous port of server 0 (default: a free port)
-  --autotune             profile, search, measure trials, then train with the winner
-  --trial-budget N       --autotune: real trials to spend, baselines included (default 50)
-  --store URL            --autotune: trial store (default sqlite:///trials.db)
-  --cluster SPEC.yaml    the cluster (bandwidth, servers); emulated here unless -H/--hostfile
-  --autotune-report DIR  --autotune: report and winning strategy (default autotune-report)
-
-horovodrun flags: see horovodrun --help"""
-
-
 def run_main(argv: Sequence[str] | None = None) -> int:
     """``hybridsync-run``: horovodrun plus servers and a strategy (``hybridsync.run.launcher``), or,
     with ``--autotune`` or the run config's ``autotune:`` section, the autotuner."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(launcher.__doc__.strip())
-        print(_RUN_FLAGS)
-        return 0
     try:
+        if not argv or launcher.asks_for_help(argv):
+            print(launcher.usage())
+            return 0
         options, rest = launcher.split_argv(argv)
         if _autotune_requested(options, rest):
             from hybridsync.autotune.launch import run_autotuned  # the autotuner needs numpy, xgboost, the search

@@ -12,10 +12,21 @@ STRATEGY = "HYBRIDSYNC_STRATEGY"
 """Path of the strategy file every rank loads when the optimizer gets no ``strategy=``."""
 WAIT = "HYBRIDSYNC_WAIT"
 """``spin`` (Horovod's wait) or ``sleep`` (yield the core while waiting for a handle)."""
+STALL_CHECK_S = "HYBRIDSYNC_STALL_CHECK_S"
+"""Seconds every rank must have waited, each at an unchanged point, before ranks waiting at
+different points are an error (``hybridsync.backends.stalls``; default 3, 0 turns it off)."""
 INTRA_NODE = "HYBRIDSYNC_INTRA_NODE"
 """Hierarchical route within a node: ``shm`` (shared memory) or ``horovod`` (Gloo collectives)."""
 PS_TRANSPORT = "HYBRIDSYNC_PS_TRANSPORT"
 """TensorPipe transports of the parameter-server route: ``tcp`` (default) or ``auto``."""
+PS_RECOVERY_TIMEOUT = "HYBRIDSYNC_PS_RECOVERY_TIMEOUT"
+"""Seconds a PS worker waits for a dead server's replacement before failing (default: 60 for a
+supervised server, 0 for one nobody replaces; set it when another launcher restarts servers)."""
+PS_PING_TIMEOUT = "HYBRIDSYNC_PS_PING_TIMEOUT"
+"""Seconds a parameter server may leave a worker's ping unanswered before the worker calls it hung (10)."""
+PS_SUPERVISED = "HYBRIDSYNC_PS_SUPERVISED"
+"""Set by ``hybridsync-server --supervise`` for the server it runs: the supervisor hosts the
+rendezvous store (server 0's) and replaces the server if it dies."""
 PROFILE = "HYBRIDSYNC_PROFILE"
 """Path: profile this single-process job's first ``DistributedOptimizer``, write the model description, exit 0."""
 PROFILE_STEPS = "HYBRIDSYNC_PROFILE_STEPS"
@@ -41,6 +52,8 @@ PARTITION_BYTES = "BYTEPS_PARTITION_BYTES"
 HOROVOD_RANK = "HOROVOD_RANK"
 LAUNCHER_RANKS = (HOROVOD_RANK, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 """A process's rank as horovodrun, Open MPI's and PMI launchers set it (a PS worker id fallback)."""
+HOROVOD_ELASTIC = "HOROVOD_ELASTIC"
+"""``1`` in every rank of an elastic Horovod job (``horovodrun --min-np/--max-np/--host-discovery-script``)."""
 INTERFACE = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
 """The network interface Gloo uses, as horovodrun and torch spell it (first one set wins)."""
 

@@ -22,8 +22,6 @@ from hybridsync.frameworks import Average, check_op, horovod_torch
 from hybridsync.router.plan import RoutingPlan, shard_bounds
 from hybridsync.strategy import Strategy, resolve_strategy
 
-_INSTANCE_DIGITS = 8
-_FINGERPRINT_BYTES = 32  # two 16-hex-digit fingerprints
 _TORCH_OPTIMIZER_FILE = inspect.getfile(torch.optim.Optimizer)
 
 
@@ -163,22 +161,6 @@ def check_process_set(hvd: Any, process_set: Any, plan: RoutingPlan) -> Any:
                          f"which only the ring all-reduce route supports; the strategy routes "
                          f"{', '.join(others)}. Use the global process set, or route them by ring all-reduce.")
     return process_set
-
-
-def gather_fingerprints(hvd: Any, mine: tuple[str, str, int], process_set: Any) -> list[tuple[str, str, int]]:
-    """Every rank's ``(strategy fingerprint, plan fingerprint, optimizer number)`` within
-    ``process_set``, in rank order.
-
-    An all-gather of fixed-size bytes (``hvd.allgather_object`` has no process set).
-    """
-    strategy, plan, instance = mine
-    data = f"{strategy}{plan}{instance:0{_INSTANCE_DIGITS}d}".encode("ascii")
-    assert len(data) == _FINGERPRINT_BYTES + _INSTANCE_DIGITS, mine
-    gathered = hvd.allgather(torch.tensor(list(data), dtype=torch.uint8),
-                             name="hybridsync.strategy_fingerprint", process_set=process_set)
-    rows, width, half = bytes(gathered.tolist()), len(data), _FINGERPRINT_BYTES // 2
-    return [(rows[i:i + half].decode(), rows[i + half:i + _FINGERPRINT_BYTES].decode(),
-             int(rows[i + _FINGERPRINT_BYTES:i + width])) for i in range(0, len(rows), width)]
 
 
 def initialize_state_locally(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> None:

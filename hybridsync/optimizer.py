@@ -24,17 +24,18 @@ from typing import Any, Iterable, Literal, Mapping
 import torch
 
 from hybridsync import envvars
-from hybridsync.backends import Reduction
+from hybridsync.agreement import RankFacts, check_ranks_agree
+from hybridsync.backends import Reduction, forget_world
 from hybridsync.compression import Compression, compression_name
 from hybridsync.hooks import BUILDER, StepHook, end_run
 from hybridsync.frameworks import Average
 from hybridsync.horovod_options import (SyncOptions, called_from_horovod_state_init, check_process_set,
-                                        gather_fingerprints, grouped_names, normalize_groups, strategy_with_groups,
-                                        wrapped_step)
+                                        grouped_names, normalize_groups, strategy_with_groups, wrapped_step)
 from hybridsync.router.plan import RoutingPlan, build_plan
-from hybridsync.router.runtime import Router
+from hybridsync.router.runtime import GradientKinds, Router, next_instance
 from hybridsync.strategy import Strategy, resolve_strategy
 from hybridsync.variables import variables_from_parameters
+from hybridsync.world import current_world, elastic_job, fit_to_world
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -64,15 +65,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = options.sparse_as_dense
         self._compression = options.compression
         self._process_set_option = options.process_set
+        self._requested_strategy = options.strategy
+        """The strategy as given (or to ``set_strategy``); ``rebuild_for_world`` fits it to each world."""
+        self._elastic = elastic_job()
         self.strategy, self.plan, self.process_set = self._plan_for(options.strategy)
-        # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps locally.
-        self._synchronizing = hvd.size() > 1 and self.process_set.included()
+        # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps
+        # locally; and an elastic job synchronizes with one rank too, ready for the world to grow.
+        self._synchronizing = self.process_set.included() and (hvd.size() > 1 or self._elastic)
         self._reduction = _reduction(options.op, options.gradient_predivide_factor)
-        self._router = Router(self.plan, self._params, compression=self._compression, reduction=self._reduction,
-                              process_set=self.process_set, sparse_as_dense=self.sparse_as_dense)
+        self._kinds = GradientKinds()
+        """Which gradients are sparse, as the ranks agreed: kept by every plan this optimizer runs."""
+        self._router: Router | None = None
+        """``None`` until the next step builds it (``_built_router``): in an elastic job, and after ``rebuild_for_world``."""
+        if self._elastic:
+            # Nothing collective here: the plan is fitted, agreed on and built at the first step, inside
+            # hvd.elastic.run (a worker lost meanwhile is recoverable there), where after a reset the
+            # ranks already running rebuild theirs, while a joining worker builds its own.
+            self._check_elastic_process_set()
+        else:
+            self._router = Router(self.plan, self._params, compression=self._compression, reduction=self._reduction,
+                                  process_set=self.process_set, sparse_as_dense=self.sparse_as_dense, kinds=self._kinds)
+            if self._synchronizing and self.process_set.size() > 1:
+                self._check_ranks_agree(self.strategy, self.plan, self.process_set, self._router.instance)
         if self._synchronizing:
-            if self.process_set.size() > 1:
-                _check_ranks_agree(hvd, self.strategy, self.plan, self.process_set, self._router.instance)
             self._register_hooks()
         self._ends_run = frontend == "torch"
         """``step()`` ends the process when a hook ends the run; ``hybridsync.tensorflow`` ends it itself."""
@@ -80,7 +95,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """A step hook ended the run at the last ``step()``: the front end ends the process (``end_run``)."""
         # hybridsync.tensorflow reports its backward pass to the profiler itself: no torch hook sees it.
         self._profiler = BUILDER.profiler_from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
-        self._sync_controller = self._controller_for(options.strategy)
+        self._sync_controller = None if self._router is None else self._controller_for(options.strategy)
         self._trials = None
         self._hooks = self._step_hooks()
         if self._synchronizing:
@@ -129,31 +144,115 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the servers at the next ``step()`` with their current values.
         """
         resolved = resolve_strategy(strategy)
-        self.replace_plan(resolved)
+        running = self.replace_plan(resolved)
+        self._requested_strategy = resolved
         if self._sync_controller is not None:
             self._sync_controller.restore_hyperparameters()  # a policy that left them scaled for ASP
-        self._sync_controller = self._controller_for(resolved)
+        self._sync_controller = self._controller_for(running)
         self._hooks = self._step_hooks()
 
     # --- what hybridsync's own packages use: step hooks, the TensorFlow front end, experiments ---------
-    def replace_plan(self, strategy: Strategy | None) -> None:
+    def replace_plan(self, strategy: Strategy | None) -> Strategy | None:
         """Route by ``strategy`` (already resolved) from the next step on, as ``set_strategy`` does,
         but keep every step hook: the Sync-Switch controller switches protocols with it. Collective,
-        between steps; ``ValueError`` (the current plan stays) when the ranks disagree."""
-        if self._router.pending or self._fired:
+        between steps; ``ValueError`` (the current plan stays) when the ranks disagree. Returns the
+        strategy it runs (in an elastic job, fitted to the world), before ``groups``."""
+        if (self._router is not None and self._router.pending) or self._fired:
             raise ValueError("set_strategy() was called while gradients of this step are in flight (after "
                              "loss.backward(), before optimizer.step() or optimizer.synchronize()); call it "
                              "between steps, on every rank")
+        current = self._router or self._built_router()
+        if self._elastic:
+            strategy = self._fitted_to_world(strategy)
         resolved, plan, process_set = self._plan_for(strategy)
+        instance = None
         if self._synchronizing and process_set.size() > 1:
             # Before building anything: the new router's construction may be collective (hierarchical
             # groups, joining the servers), and a rank building another plan would leave the rest waiting.
-            _check_ranks_agree(self._hvd, resolved, plan, process_set, self._router.instance, switching=True)
+            instance = self._check_ranks_agree(resolved, plan, process_set,
+                                               next_instance() if self._elastic else current.instance,
+                                               switching=True)
         router = Router(plan, self._params, compression=self._compression, reduction=self._reduction,
-                        process_set=process_set, sparse_as_dense=self.sparse_as_dense)
-        previous, self._router = self._router, router  # the hooks read self._router at every gradient
+                        process_set=process_set, sparse_as_dense=self.sparse_as_dense, kinds=self._kinds,
+                        instance=instance if self._elastic else None)
+        previous, self._router = current, router  # the hooks read self._router at every gradient
         self.plan, self.strategy, self.process_set = plan, resolved, process_set
         previous.close()
+        return strategy
+
+    def rebuild_for_world(self) -> None:
+        """Re-plan for the ranks Horovod will run at the next step: after an elastic reset
+        (``hvd.shutdown(); hvd.init()`` re-formed the job because a worker was lost or added).
+
+        ``hs.elastic.TorchState`` calls it at every reset; with Horovod's own ``TorchState``,
+        register it: ``state.register_reset_callbacks([opt.rebuild_for_world])``. Here and now
+        it only drops the step in flight and the current plan, without a word to the other
+        ranks (some are gone), so it cannot fail. At the next step (its first gradient, or
+        ``synchronize()``) the strategy this optimizer was given (or last ``set_strategy``) is
+        fitted to the world, a route the world cannot run falling back to ring all-reduce with
+        a warning naming the variables and why (``hybridsync.world``); the ranks check that they
+        agree on the plan, and its groups are built: collectives, which belong inside
+        ``hvd.elastic.run``'s step, where a worker lost meanwhile is recoverable and where a
+        worker that joined builds its plan too. Parameters and optimizer state are left alone:
+        the elastic state's ``sync()`` makes them identical on every rank.
+        """
+        self._drop_router()
+        self._sync_controller = None
+        self._kinds = GradientKinds()  # a worker that joined has agreed on none: every rank agrees anew
+        self._fired.clear()
+        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._params}
+        self._synchronized = False
+
+    def _drop_router(self) -> None:
+        """Abandon the current plan (``Router.abandon``) and the world's shared groups; the next step rebuilds."""
+        if self._router is not None:
+            self._router.abandon()
+            self._router = None
+        forget_world()
+
+    def _built_router(self) -> Router:
+        """The router, built first if there is none: the requested strategy fitted to the running
+        world, the ranks' agreement on its plan (a worker that joined an elastic job has built fewer
+        routers than the others, so they take the largest next number), then its groups.
+        Collective: every rank reaches it at the same point, first thing in a step."""
+        if self._router is not None:
+            return self._router
+        self._check_elastic_process_set()
+        running = self._fitted_to_world(self._requested_strategy)
+        self.strategy, self.plan, self.process_set = self._plan_for(running)
+        self._synchronizing = self.process_set.included() and (self._hvd.size() > 1 or self._elastic)
+        instance = (self._check_ranks_agree(self.strategy, self.plan, self.process_set, next_instance())
+                    if self._synchronizing else None)
+        self._router = Router(self.plan, self._params, compression=self._compression, reduction=self._reduction,
+                              process_set=self.process_set, sparse_as_dense=self.sparse_as_dense, kinds=self._kinds,
+                              instance=instance)
+        self._sync_controller = self._controller_for(running)
+        return self._router
+
+    def _fail_step(self, error: RuntimeError) -> None:
+        """In an elastic job a collective of this step failed (a worker died): drop the plan now, so
+        that peers waiting on this rank in its groups fail too instead of waiting while this rank
+        re-forms the job, and raise ``HorovodInternalError``, the one error ``hvd.elastic.run``
+        recovers from (the other routes' failures are given that type)."""
+        self._drop_router()
+        if isinstance(error, self._hvd.HorovodInternalError):
+            raise error
+        raise self._hvd.HorovodInternalError(f"hybridsync: a collective of this step failed: {error}") from error
+
+    def _check_elastic_process_set(self) -> None:
+        if self._elastic and self._process_set_option not in (None, self._hvd.global_process_set):
+            raise ValueError(f"process_set={self._process_set_option} cannot be used in an elastic job: its "
+                             f"ranks do not survive the job being re-formed; use the global process set")
+
+    def _fitted_to_world(self, strategy: Strategy | None) -> Strategy | None:
+        """``strategy`` with the routes the running world cannot run replaced (``hybridsync.world``);
+        rank 0 warns of each fallback."""
+        world = current_world()
+        fitted, notes = fit_to_world(strategy, [name for name, _ in self._named], world)
+        if notes and self._hvd.rank() == 0:
+            warnings.warn(f"hybridsync: the strategy does not fit this world ({world}); falling back: "
+                          + "; ".join(notes), RuntimeWarning, stacklevel=3)
+        return fitted
 
     def pull_parameters(self) -> None:
         """The ASP/SSP variables take the servers' current values, pushing nothing (the others are
@@ -170,6 +269,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Release what the current plan holds beyond a step (PS keys, shared-memory segments, its share
         of the hierarchical groups). Collective, after the last step: the optimizer syncs no more."""
         self._router.close()
+
+    def _check_ranks_agree(self, strategy: Strategy | None, plan: RoutingPlan, process_set: Any, instance: int,
+                           switching: bool = False) -> int:
+        """Every rank (of the process set) must route identically, freeze the same parameters and
+        pass the same arguments; a difference fails on all of them now (``hybridsync.agreement``)
+        instead of hanging later. ``instance`` is the router built last (``set_strategy``: the
+        one being replaced), whose number names PS keys: ranks must agree on it too, except in an
+        elastic job, where it is this process's next free number (a worker that joined has built
+        fewer routers) and the largest serves every rank. Returns the number they agree on."""
+        facts = RankFacts(strategy=(strategy or Strategy()).fingerprint(), plan=plan.fingerprint(), instance=instance,
+                          frozen=tuple(name for name, p in self._named if not p.requires_grad),
+                          settings={"backward_passes_per_step": self.backward_passes_per_step,
+                                    "op": self._reduction.op, "prescale_factor": self._reduction.prescale_factor,
+                                    "postscale_factor": self._reduction.postscale_factor,
+                                    "sparse_as_dense": bool(self.sparse_as_dense),
+                                    "compression": getattr(self._compression, "__name__",
+                                                           type(self._compression).__name__)})
+        return check_ranks_agree(self._hvd, facts, process_set, switching=switching, elastic=self._elastic)
 
     def load_state_dict(self, *args, **kwargs):
         self._fired.clear()
@@ -204,7 +321,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] -= 1
             self._fired.add(p)
             if self._allreduce_delay[p] == 0:
-                self._router.mark_ready(self._index[p])
+                try:
+                    (self._router or self._built_router()).mark_ready(self._index[p])
+                except RuntimeError as e:
+                    if not self._elastic:
+                        raise
+                    self._fail_step(e)
         return hook
 
     def synchronize(self) -> None:
@@ -215,7 +337,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.before_sync()
         try:
-            self._router.finish()
+            (self._router or self._built_router()).finish()
+        except RuntimeError as e:  # Horovod's errors, Gloo's, a node peer gone, a parameter server gone
+            if not self._elastic:
+                raise
+            self._fail_step(e)
         finally:
             self._fired.clear()
             for p in self._allreduce_delay:
@@ -242,7 +368,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        self._router.before_step()
+        (self._router or self._built_router()).before_step()
         for hook in self._hooks:
             hook.before_step()
         result = super(self.__class__, self).step(closure)
@@ -257,7 +383,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True):  # torch's default, which Horovod's zero_grad() gets
-        if self._router.pending or self._fired:
+        if (self._router is not None and self._router.pending) or self._fired:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it "
                                  "can cause a race condition.")
@@ -293,31 +419,6 @@ def _reduction(op: int, gradient_predivide_factor: float) -> Reduction:
         return Reduction(op="average", prescale_factor=1.0 / gradient_predivide_factor,
                          postscale_factor=gradient_predivide_factor)
     return Reduction(op="sum")
-
-
-def _check_ranks_agree(hvd: Any, strategy: Strategy | None, plan: RoutingPlan, process_set: Any,
-                       instance: int, switching: bool = False) -> None:
-    """Every rank (of the process set) must route identically; a mismatch fails on all of them now
-    instead of hanging later.
-
-    ``instance`` numbers the routers built in this process (one per optimizer and per
-    ``set_strategy``): it names their PS keys, so ranks must also agree on how many came
-    before this one. ``switching``: checked by ``set_strategy`` (with the router it replaces).
-    """
-    mine = ((strategy or Strategy()).fingerprint(), plan.fingerprint(), instance)
-    everyone = gather_fingerprints(hvd, mine, process_set)
-    ranks = process_set.ranks or range(len(everyone))
-    if any(theirs != mine for theirs in everyone):
-        table = "; ".join(f"rank {r}: strategy {s}, plan {p}, optimizer #{i}"
-                          for r, (s, p, i) in zip(ranks, everyone))
-        if switching:
-            raise ValueError(f"ranks disagree on the strategy passed to set_strategy() ({table}); every rank must "
-                             f"call set_strategy() with the same strategy at the same step. The previous "
-                             f"strategy stays in force.")
-        raise ValueError(f"ranks disagree on the synchronization strategy ({table}). Every rank must load "
-                         f"the same strategy file ({envvars.STRATEGY}={os.environ.get(envvars.STRATEGY)!r} "
-                         f"here), build the same model and create the same DistributedOptimizers in the "
-                         f"same order.")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,

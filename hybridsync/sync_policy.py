@@ -250,6 +250,12 @@ class ElasticPolicy:
             decision = self._tick(self._ticked)
         return decision
 
+    def resume(self, protocol: Literal["bsp", "asp"], after_step: int) -> None:
+        """Start a fresh trace after ``after_step``, the workers on ``protocol``: a replaced server 0
+        rebuilds its coordinator from what the workers report (``backends/ps/coordinator.py``)."""
+        self._max_seen = max(self._max_seen, after_step)
+        self._reset(protocol, after_step=after_step)
+
     def _tick(self, step: int) -> Decision | None:
         if step < self._first + self.config.window:
             return None  # warm-up: a new plan's first steps create keys and seed parameters

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import pytest
 
@@ -56,18 +57,42 @@ def rank_results(launcher: str, worker: str, tmp_path_factory, timeout: float = 
     return _rank_results[launcher, worker]
 
 
-def small_autotune(tmp_path: Path, trial_budget: int) -> tuple[list[str], Path, str]:
+def small_autotune(tmp_path: Path, trial_budget: int, exact: bool = False) -> tuple[list[str], Path, str]:
     """``hybridsync-run --autotune`` from the example config (emulated 2 x 2 at 250 Mbit/s) with a
-    small budget: 3 trials per round, 400 simulator evaluations. Returns the command up to the
-    training script, the report directory and the trial store's URL."""
+    small budget: 3 trials per round, 400 simulator evaluations (``exact``: no fp16, and so no fp16
+    rivals to measure). Returns the command up to the training script, the report directory and
+    the trial store's URL."""
     import yaml
     config = yaml.safe_load((REPO / "horovodrun_configs" / "autotune_2x2_250mbit.yaml").read_text())
-    config["hybridsync"]["autotune"].update(trial_budget=trial_budget, per_round=3, search_budget=400)
+    config["hybridsync"]["autotune"].update(trial_budget=trial_budget, per_round=3, search_budget=400, exact=exact)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     report, store = tmp_path / "report", f"sqlite:///{tmp_path / 'trials.db'}"
     argv = [str(BIN / "hybridsync-run"), "-np", "4", "--config-file", str(tmp_path / "run.yaml"),
             "--store", store, "--autotune-report", str(report)]
     return argv, report, store
+
+
+SERVER_LINES = (
+    r"\S+ \S+ hybridsync\.ps\.server server\d+ serving \(rank \d+ of \d+\) at tcp://\S+",
+    r"\S+ \S+ hybridsync\.ps\.server server\d+: all \d+ workers said goodbye; counters \{.*\}",
+)
+"""What a parameter server prints in a job that goes well: where it serves, and its byte counters."""
+_RANK_PREFIX = re.compile(r"^\[\d+(?:,\d+)?\]<(?:stdout|stderr)>:")
+
+
+def unexpected_lines(output: str, expected: Sequence[str]) -> list[str]:
+    """The non-blank lines of a job's ``output`` that match none of the ``expected`` regular
+    expressions (each matched against a whole line, without horovodrun's or mpirun's
+    ``[rank]<stdout>:`` prefix)."""
+    patterns = [re.compile(pattern) for pattern in expected]
+    lines = (_RANK_PREFIX.sub("", line, count=1) for line in output.splitlines())
+    return [line for line in lines if line.strip() and not any(p.fullmatch(line) for p in patterns)]
+
+
+def cluster_tags(leftover_items: list[str]) -> set[str]:
+    """The emulated clusters (``hs-<job>``) that ``hybridsync.cluster.netns.leftovers`` items belong
+    to: a test compares these, since other clusters on the machine start and end processes meanwhile."""
+    return {match.group(0) for item in leftover_items if (match := re.search(r"hs-[0-9a-f]+", item))}
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.05) -> None:

@@ -24,15 +24,25 @@ CLUSTER = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="250mbit
 TINY = str(REPO / "tests" / "workers" / "tiny_train.py")
 
 
-def a_result() -> AutotuneResult:
-    trials = [TrialOutcome(round=0, kind="baseline:allreduce", fingerprint="a", predicted_s=0.20, measured_s=0.21),
-              TrialOutcome(round=0, kind="search:r0", fingerprint="b", predicted_s=0.15, measured_s=0.18),
+def a_result(levers: frozenset[str] = frozenset({"fp16"})) -> AutotuneResult:
+    trials = [TrialOutcome(round=0, kind="baseline:allreduce", fingerprint="a", predicted_s=0.20, measured_s=0.21,
+                           job="j0", normalized_s=0.22),
+              TrialOutcome(round=0, kind="search:r0", fingerprint="b", predicted_s=0.15, measured_s=0.18, job="j0",
+                           normalized_s=0.19),
               TrialOutcome(round=1, kind="search:r1", fingerprint="c", predicted_s=0.14, measured_s=None,
-                           reason="refused"),
-              TrialOutcome(round=1, kind="search:r1", fingerprint="d", predicted_s=0.13, measured_s=0.16)]
+                           reason="refused", job="j1"),
+              TrialOutcome(round=1, kind="search:r1", fingerprint="d", predicted_s=0.13, measured_s=0.16, job="j1",
+                           normalized_s=0.15)]
     winner = Strategy.from_dict({"version": 1, "default": {"route": "allreduce", "compression": "fp16"}})
-    return AutotuneResult(model="m", cluster=CLUSTER, winner_kind="search:top1", winner=winner, trials=trials,
-                          confirmed_s={"search:top1": 0.15, "baseline:allreduce": 0.20, "horovod": 0.24},
+    return AutotuneResult(model="m", cluster=CLUSTER, winner_kind="search:top1", winner=winner, winner_levers=levers,
+                          trials=trials,
+                          confirmed_s={"search:top1": 0.15, "baseline:allreduce": 0.20,
+                                       "baseline:horovod-hierarchical-fp16": 0.17, "horovod": 0.24},
+                          trial_s={"search:top1": 0.15, "baseline:allreduce": 0.22,
+                                   "baseline:horovod-hierarchical-fp16": 0.18, "horovod": 0.25},
+                          not_runnable={"horovod-fp16": "not runnable: sparse"},
+                          job_levels={"j0": {"level": 1.1, "drift_per_min": 0.01, "trials": 2},
+                                      "j1": {"level": 0.9, "drift_per_min": 0.0, "trials": 2}},
                           seconds={"search": 1.0, "trials": 10.0, "refit": 0.5, "confirm": 5.0, "total": 17.0})
 
 
@@ -45,23 +55,30 @@ def test_settings_reject_empty_budgets():
 
 
 @pytest.mark.unit
-def test_result_speedups_and_best_so_far():
-    result = a_result()
-    assert result.best_baseline == ("baseline:allreduce", 0.20)
-    assert result.speedup_over("horovod") == pytest.approx(1.6)
-    assert result.best_so_far() == [0.21, 0.18, 0.18, 0.16]
+def test_the_best_rival_is_the_best_fair_one():
+    fp16 = a_result()
+    assert fp16.best_rival == ("baseline:horovod-hierarchical-fp16", 0.17)  # the winner uses fp16: so may its rivals
+    assert fp16.speedup == pytest.approx(0.17 / 0.15)
+    exact = a_result(levers=frozenset())
+    assert exact.best_rival == ("baseline:allreduce", 0.20)  # an fp16 twin is no fair rival of an exact winner
+    assert exact.speedup_over("horovod") == pytest.approx(1.6)
+    assert fp16.kendall_tau == pytest.approx(1.0)
+    assert fp16.best_so_far() == [0.22, 0.19, 0.19, 0.15]  # by the job-normalized times
 
 
 @pytest.mark.unit
-def test_report_files_say_what_won_and_by_how_much(tmp_path):
+def test_report_files_say_what_won_over_which_rival_and_how_well_trials_ranked(tmp_path):
     paths = write_report(a_result(), tmp_path / "report")
     assert [p.name for p in paths] == ["report.json", "report.md", "report.png"]
     doc = json.loads(paths[0].read_text())
-    assert doc["speedup_over_best_baseline"] == pytest.approx(0.20 / 0.15)
+    assert doc["speedup_over_best_rival"] == pytest.approx(0.17 / 0.15)
+    assert doc["best_rival"]["kind"] == "baseline:horovod-hierarchical-fp16" and doc["winner"]["levers"] == ["fp16"]
+    assert doc["kendall_tau"] == {"tau": pytest.approx(1.0), "strategies": 4, "target": 0.8}
     assert Strategy.from_dict(doc["winner"]["strategy"]).default.compression == "fp16"
     assert paths[2].stat().st_size > 10_000
     text = markdown(to_dict(a_result()))
-    assert "**1.33x**" in text and "| 3 | 1 | search:r1 | 140.0 | failed |" in text
+    assert "**1.13x**" in text and "| 3 | 1 | j1 | search:r1 | 140.0 | failed | - |" in text
+    assert "Kendall tau **1.00** over 4 strategies" in text and "horovod-fp16: not runnable" in text
 
 
 @pytest.mark.unit
@@ -204,16 +221,20 @@ def test_exact_search_keeps_plain_horovod_numerics(tmp_path):
 @pytest.mark.multiprocess
 def test_autotune_on_hosts_from_the_config_alone(tmp_path):
     """`hybridsync-run -H ... --config-file run.yaml`: the config's autotune: section turns it on; trials
-    and the final job go through hybridsync-run on those hosts (here: this one, two ranks, one server)."""
+    and the final job go through hybridsync-run on those hosts (here: this one, two ranks, one server).
+    In exact mode: no fp16 anywhere, and the rivals are the baselines without their fp16 twins."""
     (tmp_path / "run.yaml").write_text(
         "hybridsync:\n  cluster: {nodes: 1, workers_per_node: 2, inter_node_bandwidth: 1gbit, servers_per_node: 1}\n"
-        "  autotune: {trial_budget: 8, per_round: 3, search_budget: 300}\n")
+        "  autotune: {trial_budget: 8, per_round: 3, search_budget: 300, exact: true}\n")
     report = tmp_path / "report"
+    # 500 steps per run: each trial job and the confirmation end in one run of the script
     proc = run_job([str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", "--config-file",
                     str(tmp_path / "run.yaml"), "--store", f"sqlite:///{tmp_path / 't.db'}", "--autotune-report",
-                    str(report), sys.executable, TINY, "--steps", "100"], timeout=600)
+                    str(report), sys.executable, TINY, "--steps", "500"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:]
     doc = json.loads((report / "report.json").read_text())
     assert len({t["fingerprint"] for t in doc["trials"]}) == 8
-    assert doc["winner"]["kind"] in doc["confirmed_s"]
+    assert doc["winner"]["kind"] in doc["confirmed_s"] and doc["exact"] and doc["winner"]["levers"] == []
+    assert not any(kind.endswith("-fp16") for kind in doc["confirmed_s"]), "exact: no fp16 twin among the rivals"
+    assert doc["best_rival"]["kind"].startswith("baseline:")
     assert final_loss(proc.stdout) < 0.5

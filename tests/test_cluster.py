@@ -113,6 +113,28 @@ def test_without_root_the_error_says_why(monkeypatch: pytest.MonkeyPatch) -> Non
         EmulatedCluster(small_spec()).up()
 
 
+@pytest.mark.unit
+def test_each_emulated_host_gets_its_share_of_the_cores() -> None:
+    from hybridsync.cluster.netns import host_cpus
+
+    assert [host_cpus(i, 2, [1, 0]) for i in range(2)] == [(0,), (1,)]
+    assert [host_cpus(i, 4, [0, 1]) for i in range(4)] == [(0,), (1,), (0,), (1,)]  # more hosts than cores
+    assert [host_cpus(i, 2, range(5)) for i in range(2)] == [(0, 1), (2, 3)]
+
+
+@needs_root
+@pytest.mark.emulated
+def test_a_pinned_cluster_runs_each_hosts_processes_on_its_cores() -> None:
+    from hybridsync.cluster.netns import EmulatedCluster
+
+    with EmulatedCluster(small_spec(), pin_hosts=True) as cluster:
+        for node in range(2):
+            argv = [sys.executable, "-c",
+                    "import os, socket; print(','.join(map(str, sorted(os.sched_getaffinity(0)))), socket.gethostname())"]
+            expected = f"{','.join(map(str, cluster.cpus[node]))} n{node}"
+            assert cluster.exec(node, argv, timeout=30).stdout.strip() == expected
+
+
 # -- lifecycle --------------------------------------------------------------------------------
 @needs_root
 @pytest.mark.emulated

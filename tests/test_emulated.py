@@ -7,7 +7,9 @@
 - hierarchical all-reduce of a 64 MiB message gives the exact sum on every rank, repeatedly
   (the size at which Horovod's Gloo reduce-scatter went wrong here), and of a float16 one;
 - a job that fails mid-collective, with PS servers beside it, is stopped within seconds
-  and the cluster leaves nothing behind.
+  and the cluster leaves nothing behind;
+- a job of hierarchical and PS variables prints nothing but its servers' lines (torch's store
+  clients no longer warn that these DNS-less hosts' names cannot be found).
 
 Needs root (namespaces, tc); skips cleanly without it. Every process is bounded by a
 timeout and killed by pid (``Job.wait``, cluster teardown); each test checks
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import SERVER_LINES, unexpected_lines, wait_for
 from hybridsync.cluster.spec import ClusterSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +69,8 @@ def _run_job(cluster, argv: list[str], log: Path, *, servers: bool = False, time
 
 
 @pytest.fixture(scope="module")
-def equivalence(tmp_path_factory) -> dict:
+def equivalence_job(tmp_path_factory) -> tuple[dict, str]:
+    """The equivalence cases' results, and everything the job and its servers printed."""
     from hybridsync.cluster.netns import EmulatedCluster, leftovers
 
     tmp = tmp_path_factory.mktemp("emulated_eq")
@@ -77,7 +80,20 @@ def equivalence(tmp_path_factory) -> dict:
                          servers=True)
     assert leftovers(cluster.prefix) == []
     assert codes == [0] * SPEC.num_workers and out.exists(), log.read_text()[-4000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def equivalence(equivalence_job) -> dict:
+    return equivalence_job[0]
+
+
+def test_job_prints_nothing_but_the_servers_lines(equivalence_job) -> None:
+    """Hierarchical groups and the PS rendezvous on hosts without DNS: the workers print nothing
+    (no ``[c10d] The hostname of the client socket cannot be retrieved``, no deprecation)."""
+    output = equivalence_job[1]
+    assert unexpected_lines(output, SERVER_LINES) == [], output[-4000:]
+    assert output.count("said goodbye") == SPEC.num_servers
 
 
 def test_world_is_two_hosts_of_two(equivalence) -> None:
@@ -203,3 +219,38 @@ def test_exception_while_job_runs_tears_everything_down(tmp_path: Path) -> None:
             raise RuntimeError("interrupted")
     assert leftovers(cluster.prefix) == []
     assert all(proc.poll() is not None for proc in [*servers.processes, *job.processes, *job.helpers])
+
+
+def test_a_dead_worker_ends_the_ps_servers_and_leaves_no_process(tmp_path: Path) -> None:
+    """Issue 23: a rank SIGKILLed mid-training under the PS route (no elastic mode). The job's
+    other ranks are stopped (as horovodrun does); the supervised servers notice, say which
+    worker stopped answering and exit 1 on their own, unreplaced; then no process of the job
+    is left on any host, before teardown."""
+    import psutil
+    from hybridsync.run.emulated import launch_gloo, launch_servers
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers, namespace_pids
+
+    log = tmp_path / "job.log"
+    (tmp_path / "bsp.json").write_text(json.dumps({"version": 1, "default": {"route": "ps", "protocol": "bsp"}}))
+    with open(log, "a") as out, EmulatedCluster(SPEC) as cluster:
+        env = _env(cluster, {"HYBRIDSYNC_STRATEGY": str(tmp_path / "bsp.json")})
+        servers = launch_servers(cluster, env=env, stdout=out, stderr=subprocess.STDOUT)
+        prefix = tmp_path / "train"
+        job = launch_gloo(cluster, [sys.executable, str(WORKERS / "fault_train.py"), str(prefix), "--steps", "2000",
+                                    "--sleep", "0.02"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: Path(f"{prefix}.rank3.step").exists() or any(p.poll() is not None for p in job.processes),
+                 90, "rank 3 training", poll_s=0.2)
+        psutil.Process(job.processes[3].pid).kill()  # the rank itself: `ip netns exec` and `sh` exec'ed into it
+        killed_at = time.monotonic()
+        codes = job.wait(timeout=60)
+        assert codes[3] == -9 and all(code != 0 for code in codes), codes
+        # Each server on its own (``Job.wait`` would stop the second once the first failed).
+        wait_for(lambda: all(p.poll() is not None for p in servers.processes), 60, "the servers to exit")
+        assert [p.returncode for p in servers.processes] == [1, 1], log.read_text()[-3000:]
+        ended = time.monotonic() - killed_at
+        text = log.read_text()
+        assert "stopped answering" in text and "worker3" in text and "starting replacement" not in text, text[-3000:]
+        assert ended < 60, ended
+        wait_for(lambda: not any(namespace_pids(name) for name in cluster.namespaces), 15,
+                 "every process on the emulated hosts to end")
+    assert leftovers(cluster.prefix) == []

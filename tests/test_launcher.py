@@ -11,7 +11,8 @@ from unittest import mock
 import pytest
 
 from conftest import BIN, WORKERS, run_job
-from hybridsync.run.launcher import _HOROVODRUN_ARITY, LaunchOptions, split_argv, with_run_config
+from hybridsync.cli import run_main
+from hybridsync.run.launcher import _HOROVODRUN_ARITY, LaunchOptions, asks_for_help, split_argv, with_run_config
 from hybridsync.strategy import Strategy
 
 TRAIN = ["python", "train.py"]
@@ -84,6 +85,24 @@ def test_flags_after_the_command_are_the_commands(argv):
     options, rest = split_argv(argv)
     assert options == LaunchOptions()
     assert rest == argv
+
+
+@pytest.mark.parametrize("argv", [["-np", "2", "--help"], ["-np", "2", "-H", "localhost:2", "-h"], ["--help"], [],
+                                  ["--strategy=x.json", "--he", "-np", "2", *TRAIN]])
+@pytest.mark.unit
+def test_help_among_the_flags_shows_ours_then_horovodruns(argv, capsys):
+    pytest.importorskip("horovod.runner.launch")
+    assert run_main(argv) == 0
+    out = capsys.readouterr().out
+    ours, theirs = out.index("hybridsync-run options"), out.index("horovodrun options")
+    assert ours < out.index("--strategy PATH") < theirs < out.index("usage: horovodrun") < out.index("--gloo")
+
+
+@pytest.mark.unit
+def test_help_after_the_command_is_the_commands():
+    assert asks_for_help(["-np", "2", "--strategy", "s.json", "-h"])
+    assert not asks_for_help(["-np", "2", *TRAIN, "--help"])
+    assert not asks_for_help(["-np", "2", "--", "-h"])  # after "--", the command
 
 
 @pytest.mark.parametrize("argv, message", [

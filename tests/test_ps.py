@@ -44,10 +44,11 @@ def _env(role: str, index: int, port: int, **extra: str) -> dict[str, str]:
 class Job:
     """2 servers + 2 workers of one scenario; ``close`` stops whatever is still running."""
 
-    def __init__(self, scenario: str, out_dir: Path) -> None:
+    def __init__(self, scenario: str, out_dir: Path, *, supervise: bool = False, server_args: tuple = ()) -> None:
         port = _free_port()
         self.out_dir = out_dir
-        server = [sys.executable, "-m", "hybridsync.backends.ps.server", "--join-timeout", "40"]
+        server = [sys.executable, "-m", "hybridsync.backends.ps.server", "--join-timeout", "40",
+                  *(["--supervise"] if supervise else []), *server_args]
         worker = [sys.executable, str(WORKER), scenario, str(out_dir)]
         self.servers = [start(server, env=_env("server", i, port), cwd=str(REPO)) for i in range(2)]
         self.workers = [start(worker, env=_env("worker", i, port), cwd=str(REPO)) for i in range(2)]
@@ -85,8 +86,8 @@ class Job:
 def job_factory(tmp_path):
     jobs: list[Job] = []
 
-    def make(scenario: str) -> Job:
-        jobs.append(Job(scenario, tmp_path))
+    def make(scenario: str, **options) -> Job:
+        jobs.append(Job(scenario, tmp_path, **options))
         return jobs[-1]
     yield make
     for job in jobs:

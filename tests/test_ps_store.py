@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridsync.backends.ps.store import KeyStore
+from hybridsync.backends.ps.store import KeyStore, Pulled, RestoreState
 
 pytestmark = pytest.mark.unit
 
@@ -53,11 +53,11 @@ def test_ssp_holds_a_worker_more_than_staleness_ahead():
     store = KeyStore(num_workers=2)
     store.init_async("p", torch.zeros(2), staleness=1)
     first = store.push_delta("p", 0, 0, torch.ones(2))  # lead 1: allowed
-    assert first.done() and first.wait().tolist() == [1.0, 1.0]
+    assert first.done() and first.wait().value.tolist() == [1.0, 1.0]
     second = store.push_delta("p", 0, 1, torch.ones(2))  # lead 2: held
     assert not second.done()
     store.push_delta("p", 1, 0, torch.ones(2))  # slowest advances to 1: lead 1 again
-    assert second.done() and second.wait().tolist() == [3.0, 3.0]
+    assert second.done() and second.wait().value.tolist() == [3.0, 3.0]
     counters = store.staleness_counters["ssp1"]
     assert counters.delayed == 1 and counters.max_lead_answered == 1
 
@@ -75,8 +75,8 @@ def test_asp_never_holds_and_goodbye_releases_ssp():
 
 def test_first_workers_value_wins_and_staleness_must_agree():
     store = KeyStore(num_workers=2)
-    assert store.init_async("p", torch.ones(2), staleness=2).tolist() == [1.0, 1.0]
-    assert store.init_async("p", torch.zeros(2), staleness=2).tolist() == [1.0, 1.0]
+    assert store.init_async("p", torch.ones(2), staleness=2).value.tolist() == [1.0, 1.0]
+    assert store.init_async("p", torch.zeros(2), staleness=2).value.tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="workers disagree on the staleness of key 'p'"):
         store.init_async("p", torch.zeros(2), staleness=3)
 
@@ -124,3 +124,54 @@ def test_bsp_and_async_keys_do_not_mix():
         store.init_async("g", torch.zeros(3), staleness=None)
     with pytest.raises(RuntimeError, match="ASP/SSP delta to key 'g', which holds BSP"):
         store.push_delta("g", 0, 0, torch.ones(3)).wait()
+
+
+# -- a replacement server rebuilt from the workers (issue 23) ------------------------------------
+
+def test_a_replacement_replays_a_round_one_worker_received_and_the_other_lost():
+    """Worker 0 got round 3's sum from the dead server, worker 1's answer was lost: worker 1's
+    resent push of step 3 is answered with that very sum, and round 4 runs as usual."""
+    store = KeyStore(num_workers=2)
+    lost_sum = torch.tensor([0.1, 0.2, 0.3])
+    store.restore(0, RestoreState(rounds={"k": (3, lost_sum)}))
+    store.restore(1, RestoreState(rounds={"k": (2, torch.zeros(3))}))
+    replay = store.push_pull("k", 1, 3, torch.ones(3))
+    assert replay.done() and torch.equal(replay.wait(), lost_sum)
+    futures = [store.push_pull("k", w, 4, torch.full((3,), float(w))) for w in (0, 1)]
+    assert all(torch.equal(f.wait(), torch.ones(3)) for f in futures)
+    with pytest.raises(RuntimeError, match="pushed step 4 of key 'k' but the server is at step 5"):
+        store.push_pull("k", 0, 4, torch.ones(3)).wait()  # replays end with the round after
+
+
+def test_a_restore_answers_a_round_already_pushed_to_the_replacement():
+    """Worker 1 restored and resent its push of step 3 before worker 0, who had received round
+    3's sum, restored: that push is answered with the sum, never summed again."""
+    store = KeyStore(num_workers=2)
+    store.restore(1, RestoreState(rounds={"k": (2, torch.zeros(2))}))
+    pending = store.push_pull("k", 1, 3, torch.ones(2))
+    assert not pending.done()
+    store.restore(0, RestoreState(rounds={"k": (3, torch.full((2,), 7.0))}))
+    assert torch.equal(pending.wait(), torch.full((2,), 7.0))
+    assert store.key_names() == ["k"]
+
+
+def test_an_asp_replacement_takes_the_freshest_pull_and_applies_no_push_twice():
+    """The value that includes the most pushes wins; a resent push that value already includes
+    is answered without being applied; the next ones are applied."""
+    store = KeyStore(num_workers=2)
+    stale, fresh = Pulled(torch.full((2,), 10.0), (3, 2)), Pulled(torch.full((2,), 12.0), (3, 3))
+    store.restore(0, RestoreState(parameters={"p": (stale, None)}))
+    store.restore(1, RestoreState(parameters={"p": (fresh, None)}))
+    assert store.init_async("p", torch.zeros(2), None).value.tolist() == [12.0, 12.0]
+    duplicate = store.push_delta("p", 1, 2, torch.ones(2)).wait()  # its answer was lost with the server
+    assert duplicate.value.tolist() == [12.0, 12.0] and duplicate.clocks == (3, 3)
+    answers = [store.push_delta("p", w, 3, torch.ones(2)).wait() for w in (0, 1)]
+    assert answers[-1].value.tolist() == [14.0, 14.0] and answers[-1].clocks == (4, 4)
+
+
+def test_a_late_restore_never_replaces_a_value_in_use():
+    store = KeyStore(num_workers=2)
+    store.restore(0, RestoreState(parameters={"p": (Pulled(torch.zeros(1), (1, 1)), None)}))
+    store.push_delta("p", 0, 1, torch.ones(1)).wait()
+    store.restore(1, RestoreState(parameters={"p": (Pulled(torch.full((1,), 9.0), (5, 5)), None)}), parameters=False)
+    assert store.init_async("p", torch.zeros(1), None).value.tolist() == [1.0]

@@ -17,7 +17,6 @@ some or all ranks), and every key a client pushed must be where ``RoutingPlan.ps
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -31,7 +30,6 @@ from hybridsync.backends.ps import route
 from hybridsync.backends.ps.client import PSBackend, PSClient
 from hybridsync.backends.ps.config import PSConfig
 from hybridsync.backends.ps.store import KeyStore
-from hybridsync.router import runtime
 from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.router.runtime import Router
 from hybridsync.strategy import Strategy
@@ -128,7 +126,7 @@ class InProcessClient(PSClient):
     def _connect(self, *timeouts: float) -> None:
         pass
 
-    def call(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Future:
+    def transport(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Future:
         store = self.stores[index]
         if function == "rpc_init_async":
             key, _, value, staleness = args
@@ -144,10 +142,32 @@ class InProcessClient(PSClient):
         return method(key, worker, step, payload)
 
 
+class InProcessExchange:
+    """The ranks' all-gather of their gradient kinds (``Router``'s ``exchange``), through a barrier."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[str, list[list[int]]]] = []
+        """``(name, every rank's states)`` of each exchange, in order."""
+        self._barrier = threading.Barrier(SIZE, timeout=30)
+        self._states: list[list[int] | None] = [None] * SIZE
+
+    def for_rank(self, rank: int) -> Callable[[list[int], str], list[list[int]]]:
+        def exchange(states: list[int], name: str) -> list[list[int]]:
+            self._states[rank] = list(states)
+            self._barrier.wait()
+            everyone = [list(s) for s in self._states]  # type: ignore[arg-type]
+            if rank == 0:
+                self.rounds.append((name, everyone))
+            self._barrier.wait()  # nobody overwrites its states before every rank has read them
+            return everyone
+        return exchange
+
+
 class World:
     """The ranks' shared transports: an all-reduce store and one store per parameter server."""
 
     def __init__(self) -> None:
+        self.exchange = InProcessExchange()
         self.allreduce = KeyStore(num_workers=SIZE)
         self.servers = [KeyStore(num_workers=SIZE) for _ in range(NUM_SERVERS)]
         self.clients = [InProcessClient(PSConfig(role="worker", num_workers=SIZE, num_servers=NUM_SERVERS,
@@ -171,9 +191,9 @@ class World:
         def parameter_syncs(pieces, staleness, namespace=""):
             return route.parameter_sync(pieces, staleness, namespace, client=client)
 
-        runtime._ROUTERS_CREATED = itertools.count(instance)  # every rank numbers it alike, as in a job
         return Router(plan, list(model.parameters()), compression=compression, reduction=reduction,
-                      backends=backends, parameter_syncs=parameter_syncs)
+                      backends=backends, parameter_syncs=parameter_syncs, exchange=self.exchange.for_rank(rank),
+                      instance=instance)
 
 
 def run_ranks(work: Callable[[int], Any]) -> list[Any]:

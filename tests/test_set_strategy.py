@@ -59,7 +59,7 @@ def test_releasing_worker_no_longer_holds_ssp_answers_back():
     held = store.push_delta("opt0/s", 0, 0, torch.ones(1))
     assert not held.done()
     store.release("opt0/", 1)
-    assert held.done() and held.wait().tolist() == [1.0]
+    assert held.done() and held.wait().value.tolist() == [1.0]
 
 
 @pytest.mark.unit

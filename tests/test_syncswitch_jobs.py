@@ -46,6 +46,7 @@ def test_switch_every_rank_and_server_switch_after_the_same_step(tmp_path_factor
             assert [(e["step"], e["protocol"]) for e in events] == [(4, "asp")]
             assert set(events[0]["worker_steps"].values()) == {4} and len(events[0]["worker_steps"]) == NP
     assert "switched job opt0 to asp after step 4" in _cache["stdout"]
+    assert _cache["stdout"].count("PS variables switched to asp after step 4") == 1  # rank 0 says it for all
 
 
 @pytest.mark.multiprocess

@@ -24,8 +24,11 @@ def test_keras_ncf_is_autotuned_and_trains_with_the_winner(tmp_path):
     from hybridsync.description import load_description
     from hybridsync.strategy import Strategy
     from hybridsync.trials.store import TrialStore
-    autotune, report, store = small_autotune(tmp_path, trial_budget=9)
-    argv = autotune + [sys.executable, "-m", "hybridsync.zoo.keras_ncf", "--steps", "150",
+    # exact: the 6-7 baselines are the rivals (their fp16 twins would lengthen this long test; the
+    # tiny script's emulated autotune measures them); 300 steps per run: each trial job and the
+    # confirmation (controls included) end in one run of the script
+    autotune, report, store = small_autotune(tmp_path, trial_budget=9, exact=True)
+    argv = autotune + [sys.executable, "-m", "hybridsync.zoo.keras_ncf", "--steps", "300",
                        "--json", str(tmp_path / "train.json")]
     proc = run_job(argv, timeout=900, env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout[-6000:]

@@ -10,8 +10,8 @@ from hybridsync import baselines
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.router.plan import build_plan
 from hybridsync.strategy_space import SpaceBounds, random_strategy
-from hybridsync.trials.candidates import (HOROVOD_KIND, Candidate, load_candidates, random_candidates,
-                                          trial_candidates)
+from hybridsync.trials.candidates import (HOROVOD_FP16_KIND, HOROVOD_KIND, Candidate, is_rival, load_candidates,
+                                          random_candidates, rival_levers, rivals, trial_candidates)
 from hybridsync.trials.runner import _Follower
 from hybridsync.variables import VariableInfo
 
@@ -129,3 +129,36 @@ def test_sparse_gradients_stay_sparse_unless_allowed():
     assert {s.config_for("emb.weight").route for s in strategies} == {"allreduce", "ps"}
     allowed = [random_strategy(VARIABLES, SpaceBounds(num_servers=2, densify_sparse=True), rng) for _ in range(300)]
     assert any(densified(s) for s in allowed)
+
+
+def test_fp16_twins_add_fp16_to_the_dense_gradients_and_name_what_cannot_run():
+    dense = {name: info for name, info in VARIABLES.items() if not info.sparse}
+    for name in baselines.FP16_TWINS:
+        twin = baselines.build_baseline(name + baselines.FP16_SUFFIX, dense, 1)
+        plain = baselines.build_baseline(name, dense, 1)
+        assert all(twin.config_for(n).compression == "fp16" and
+                   twin.config_for(n).route_name == plain.config_for(n).route_name for n in dense)
+        assert baselines.levers(twin, dense) == {"fp16"} and baselines.levers(plain, dense) == set()
+    with pytest.raises(ValueError, match="not runnable.*sparse gradients"):
+        baselines.build_baseline("allreduce-fp16", VARIABLES, 1)
+    with pytest.raises(ValueError, match="no fp16 twin"):
+        baselines.fp16_twin("ps", VARIABLES, 1)
+    hierarchical = baselines.build_baseline("horovod-hierarchical-fp16", VARIABLES, 1)
+    assert hierarchical.config_for("emb.weight").compression is None  # a sparse gradient keeps its config
+
+
+def test_rivals_are_the_reference_rows_the_baselines_and_where_fp16_runs_their_twins():
+    exact, none_missing = rivals(VARIABLES, CLUSTER, horovod=True, fp16=False)
+    assert none_missing == {} and [c.kind for c in exact] == [c.kind for c in trial_candidates(VARIABLES, CLUSTER)]
+    fair, not_runnable = rivals(VARIABLES, CLUSTER, horovod=True, fp16=True)
+    kinds = {c.kind for c in fair}
+    assert {"baseline:horovod-hierarchical-fp16", "baseline:parallax-fp16"} <= kinds
+    assert set(not_runnable) == {HOROVOD_FP16_KIND, "baseline:allreduce-fp16"} and not kinds & set(not_runnable)
+    dense = {name: info for name, info in VARIABLES.items() if not info.sparse}
+    fair, not_runnable = rivals(dense, CLUSTER, horovod=True, fp16=True)
+    assert not_runnable == {} and {HOROVOD_FP16_KIND, "baseline:allreduce-fp16"} <= {c.kind for c in fair}
+    horovod_fp16 = next(c for c in fair if c.kind == HOROVOD_FP16_KIND)
+    assert horovod_fp16.fingerprint == HOROVOD_FP16_KIND != Candidate(kind=HOROVOD_KIND, strategy=None).fingerprint
+    assert horovod_fp16.as_control().fingerprint == HOROVOD_FP16_KIND
+    assert rival_levers("control:baseline:parallax-fp16") == {"fp16"} and rival_levers("horovod") == set()
+    assert is_rival("control:horovod") and not is_rival("search:r1")

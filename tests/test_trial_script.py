@@ -1,6 +1,7 @@
 """Trials inside a user's script (hybridsync.hooks.trials) under a real 2-rank job."""
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -26,7 +27,7 @@ STRATEGIES = {
 }
 
 
-def run_script_trials(tmp_path, steps_per_run: int) -> tuple[dict, object]:
+def run_script_trials(tmp_path, steps_per_run: int, controls: tuple[str, ...] = ()) -> tuple[dict, object]:
     candidates = [Candidate(kind="drop-in", strategy=None)] + [
         Candidate(kind=kind, strategy=Strategy.from_dict(doc)) for kind, doc in STRATEGIES.items()]
     protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120)
@@ -34,7 +35,11 @@ def run_script_trials(tmp_path, steps_per_run: int) -> tuple[dict, object]:
         runner = TrialRunner(model="tiny", description_id="tiny-0", target=target, store=store, protocol=protocol,
                              workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, SCRIPT, "--steps",
                                                                              str(steps_per_run))))
-        summary = runner.run(candidates)
+        summary = runner.run(candidates, controls=[c for c in candidates if c.kind in controls], block_size=3)
+        if controls:
+            return {"kinds": sorted(r.kind for r in store.trials() if r.status == "ok" or r.kind == "refused"),
+                    "schedules": [[json.loads(line)["kind"] for line in path.read_text().splitlines()]
+                                  for path in sorted(tmp_path.glob("*.schedule.jsonl"))]}, summary
         return {r.kind: r for r in store.trials()}, summary
 
 
@@ -57,3 +62,16 @@ def test_a_script_that_trains_fewer_steps_than_the_schedule_is_started_again_for
 def test_a_script_too_short_for_one_trial_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="ended after 3 steps.*at least 4 steps"):
         run_script_trials(tmp_path, steps_per_run=3)
+
+
+def test_every_run_of_the_script_remeasures_the_controls_between_blocks(tmp_path):
+    records, summary = run_script_trials(tmp_path, steps_per_run=1000, controls=("ring",))
+    schedule = ["control:ring", "drop-in", "ring", "ps", "control:ring", "refused", "grouped", "mixed", "control:ring"]
+    assert records["schedules"] == [schedule]
+    assert records["kinds"] == sorted(schedule), "every entry measured, the controls three times"
+    assert summary.jobs == 1 and summary.controls == 3 and summary.measured == 5
+
+
+def test_a_script_too_short_for_the_controls_and_one_trial_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="ended after 4 steps.*at least 8 steps.*1 control trial"):
+        run_script_trials(tmp_path, steps_per_run=4, controls=("ring",))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import multiprocessing
 import os
 import signal
@@ -163,6 +164,23 @@ def test_export_import_round_trip_is_idempotent_and_deterministic(tmp_path: Path
     bad.write_text(export.read_text().splitlines()[0] + "\n" + '{"type": "trial", "uid": "x"}\n')
     with TrialStore(second) as store, pytest.raises(ValueError, match=r"bad\.jsonl:2: .*missing keys"):
         store.import_jsonl(bad)
+
+
+@pytest.mark.unit
+def test_a_gz_export_is_compressed_deterministic_and_imports_back(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/a.db"
+    records = hand_made(url)
+    with TrialStore(url) as store:
+        store.export_jsonl(tmp_path / "plain.jsonl")
+        store.export_jsonl(tmp_path / "one.jsonl.gz")
+        time.sleep(1.1)  # a gzip header with a time stamp would now differ
+        store.export_jsonl(tmp_path / "two.jsonl.gz")
+    packed = (tmp_path / "one.jsonl.gz").read_bytes()
+    assert packed[:2] == b"\x1f\x8b" and packed == (tmp_path / "two.jsonl.gz").read_bytes()
+    assert gzip.decompress(packed) == (tmp_path / "plain.jsonl").read_bytes()
+    with TrialStore(tmp_path / "b.db") as store:
+        assert store.import_jsonl(tmp_path / "one.jsonl.gz", progress=True) == (len(records), 0)
+        assert store.trials() == in_store_order(records)
 
 
 @pytest.mark.unit
@@ -326,13 +344,25 @@ def test_two_writers_at_once_lose_no_trial(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_the_shipped_dataset_loads_back_into_a_store(tmp_path):
-    """data/trials.jsonl (`make dataset`): >= 1000 successful trials over the 4 zoo models x 3 clusters."""
-    shipped = Path(__file__).resolve().parent.parent / "data" / "trials.jsonl"
+    """data/trials.jsonl.gz (`make dataset`): >= 3000 successful trials over >= 30 models (the 4 zoo
+    models among them) on >= 4 clusters (2 x 2 and 4 x 1, three bandwidths, 1 and 2 servers per
+    host); every model x cluster job measured its controls (plain Horovod and the baselines)."""
+    shipped = REPO / "data" / "trials.jsonl.gz"
     with TrialStore(tmp_path / "shipped.db") as store:
         added, skipped = store.import_jsonl(shipped)
         ok = store.trials(status="ok")
-        assert skipped == 0 and len(ok) >= 1000
-        assert {r.model for r in ok} == {"ncf", "bert", "vgg", "resnet"}
-        assert len({r.cluster_id for r in ok}) >= 3
+        assert skipped == 0 and len(ok) >= 3000
+        models = {r.model for r in ok}
+        assert len(models) >= 30 and {"ncf", "bert", "vgg", "resnet"} <= models
+        clusters = {r.cluster_id: r.cluster for r in ok}
+        assert len(clusters) >= 4
+        assert {(c["nodes"], c["workers_per_node"]) for c in clusters.values()} >= {(2, 2), (4, 1)}
+        assert len({c["inter_node_bandwidth"] for c in clusters.values()}) >= 3
+        assert {c["servers_per_node"] for c in clusters.values()} >= {1, 2}
+        kinds: dict[tuple[str, str], set[str]] = {}
+        for r in ok:
+            kinds.setdefault((r.model, r.cluster_id), set()).add(r.kind)
+        assert len(kinds) >= 0.95 * len(models) * len(clusters), "most models measured on every cluster"
+        assert all("horovod" in k and sum(x.startswith("baseline:") for x in k) >= 4 for k in kinds.values())
         assert {r.description_id for r in ok} <= set(store.descriptions())
         assert all(len(r.step_times) > r.warmup_steps for r in ok)

@@ -56,6 +56,11 @@ EXPECTED_ERRORS = {
     "duplicate_names": ("ValueError", "Found duplicates: w"),
     "predivide_with_sum": ("ValueError", "gradient_predivide_factor not supported"),
     "zero_grad_before_step": ("AssertionError", "zero_grad() was called after loss.backward()"),
+    "frozen_on_one_rank": ("ValueError", "ranks disagree on which parameters require a gradient: 0.bias "
+                                         "(frozen on rank 1, trained on rank 0)"),
+    "backward_passes_differ": ("ValueError", "backward_passes_per_step is 1 on rank 0, 2 on rank 1"),
+    "sparse_on_one_rank": ("ValueError", "ranks disagree on which gradients are sparse: 0.weight (sparse on "
+                                         "ranks [0], dense on ranks [1])"),
     "too_many_backward_passes": ("AssertionError", "more than backward_passes_per_step"),
 }
 

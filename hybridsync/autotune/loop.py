@@ -6,15 +6,23 @@ far; the ``per_round`` best predicted strategies not yet measured are run as rea
 in one job (switching in flight, ``hybridsync.trials``) and stored; the simulator is then
 refit, warm-started from the shipped one with every trial of this model and cluster
 (AutoSync's transfer: a few trials of a new model correct what it learned elsewhere).
-The first round's job also measures the baselines and, where the workload can, plain
-Horovod, so the simulator and the verdict see them from the start.
+The first round's job also measures the rivals (``hybridsync.trials.candidates.rivals``:
+every baseline, unless ``exact`` their fp16 twins, and where the workload can, plain
+Horovod and Horovod with fp16), so the simulator and the verdict see them from the start.
 
-Rounds go on until ``trial_budget`` strategies have been measured (baselines included).
-Then one confirmation job measures the best few measured strategies, every baseline and
-plain Horovod again, interleaved and ``confirm_repeats`` times each with a longer
-protocol, so the final comparison comes from one job, side by side. The winner is the
-fastest of that job, baselines included: an autotuned run is never slower than the best
-hand-made choice by more than that job's noise.
+Step times of different jobs are not comparable on shared cores, so every trial job
+re-measures controls between blocks of ``block_size`` candidates: the best rival so far and
+the incumbent best (in the first round, the rival the simulator expects to be fastest). The
+loop ranks strategies by ``hybridsync.trials.levels`` (each job's level and drift taken out),
+and the simulator is refit on those normalized times.
+
+Rounds go on until ``trial_budget`` strategies have been measured (rivals included).
+Then one confirmation job measures the best few search strategies, plain Horovod and the
+fastest rivals of each kind again, interleaved and ``confirm_repeats`` times each, so the
+final comparison comes from one job, side by side. The winner is the fastest of that job,
+rivals included: an autotuned run is never slower than the best hand-made choice by more
+than that job's noise. The result (``hybridsync.autotune.result``) names the best fair rival
+and the Kendall tau of the trials' ranking against the confirmation job's.
 """
 from __future__ import annotations
 
@@ -23,16 +31,22 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hybridsync import baselines
+from hybridsync.autotune.result import AutotuneResult, TrialOutcome
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id
 from hybridsync.strategy import Strategy
-from hybridsync.trials.candidates import Candidate, baseline_candidates
-from hybridsync.trials.runner import TrialProtocol, TrialRunner
-from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND, TrialRecord, TrialStore
+from hybridsync.trials.candidates import Candidate, is_rival, rival_levers, rivals
+from hybridsync.trials.levels import JobLevels, fit_levels
+from hybridsync.trials.runner import DEFAULT_BLOCK_SIZE, TrialProtocol, TrialRunner
+from hybridsync.trials.store import HOROVOD_FP16_KIND, HOROVOD_KIND, TrialRecord, TrialStore, is_control
+
+__all__ = ["AutotuneResult", "AutotuneSettings", "Autotuner", "TrialOutcome", "propose"]
 
 SEARCH_KIND = "search"
 """Kind of the trials the search proposed (``search:r<round>``)."""
@@ -43,82 +57,37 @@ class AutotuneSettings:
     """How much the autotuner measures and searches."""
 
     trial_budget: int = 50
-    """Distinct strategies measured as real trials, baselines and plain Horovod included."""
+    """Distinct strategies measured as real trials, rivals and plain Horovod included."""
     per_round: int = 10
     """Search proposals measured per round (one job each round)."""
     search_budget: int = 20_000
     """Simulator evaluations the search spends per round."""
     exact: bool = False
-    """Search only strategies with plain Horovod's numerics (no fp16, BSP only): ``SpaceBounds.exact``."""
+    """Search only strategies with plain Horovod's numerics (no fp16, BSP only): ``SpaceBounds.exact``;
+    the rivals are then plain Horovod and the baselines, without their fp16 twins."""
     seed: int = 0
     protocol: TrialProtocol = TrialProtocol(warmup_steps=3, timed_steps=10)
     """Per search trial: the dataset's protocol, which ranks like 10 + 40 up to the noise floor."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Candidates between two passes over the controls in a trial job."""
     confirm_top: int = 3
     """Best measured search strategies measured again in the confirmation job; as many of the
-    fastest baselines (by their first measurement) join them, and plain Horovod."""
+    fastest baselines, and of their fp16 twins (by the trials), join them, and the reference rows."""
     confirm_protocol: TrialProtocol = TrialProtocol(warmup_steps=3, timed_steps=10)
     confirm_repeats: int = 4
     """Times each confirmation candidate is measured, interleaved (A B C A B C ...): on shared cores
     the step time drifts by +-15% within a job, and four short passes average that drift out
     better than two long ones for the same steps."""
+    calibrate: bool = True
+    """Before the first search, measure the cluster's collectives in a seconds-long job
+    (``model.calibration``) so that the simulator prices its paths as measured, not as its spec says."""
 
     def __post_init__(self) -> None:
         if self.trial_budget < 1 or self.per_round < 1 or self.search_budget < 1:
             raise ValueError(f"trial_budget, per_round and search_budget must be >= 1; got {self.trial_budget}, "
                              f"{self.per_round}, {self.search_budget}")
-        if self.confirm_top < 1 or self.confirm_repeats < 1:
-            raise ValueError("confirm_top and confirm_repeats must be >= 1")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrialOutcome:
-    """One measured trial of the loop, with what the simulator predicted for it beforehand."""
-
-    round: int
-    kind: str
-    fingerprint: str
-    predicted_s: float | None
-    measured_s: float | None
-    """Median of the timed steps; ``None`` for a failed trial."""
-    reason: str | None = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AutotuneResult:
-    """What the autotuner found: the winner, every trial, and the confirmation job's verdict."""
-
-    model: str
-    cluster: ClusterSpec
-    winner_kind: str
-    winner: Strategy
-    """The strategy to train with (when plain Horovod wins: the empty strategy, every variable ring
-    all-reduced through Horovod, which is what hybridsync does without a strategy)."""
-    trials: list[TrialOutcome]
-    confirmed_s: dict[str, float]
-    """Kind -> median step time in the confirmation job (all repeats' timed steps)."""
-    seconds: dict[str, float]
-    """Wall time of each phase (search, trials, refit, confirm) and the total."""
-
-    @property
-    def best_baseline(self) -> tuple[str, float] | None:
-        """The fastest hand-made strategy (a baseline or plain Horovod) in the confirmation job."""
-        rivals = {k: s for k, s in self.confirmed_s.items() if k.startswith(BASELINE_PREFIX) or k == HOROVOD_KIND}
-        return min(rivals.items(), key=lambda item: item[1]) if rivals else None
-
-    def speedup_over(self, kind: str) -> float | None:
-        """Confirmed step time of ``kind`` over the winner's (> 1: the winner is faster)."""
-        if kind not in self.confirmed_s:
-            return None
-        return self.confirmed_s[kind] / self.confirmed_s[self.winner_kind]
-
-    def best_so_far(self) -> list[float]:
-        """Fastest measured step time after each trial, in the order measured (seconds)."""
-        out, best = [], float("inf")
-        for trial in self.trials:
-            if trial.measured_s is not None:
-                best = min(best, trial.measured_s)
-            out.append(best)
-        return out
+        if self.confirm_top < 1 or self.confirm_repeats < 1 or self.block_size < 1:
+            raise ValueError("confirm_top, confirm_repeats and block_size must be >= 1")
 
 
 class Autotuner:
@@ -147,12 +116,15 @@ class Autotuner:
         self.trials: list[TrialOutcome] = []
         self.seconds = {"search": 0.0, "trials": 0.0, "refit": 0.0, "confirm": 0.0}
         check_fits(description, cluster)
-        self.references = self._references()
-        """Plain Horovod (when the workload can) and every baseline: measured first, and seeds of every search."""
+        self.references, self.not_runnable = rivals(description.variables, cluster, horovod=with_horovod,
+                                                    fp16=not settings.exact)
+        """The rivals: measured first, controls of every job after the first, seeds of every search."""
+        self.levels = JobLevels(strategy_s={}, jobs={})
 
     def run(self) -> AutotuneResult:
         start = time.monotonic()
         self.store.add_description(description_id(self.description), self.model, self.description.to_dict())
+        self._calibrate()
         self._refit()  # trials of this model and cluster already in the store (a resumed run) count
         references = self.references
         round_index = 0
@@ -169,17 +141,19 @@ class Autotuner:
             round_index += 1
             if len(self._measured()) >= self.settings.trial_budget:
                 break
-        winner, confirmed = self._confirm()
+        winner, confirmed, lineup = self._confirm()
         self.seconds["total"] = time.monotonic() - start
-        return AutotuneResult(model=self.model, cluster=self.cluster, winner_kind=winner.kind,
-                              winner=winner.strategy or Strategy(variables={}),
-                              trials=list(self.trials), confirmed_s=confirmed, seconds=dict(self.seconds))
+        return AutotuneResult(
+            model=self.model, cluster=self.cluster, winner_kind=winner.kind, winner=self._training_strategy(winner),
+            winner_levers=baselines.levers(winner.strategy, self.description.variables) | rival_levers(winner.kind),
+            trials=self._normalized(self.trials),
+            confirmed_s=confirmed, trial_s={c.kind: self.levels.strategy_s[c.fingerprint] for c in lineup
+                                            if c.fingerprint in self.levels.strategy_s},
+            not_runnable=dict(self.not_runnable), exact=self.settings.exact, seconds=dict(self.seconds),
+            job_levels={job: {"level": level.level, "drift_per_min": level.drift_per_min, "trials": level.trials}
+                        for job, level in self.levels.jobs.items()})
 
     # --- steps ------------------------------------------------------------------------------
-    def _references(self) -> list[Candidate]:
-        out = [Candidate(kind=HOROVOD_KIND, strategy=None)] if self.with_horovod else []
-        return out + baseline_candidates(self.description.variables, self.cluster)
-
     def _records(self) -> list[TrialRecord]:
         return self.store.trials(model=self.model, cluster=self.cluster.to_dict())
 
@@ -200,36 +174,83 @@ class Autotuner:
         return [Candidate(kind=f"{SEARCH_KIND}:r{round_index}", strategy=s) for _, s in ranked]
 
     def _measure(self, batch: list[Candidate], round_index: int) -> None:
-        predicted = self.simulator.predict(self.description, self.cluster, [c.strategy for c in batch])
+        predicted = self.simulator.predict(self.description, self.cluster, [self._as_simulated(c) for c in batch])
         started = time.monotonic()
-        self.runner_for(self.settings.protocol, self.store).run(batch)
+        self.runner_for(self.settings.protocol, self.store).run(batch, controls=self._controls(round_index),
+                                                               block_size=self.settings.block_size)
         self.seconds["trials"] += time.monotonic() - started
-        by_fingerprint = {r.fingerprint: r for r in self._records()}
+        by_fingerprint = {r.fingerprint: r for r in self._records() if not is_control(r.kind)}
         for candidate, guess in zip(batch, predicted):
             record = by_fingerprint.get(candidate.fingerprint)
             ok = record is not None and record.status == "ok"
             self.trials.append(TrialOutcome(round=round_index, kind=candidate.kind, fingerprint=candidate.fingerprint,
                                             predicted_s=float(guess), measured_s=record.median_s if ok else None,
-                                            reason=None if ok else (record.reason if record else "not measured")))
+                                            reason=None if ok else (record.reason if record else "not measured"),
+                                            job=record.job if record else None))
+
+    def _controls(self, round_index: int) -> list[Candidate]:
+        """What a round's job re-measures between its blocks: the best rival so far and the incumbent
+        best (the next best if they coincide); in the first round, the rival predicted fastest."""
+        ranked = [fingerprint for fingerprint, _ in self.levels.ranked()]
+        if round_index == 0 or not ranked:
+            runnable = [c for c in self.references if c.strategy is not None]
+            predicted = self.simulator.predict(self.description, self.cluster, [c.strategy for c in runnable])
+            return [runnable[int(np.argmin(predicted))]] if runnable else []
+        known = {c.fingerprint: c for c in self.references}
+        known.update({r.fingerprint: Candidate(kind=r.kind, strategy=None if r.strategy is None
+                                               else Strategy.from_dict(r.strategy))
+                      for r in self._records() if r.status == "ok" and not is_control(r.kind)})
+        best_rival = next((f for f in ranked if f in known and is_rival(known[f].kind)), None)
+        others = [f for f in ranked if f in known and f != best_rival]
+        chosen = ([best_rival] if best_rival else []) + others[:1 if best_rival else 2]
+        return [known[f] for f in chosen]
+
+    def _calibrate(self) -> None:
+        """The cluster's measured paths into the simulator (``settings.calibrate``); a failed
+        calibration is a warning: the spec's nominal paths serve instead."""
+        if not self.settings.calibrate:
+            return
+        from hybridsync.model.calibration import calibrate
+        started = time.monotonic()
+        try:
+            links = calibrate(self.runner_for(self.settings.protocol, self.store).target, self.cluster)
+        except RuntimeError as error:
+            warnings.warn(f"calibration failed, the simulator prices the cluster from its spec: {error}",
+                          RuntimeWarning, stacklevel=2)
+        else:
+            self.base = self.simulator = self.base.calibrated(self.cluster, links)
+        self.seconds["calibrate"] = time.monotonic() - started
 
     def _refit(self) -> None:
-        from hybridsync.model.simulator import Simulator, load_samples
-        samples = load_samples(self.store, model=self.model, cluster=self.cluster.to_dict())
-        if not samples:
+        from hybridsync.description import parse_description
+        from hybridsync.model.simulator import Simulator, samples_from_records
+        records = [r for r in self._records() if r.status == "ok"]
+        if not records:
             return
         started = time.monotonic()
+        self.levels = fit_levels(records)
+        descriptions = {did: parse_description(entry["doc"], where=f"description {did}")
+                        for did, entry in self.store.descriptions().items()}
+        samples = samples_from_records([self.levels.normalized(r) for r in records], descriptions)
         self.simulator = Simulator(kind=self.base.kind).fit(samples, base=self.base) \
             if self.base.kind != "analytic" else self.base
         self.seconds["refit"] += time.monotonic() - started
 
-    def _best_measured(self, count: int) -> list[tuple[float, Strategy]]:
-        measured = [(r.median_s, Strategy.from_dict(r.strategy)) for r in self._records()
-                    if r.status == "ok" and r.strategy is not None and r.kind.startswith(SEARCH_KIND)]
-        return sorted(measured, key=lambda item: item[0])[:count]
+    def _normalized(self, trials: list[TrialOutcome]) -> list[TrialOutcome]:
+        """``trials`` with their step times at an average job's level (the last fit's)."""
+        records = {(r.job, r.fingerprint): r for r in self._records() if r.status == "ok" and not is_control(r.kind)}
+        return [dataclasses.replace(t, normalized_s=self.levels.normalized_s(records[t.job, t.fingerprint]))
+                if (t.job, t.fingerprint) in records else t for t in trials]
 
-    def _confirm(self) -> tuple[Candidate, dict[str, float]]:
-        """Measures the best search strategies, the baselines and Horovod again in one job; returns
-        the fastest of them and every kind's median step time there."""
+    def _best_measured(self, count: int) -> list[tuple[float, Strategy]]:
+        """The ``count`` search strategies fastest at an average job's level."""
+        search = {r.fingerprint: r.strategy for r in self._records()
+                  if r.status == "ok" and r.strategy is not None and r.kind.startswith(SEARCH_KIND)}
+        return [(s, Strategy.from_dict(search[f])) for f, s in self.levels.ranked(search)][:count]
+
+    def _confirm(self) -> tuple[Candidate, dict[str, float], list[Candidate]]:
+        """Measures the best search strategies, the fastest rivals and the reference rows again in one
+        job; returns the fastest of them, every kind's median step time there, and the lineup."""
         contenders = [Candidate(kind=f"{SEARCH_KIND}:top{i + 1}", strategy=s)
                       for i, (_, s) in enumerate(self._best_measured(self.settings.confirm_top))]
         lineup = self._fastest_references() + contenders
@@ -245,17 +266,34 @@ class Autotuner:
         if not confirmed:
             raise RuntimeError("the confirmation job measured nothing (every trial failed); see the trial logs")
         fastest = min(confirmed, key=confirmed.__getitem__)
-        return next(c for c in lineup if c.kind == fastest), confirmed
+        return next(c for c in lineup if c.kind == fastest), confirmed, lineup
 
     def _fastest_references(self) -> list[Candidate]:
-        """Plain Horovod and the ``confirm_top`` baselines measured fastest in the first round (a
-        baseline 2x slower than the best one cannot win a re-measurement; timing it would only
+        """The reference rows, and the ``confirm_top`` baselines and fp16 twins the trials found fastest
+        (a baseline 2x slower than the best one cannot win a re-measurement; timing it would only
         lengthen the confirmation job)."""
-        measured = {r.fingerprint: r.median_s for r in self._records() if r.status == "ok"}
-        baselines = sorted((c for c in self.references
-                            if c.kind.startswith(BASELINE_PREFIX) and c.fingerprint in measured),
-                           key=lambda c: measured[c.fingerprint])
-        return [c for c in self.references if c.kind == HOROVOD_KIND] + baselines[:self.settings.confirm_top]
+        speed = self.levels.strategy_s
+        measured = [c for c in self.references if c.fingerprint in speed]
+        rows = [c for c in measured if c.kind in (HOROVOD_KIND, HOROVOD_FP16_KIND)]
+        out = []
+        for fp16 in (False, True):
+            group = sorted((c for c in measured if c not in rows and bool(rival_levers(c.kind)) == fp16),
+                          key=lambda c: speed[c.fingerprint])
+            out += group[:self.settings.confirm_top]
+        return rows + out
+
+    def _as_simulated(self, candidate: Candidate) -> Strategy | None:
+        """What the simulator should predict for ``candidate`` (``None``: plain Horovod)."""
+        return self._training_strategy(candidate) if candidate.kind == HOROVOD_FP16_KIND else candidate.strategy
+
+    def _training_strategy(self, winner: Candidate) -> Strategy:
+        """What to train with: the winner's strategy; for a reference row, hybridsync's equivalent
+        (every variable ring all-reduced through Horovod, with fp16 for ``horovod-fp16``)."""
+        if winner.strategy is not None:
+            return winner.strategy
+        if winner.kind == HOROVOD_FP16_KIND:
+            return baselines.fp16_twin("allreduce", self.description.variables, self.cluster.num_servers)
+        return Strategy(variables={})
 
 
 def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec, *, seeds: Sequence[Strategy],

@@ -1,11 +1,14 @@
 """The autotune report: JSON for machines, Markdown for people, a PNG for both.
 
-- ``report.json``: the winner (kind and strategy), every trial (round, kind, predicted and
-  measured step time), the confirmation job's step time per kind, the speedups of the
-  winner over each baseline and over plain Horovod, and the wall time of each phase;
+- ``report.json``: the winner (kind, strategy and the levers it uses), its best fair rival
+  and the speedup over it (``hybridsync.autotune.result``: fp16 rivals count when the winner
+  uses fp16), the rivals that cannot run on this model and why, the confirmation job's step
+  time per kind, the speedup over each, the Kendall tau of the trials' ranking against the
+  confirmation job's, every trial (round, job, kind, predicted, measured and job-normalized
+  step time), every trial job's level and drift, and the wall time of each phase;
 - ``report.md``: the same as tables;
 - ``report.png``: predicted vs measured per trial, and the best step time so far against
-  trials measured, with the best baseline's line.
+  trials measured, with the best fair rival's line.
 """
 from __future__ import annotations
 
@@ -15,23 +18,31 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hybridsync.autotune.loop import AutotuneResult
+from hybridsync.autotune.result import TAU_TARGET, AutotuneResult, rival_rule
+from hybridsync.model.evaluate import describe_live, live_accuracy
 from hybridsync.trials.store import cluster_label
 
 
 def to_dict(result: AutotuneResult) -> dict[str, Any]:
     """The report as a JSON-ready document."""
-    best = result.best_baseline
+    best = result.best_rival
     return {
         "model": result.model, "cluster": result.cluster.to_dict(), "cluster_label": cluster_label(result.cluster.to_dict()),
+        "exact": result.exact,
         "winner": {"kind": result.winner_kind, "step_s": result.confirmed_s[result.winner_kind],
-                   "strategy": result.winner.to_dict()},
-        "best_baseline": None if best is None else {"kind": best[0], "step_s": best[1]},
-        "speedup_over_best_baseline": None if best is None else best[1] / result.confirmed_s[result.winner_kind],
+                   "levers": sorted(result.winner_levers), "strategy": result.winner.to_dict()},
+        "best_rival": None if best is None else {"kind": best[0], "step_s": best[1]},
+        "speedup_over_best_rival": result.speedup,
+        "not_runnable": dict(result.not_runnable),
         "speedups": {kind: result.speedup_over(kind) for kind in sorted(result.confirmed_s)},
         "confirmed_s": dict(sorted(result.confirmed_s.items(), key=lambda item: item[1])),
+        "trial_s": dict(sorted(result.trial_s.items(), key=lambda item: item[1])),
+        "kendall_tau": {"tau": result.kendall_tau, "strategies": len(set(result.trial_s) & set(result.confirmed_s)),
+                        "target": TAU_TARGET},
         "trials": [dataclasses.asdict(t) for t in result.trials],
+        "job_levels": result.job_levels,
         "best_so_far_s": result.best_so_far(),
+        "simulator_accuracy": live.to_dict() if (live := live_accuracy(result.trials)) else None,
         "seconds": result.seconds,
     }
 
@@ -49,23 +60,39 @@ def write_report(result: AutotuneResult, directory: str | os.PathLike[str]) -> l
 
 def markdown(doc: dict[str, Any]) -> str:
     """The report document as Markdown."""
-    winner, best = doc["winner"], doc["best_baseline"]
-    lines = [f"# Autotune: {doc['model']} on {doc['cluster_label']}", ""]
-    lines.append(f"Winner: **{winner['kind']}**, {winner['step_s'] * 1e3:.1f} ms per step in the confirmation job.")
+    winner, best = doc["winner"], doc["best_rival"]
+    lines = [f"# Autotune: {doc['model']} on {doc['cluster_label']}{' (exact)' if doc['exact'] else ''}", ""]
+    lines.append(f"Winner: **{winner['kind']}**, {winner['step_s'] * 1e3:.1f} ms per step in the confirmation job"
+                 f" (levers: {', '.join(winner['levers']) or 'none'}).")
     if best is not None:
-        lines.append(f"Best hand-made choice: {best['kind']}, {best['step_s'] * 1e3:.1f} ms: the winner is "
-                     f"**{doc['speedup_over_best_baseline']:.2f}x** as fast.")
+        lines.append(f"Best fair rival: {best['kind']}, {best['step_s'] * 1e3:.1f} ms: the winner is "
+                     f"**{doc['speedup_over_best_rival']:.2f}x** as fast ({rival_rule(doc)}).")
+    for kind, reason in doc["not_runnable"].items():
+        lines.append(f"Not runnable on this model: {kind}: {reason}.")
+    tau = doc["kendall_tau"]
+    lines.append("Trials vs confirmation: " + ("too few strategies in both for a Kendall tau" if tau["tau"] is None
+                 else f"Kendall tau **{tau['tau']:.2f}** over {tau['strategies']} strategies (target >= "
+                      f"{tau['target']})") + ".")
     seconds = doc["seconds"]
+    lines += ["", describe_live(doc.get("simulator_accuracy"))]
     lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()), "",
-              "## Confirmation job (one job, interleaved repeats)", "", "| kind | ms per step | winner's speedup |",
-              "| --- | ---: | ---: |"]
+              "## Confirmation job (one job, interleaved repeats)", "",
+              "| kind | ms per step | trials' ms (normalized) | winner's speedup |", "| --- | ---: | ---: | ---: |"]
     for kind, step_s in doc["confirmed_s"].items():
-        lines.append(f"| {kind} | {step_s * 1e3:.1f} | {doc['speedups'][kind]:.2f}x |")
-    lines += ["", "## Trials", "", "| # | round | kind | predicted ms | measured ms |", "| ---: | ---: | --- | ---: | ---: |"]
+        trial = doc["trial_s"].get(kind)
+        lines.append(f"| {kind} | {step_s * 1e3:.1f} | {'-' if trial is None else f'{trial * 1e3:.1f}'} | "
+                     f"{doc['speedups'][kind]:.2f}x |")
+    lines += ["", "## Trial jobs", "", "| job | trials | level | drift per minute |", "| --- | ---: | ---: | ---: |"]
+    for job, level in doc["job_levels"].items():
+        lines.append(f"| {job} | {level['trials']} | {level['level']:.3f} | {level['drift_per_min']:+.3f} |")
+    lines += ["", "## Trials", "", "| # | round | job | kind | predicted ms | measured ms | normalized ms |",
+              "| ---: | ---: | --- | --- | ---: | ---: | ---: |"]
     for i, trial in enumerate(doc["trials"], 1):
         measured = "failed" if trial["measured_s"] is None else f"{trial['measured_s'] * 1e3:.1f}"
+        normalized = "-" if trial["normalized_s"] is None else f"{trial['normalized_s'] * 1e3:.1f}"
         predicted = "-" if trial["predicted_s"] is None else f"{trial['predicted_s'] * 1e3:.1f}"
-        lines.append(f"| {i} | {trial['round']} | {trial['kind']} | {predicted} | {measured} |")
+        lines.append(f"| {i} | {trial['round']} | {trial['job'] or '-'} | {trial['kind']} | {predicted} | {measured} | "
+                     f"{normalized} |")
     return "\n".join(lines) + "\n"
 
 
@@ -88,10 +115,10 @@ def plot(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
     left.set(xlabel="measured ms per step", ylabel="predicted ms per step", title="simulator vs trials")
     left.legend()
     best = [b * 1e3 for b in doc["best_so_far_s"]]
-    right.plot(range(1, len(best) + 1), best, drawstyle="steps-post", label="best measured so far")
-    if doc["best_baseline"] is not None:
-        right.axhline(doc["best_baseline"]["step_s"] * 1e3, color="tab:orange", linestyle="--",
-                      label=f"best baseline (confirmed): {doc['best_baseline']['kind']}")
+    right.plot(range(1, len(best) + 1), best, drawstyle="steps-post", label="best measured so far (normalized)")
+    if doc["best_rival"] is not None:
+        right.axhline(doc["best_rival"]["step_s"] * 1e3, color="tab:orange", linestyle="--",
+                      label=f"best fair rival (confirmed): {doc['best_rival']['kind']}")
     right.axhline(doc["winner"]["step_s"] * 1e3, color="tab:green", linestyle=":", label="winner (confirmed)")
     right.set(xlabel="trials measured", ylabel="ms per step", title="best so far")
     right.legend(fontsize=8)

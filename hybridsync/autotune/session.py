@@ -36,9 +36,10 @@ def load_or_profile(model: str) -> Any:
             raise ValueError(f"{model}: has no compute timing; the search needs a profiled description "
                              f"(hybridsync profile -o {model} -- python train.py)")
         return description
-    from hybridsync.zoo import ZOO_MODELS
-    if model not in ZOO_MODELS:
-        raise ValueError(f"--model {model!r} is neither a file nor a zoo model ({', '.join(ZOO_MODELS)})")
+    from hybridsync.zoo import ZOO_MODELS, is_model
+    if not is_model(model):
+        raise ValueError(f"--model {model!r} is neither a file nor a zoo model ({', '.join(ZOO_MODELS)}, "
+                         f"or generated: gen-<family>-<k>)")
     from hybridsync.run.profile import profile_command
     output = os.path.join(tempfile.mkdtemp(prefix="hybridsync-profile-"), f"{model}.json")
     print(f"profiling the zoo model {model} (one process)...", file=sys.stderr)
@@ -67,8 +68,8 @@ def workload_for(model: str | None, command: Sequence[str]) -> Any:
     from hybridsync.trials.runner import ScriptWorkload, ZooWorkload
     if command:
         return ScriptWorkload(tuple(command))
-    from hybridsync.zoo import ZOO_MODELS
-    if model not in ZOO_MODELS:
+    from hybridsync.zoo import is_model
+    if model is None or not is_model(model):
         raise ValueError(f"the description names model {model!r}, which is not a zoo model: give the training "
                          f"script to measure trials with after --, e.g. -- python train.py")
     return ZooWorkload(model)
@@ -79,7 +80,7 @@ def autotune(description: Any, cluster: Any, *, target: Any, workload: Any, sett
     """Runs the autotune loop on ``target`` (entered by the caller: it lives as long as the caller
     needs the cluster) and writes the report into ``report_dir``; returns the result."""
     from hybridsync.autotune.loop import Autotuner
-    from hybridsync.autotune.report import to_dict, write_report
+    from hybridsync.autotune.report import write_report
     from hybridsync.description import description_id
     from hybridsync.trials.runner import TrialRunner, ZooWorkload
     from hybridsync.trials.store import TrialStore
@@ -97,11 +98,9 @@ def autotune(description: Any, cluster: Any, *, target: Any, workload: Any, sett
                           with_horovod=isinstance(workload, ZooWorkload), confirm_store=confirm_store)
         result = tuner.run()
     write_report(result, report_dir)
-    doc = to_dict(result)
-    best = doc["best_baseline"]
-    print(f"autotune: winner {result.winner_kind}, {doc['winner']['step_s'] * 1e3:.1f} ms per step"
-          + (f"; best baseline {best['kind']} {best['step_s'] * 1e3:.1f} ms: "
-             f"{doc['speedup_over_best_baseline']:.2f}x" if best else "")
-          + f"; {len(result.trials)} trials, {result.seconds['total']:.0f} s; report in {report_dir}")
+    tau = result.kendall_tau
+    print(f"autotune: {result.verdict()}; trials vs confirmation Kendall tau "
+          f"{'-' if tau is None else f'{tau:.2f}'}; {len(result.trials)} trials, {result.seconds['total']:.0f} s; "
+          f"report in {report_dir}")
     return result
 

@@ -9,7 +9,7 @@ from hybridsync.backends.base import (Backend, BackendFactory, Handle, KeyedBack
                                      ParameterSyncFactory, Reduction, RouteUnavailableError, SparseBackend)
 
 __all__ = ["Backend", "BackendFactory", "Handle", "KeyedBackend", "ParameterSync", "ParameterSyncFactory",
-           "Reduction", "RouteUnavailableError", "SparseBackend", "make_backend", "make_parameter_sync"]
+           "Reduction", "RouteUnavailableError", "SparseBackend", "forget_world", "make_backend", "make_parameter_sync"]
 
 
 def make_backend(route: str, variant: str, variables: Iterable[str] = (), namespace: str = "",
@@ -41,3 +41,12 @@ def make_parameter_sync(pieces: Sequence[tuple[str, torch.Tensor, int | None]], 
     pieces of parameters; its ``push_pull()`` runs after each local optimizer step."""
     from hybridsync.backends.ps.route import parameter_sync
     return parameter_sync(pieces, staleness, namespace)
+
+
+def forget_world() -> None:
+    """Close what backends share across plans for the job's current ranks (the hierarchical
+    route's Gloo groups), whichever routers hold it: those ranks are gone (a rank failed, or an
+    elastic reset re-formed the job). Peers waiting on this rank there fail at once instead of
+    waiting; the next plan builds them for the new world."""
+    from hybridsync.backends.hierarchical.groups import forget_hierarchical_groups
+    forget_hierarchical_groups()

@@ -1,14 +1,23 @@
-"""Waiting for a Horovod handle, optionally without keeping a core busy.
+"""Waiting for a Horovod handle (or any completion) without holding a core for long.
 
 Horovod 0.28.1's ``synchronize`` waits in a ``sched_yield`` loop, so every waiting rank
-holds a core. Where ranks share cores (CPU jobs with more ranks than cores, the emulated
-cluster) that starves the ranks and the kernel doing the actual transfer. Measured on 2
-emulated hosts x 2 ranks, 2 vCPUs, 200 Mbit/s uplinks, a 64 MiB ring all-reduce: 4.6-5.1 s
-and 7-10 CPU-s of system time per rank over 4 ops with Horovod's wait; 4.2 s (95% of the
-bandwidth bound) and 0.5-2.4 CPU-s with the sleeping wait.
+holds a core for as long as it waits: a rank stuck on a collective that never comes spun
+at ~66% of a core for an hour (issue 23). Where ranks share cores (CPU jobs with more ranks
+than cores, the emulated cluster) even short waits starve the ranks and the kernel doing
+the actual transfer. Measured on 2 emulated hosts x 2 ranks, 2 vCPUs, 200 Mbit/s uplinks, a
+64 MiB ring all-reduce: 4.6-5.1 s and 7-10 CPU-s of system time per rank over 4 ops with
+Horovod's wait; 4.2 s (95% of the bandwidth bound) and 0.5-2.4 CPU-s with the sleeping wait.
 
-``HYBRIDSYNC_WAIT`` picks: ``spin`` (default: Horovod's own wait, so swapping the import
-changes nothing) or ``sleep`` (the emulated cluster's launchers set it).
+Every wait here has three phases: it polls, yielding the core between polls (Horovod's own
+way, so a short wait ends as soon as it can), for ``SPIN_S``; then it sleeps between polls,
+backing off to ``MAX_SLEEP_S``; after ``LONG_WAIT_S`` it backs off further, to
+``LONG_SLEEP_S`` (a wait that long ends at most 1% late, and a stuck rank costs ~100
+wake-ups a second). A long wait is also watched (``hybridsync.backends.stalls``): ranks
+that wait for each other at different points of the program fail with an error naming them.
+
+``HYBRIDSYNC_WAIT`` picks the spin phase: ``spin`` (default: ``SPIN_S_SPINNING``, 1 s: a
+step's waits are Horovod's own) or ``sleep`` (``SPIN_S_SLEEPING``; the emulated cluster's
+launchers set it).
 
 TensorFlow jobs (``hybridsync.tensorflow``) wait differently by default: Horovod's TensorFlow
 ops complete through callbacks and hold no core while they wait, so the drop-in must not
@@ -18,17 +27,26 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from hybridsync import envvars
+from hybridsync.backends import stalls
 
-SPIN_S = 2e-3
-"""Poll (yielding the core) this long before sleeping: a step's many small messages finish
-within microseconds of each other, and a sleep's wake-up latency (~60 us) on each of them
-added ~3 ms to a 25 ms step of 50 messages (benchmarks/overhead.py: 1.10-1.15 instead of ~1.0)."""
+SPIN_S_SPINNING = 1.0
+"""``spin``: poll and yield this long before sleeping, so every wait of a healthy step is
+Horovod's own (a 20 ms spin phase made a step 1.15x slower than Horovod's wait on a loaded
+2-core host: waits that outlast it pay a sleep's wake-up); a longer one is a stuck or a badly
+straggling rank, and sleeps."""
+SPIN_S_SLEEPING = 2e-3
+"""``sleep``: a step's many small messages finish within microseconds of each other, and a
+sleep's wake-up latency (~60 us) on each of them added ~3 ms to a 25 ms step of 50 messages
+(benchmarks/overhead.py: 1.10-1.15 instead of ~1.0) when the wait slept at once."""
 FIRST_SLEEP_S = 20e-6
 MAX_SLEEP_S = 200e-6
 """Then sleep, backing off to this interval: at most ~0.2 ms late, ~5000 cheap wake-ups a second."""
+LONG_WAIT_S = 1.0
+LONG_SLEEP_S = 10e-3
+"""Past ``LONG_WAIT_S``, sleep up to this long between polls: at most 1% late, ~100 wake-ups a second."""
 CALLBACK_MAX_SLEEP_S = 1e-3
 """``wait_like_callbacks``' interval: a TensorFlow step's waits last tens of ms on a CPU cluster,
 where each wake-up takes a core from a rank still computing."""
@@ -57,28 +75,53 @@ def wait_like_callbacks() -> None:
     """
     global _SLEEPING, SPIN_S, MAX_SLEEP_S
     _SLEEPING = _sleeping(default="sleep")
-    SPIN_S, MAX_SLEEP_S = 0.0, CALLBACK_MAX_SLEEP_S
+    SPIN_S = 0.0 if _SLEEPING else SPIN_S_SPINNING
+    MAX_SLEEP_S = CALLBACK_MAX_SLEEP_S
 
 
 def wait(hvd: Any, handle: Any) -> Any:
-    """``hvd.synchronize(handle)``; with ``HYBRIDSYNC_WAIT=sleep``, sleeping between polls once
-    the wait is not short."""
-    if not _SLEEPING:
+    """``hvd.synchronize(handle)``, waiting as the module docstring says."""
+    if not hvd.poll(handle):  # most handles of a step are done by the time they are waited for
+        wait_until(lambda: hvd.poll(handle))
+    try:
         return hvd.synchronize(handle)
-    spin_until = time.perf_counter() + SPIN_S
-    while not hvd.poll(handle):
+    except Exception as e:
+        verdict = stalls.verdict()  # another rank found the ranks out of step, raised, and left
+        if verdict:
+            raise stalls.RanksOutOfStepError(verdict) from e
+        raise
+
+
+def wait_until(done: Callable[[], bool], *, spin: bool = True) -> None:
+    """Return once ``done()`` is true: spin for ``SPIN_S`` (unless ``spin`` is false: for work
+    that progresses on threads of its own, which a spinning rank would slow), then sleep,
+    backing off; a long wait is watched for ranks out of step (``stalls.RanksOutOfStepError``)."""
+    start = time.perf_counter()
+    spin_until = start + (SPIN_S if spin else 0.0)
+    while not done():
         if time.perf_counter() < spin_until:
             os.sched_yield()  # as Horovod does: a thread on this core that has work runs first
             continue
-        delay = FIRST_SLEEP_S
-        while not hvd.poll(handle):
+        _sleep_until(done, start)
+        return
+
+
+def _sleep_until(done: Callable[[], bool], start: float) -> None:
+    delay = FIRST_SLEEP_S
+    long_from = start + LONG_WAIT_S
+    with stalls.Watched(start) as watch:
+        while not done():
             time.sleep(delay)
-            delay = min(2 * delay, MAX_SLEEP_S)
-        break
-    return hvd.synchronize(handle)
+            if time.perf_counter() < long_from:
+                delay = min(2 * delay, MAX_SLEEP_S)
+                continue
+            delay = min(2 * delay, LONG_SLEEP_S)
+            watch.tick()
 
 
-_SLEEPING = _sleeping()  # read once: the hot path pays one global lookup
+_SLEEPING = _sleeping()  # read once
+SPIN_S = SPIN_S_SLEEPING if _SLEEPING else SPIN_S_SPINNING
+"""This process's spin phase (``HYBRIDSYNC_WAIT``, or ``wait_like_callbacks``)."""
 
 
 def barrier(hvd: Any, name: str = "hybridsync.barrier") -> None:

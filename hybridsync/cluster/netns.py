@@ -30,6 +30,7 @@ import threading
 import uuid
 from typing import Any, Mapping, Sequence
 
+from hybridsync.children import die_with_parent
 from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one place
     NAMESPACE_PREFIX,
     NETNS_ETC,
@@ -44,7 +45,7 @@ from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one 
 )
 from hybridsync.cluster.spec import SUBNET_MASK_BITS, ClusterSpec
 
-__all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "kill_pids", "leftovers",
+__all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "host_cpus", "kill_pids", "leftovers",
            "list_namespaces", "namespace_pids", "remove_leftovers", "require_root", "sh", "tbf_args"]
 
 NODE_IFACE = "eth0"
@@ -64,16 +65,32 @@ def tbf_args(bits_per_second: int) -> list[str]:
     return ["tbf", "rate", f"{bits_per_second}bit", "burst", str(burst), "limit", str(limit)]
 
 
+def host_cpus(node: int, nodes: int, cpus: Sequence[int]) -> tuple[int, ...]:
+    """The cores emulated host ``node`` (of ``nodes``) gets out of ``cpus``: an equal share of
+    them, or, with more hosts than cores, one core, shared round-robin."""
+    cpus = sorted(cpus)
+    if nodes >= len(cpus):
+        return (cpus[node % len(cpus)],)
+    share = len(cpus) // nodes
+    return tuple(cpus[node * share:(node + 1) * share])
+
+
 class EmulatedCluster:
     """A cluster of ``spec.nodes`` hosts as namespaces behind a shaped bridge.
 
     Use as a context manager (``with EmulatedCluster(spec) as cluster:``) or call
     ``up()``/``teardown()``. ``run()`` starts a process on a host; the returned ``Popen``
-    is tracked and killed at teardown.
+    is tracked and killed at teardown. With ``pin_hosts`` every process ``run()`` starts on
+    host i is pinned (``taskset``) to that host's share of this machine's cores (``host_cpus``),
+    as a real host has cores of its own: then every job places its processes the same way.
     """
 
-    def __init__(self, spec: ClusterSpec, *, job_id: str | None = None) -> None:
+    def __init__(self, spec: ClusterSpec, *, job_id: str | None = None, pin_hosts: bool = False) -> None:
         self.spec = spec
+        cores = sorted(os.sched_getaffinity(0))
+        self.cpus: tuple[tuple[int, ...], ...] | None = (
+            tuple(host_cpus(i, spec.nodes, cores) for i in range(spec.nodes)) if pin_hosts else None)
+        """The cores of each host (``pin_hosts``), or ``None``: the kernel places every process."""
         self.job_id = job_id or uuid.uuid4().hex[:6]
         if not re.fullmatch(r"[a-z0-9]{1,12}", self.job_id):
             raise ValueError(f"job_id must be 1-12 lowercase letters or digits, got {self.job_id!r}")
@@ -181,13 +198,20 @@ class EmulatedCluster:
         Code that finds its own address by resolving ``gethostname()`` then gets the node's
         address instead of 127.0.0.1 (Horovod 0.28's Gloo process sets do exactly that: they
         ignore ``HOROVOD_GLOO_IFACE``). The machine's own hostname also maps to this host.
+
+        Every IPv4 address is also listed in its IPv4-mapped IPv6 form (``::ffff:a.b.c.d``):
+        torch's ``TCPStore`` clients (our hierarchical groups, the PS route's RPC rendezvous)
+        connect over an IPv6 socket to the mapped address and reverse-resolve it; glibc looks
+        that form up in this file or asks DNS, and no DNS server is reachable from here, so
+        without these lines every client prints ``[c10d] The hostname of the client socket
+        cannot be retrieved. err=-3`` (EAI_AGAIN).
         """
         directory = os.path.join(NETNS_ETC, self.namespaces[index])
         os.makedirs(directory, exist_ok=True)
-        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
+        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback", "::ffff:127.0.0.1 localhost"]
         for other, ip in enumerate(self.ips):
             names = self.hostnames[other] + (f" {socket.gethostname()}" if other == index else "")
-            lines.append(f"{ip} {names}")
+            lines += [f"{ip} {names}", f"::ffff:{ip} {names}"]
         with open(os.path.join(directory, "hosts"), "w", encoding="ascii") as handle:
             handle.write("\n".join(lines) + "\n")
 
@@ -218,14 +242,15 @@ class EmulatedCluster:
         return self.namespaces[node_index]
 
     def enter_argv(self, node_index: int) -> list[str]:
-        """The prefix that runs a command on host ``node_index``: its network namespace and
-        a fresh UTS namespace whose hostname is ``n<i>``.
+        """The prefix that runs a command on host ``node_index``: its cores (``pin_hosts``), its
+        network namespace and a fresh UTS namespace whose hostname is ``n<i>``.
 
         Own hostnames keep tools that key state on the hostname apart (Open MPI's session
         directories and shared-memory segments collide, and crash, when all hosts say "vm").
         """
         namespace = self.namespace_of(node_index)
-        return ["ip", "netns", "exec", namespace, "unshare", "--uts",
+        pin = ["taskset", "-c", ",".join(map(str, self.cpus[node_index]))] if self.cpus is not None else []
+        return [*pin, "ip", "netns", "exec", namespace, "unshare", "--uts",
                 "sh", "-c", 'hostname "$1" && shift && exec "$@"', "sh", self.hostnames[node_index]]
 
     def run(
@@ -239,14 +264,19 @@ class EmulatedCluster:
         """Starts ``argv`` on host ``node_index`` (``ip netns exec``) and tracks it for teardown.
 
         ``env`` replaces the environment (default: ours). The process leads its own session,
-        so a signal from the terminal reaches us, not it, and teardown decides its end.
+        so a signal from the terminal reaches us, not it, and teardown decides its end; if
+        this process dies without a teardown (SIGKILL), the kernel sends it SIGTERM
+        (``hybridsync.children.die_with_parent``: ``ip netns exec``, ``unshare`` and ``sh``
+        exec in turn, so the command itself gets it). The namespaces stay: ``hybridsync
+        cluster down``.
         Teardown closes its pipes: read them before leaving the ``with`` block.
         """
         if self._state != "up":
             raise RuntimeError(f"cluster {self.job_id} is {self._state}, not up")
         command = [*self.enter_argv(node_index), *argv]
         proc = subprocess.Popen(
-            command, env=dict(env) if env is not None else None, start_new_session=True, **popen_kwargs
+            command, env=dict(env) if env is not None else None, start_new_session=True,
+            preexec_fn=die_with_parent(), **popen_kwargs
         )
         self._processes.append(proc)
         return proc

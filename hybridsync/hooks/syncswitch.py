@@ -121,8 +121,9 @@ class SyncController(StepHook):
         optimizer.replace_plan(self.strategy.with_ps_protocol(protocol))
         self.protocol = protocol
         self.switches.append(SwitchEvent(step=self.step, protocol=protocol, reason=reason))
-        print(f"hybridsync rank {self.rank}: PS variables switched to {protocol} after step {self.step} "
-              f"({reason})", file=sys.stderr, flush=True)
+        if self.rank == 0:  # every rank switched after this same step: one line says it for the job
+            print(f"hybridsync rank 0: PS variables switched to {protocol} after step {self.step} "
+                  f"({reason})", file=sys.stderr, flush=True)
 
     def restore_hyperparameters(self) -> None:
         """Undo the ASP scaling of ``lr`` and ``momentum`` (also when ``set_strategy`` replaces the

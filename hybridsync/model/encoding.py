@@ -198,6 +198,11 @@ class Units:
     densified_bytes: np.ndarray
     """(N,): dense bytes of sparse gradients sent whole (split, merged or hierarchical: the
     router densifies them every step, a CPU cost on every rank)."""
+    fp16_pieces: np.ndarray
+    """(N,): pieces sent as float16 (a cast each way, per piece, on every rank)."""
+    merged_pieces: np.ndarray
+    """(N,): pieces that travel in a merge group (copied into the message's flat buffer and back by
+    the router, or handed to Horovod as one grouped all-reduce that waits for all of them)."""
 
 
 def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) -> Units:
@@ -223,6 +228,8 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
     fp16_sent = np.where(batch.fp16 & ~touched & ~asynchronous, dense, 0.0)
     fp16_bytes, fp16_ps_bytes = fp16_sent.sum(axis=1), np.where(is_ps, fp16_sent, 0.0).sum(axis=1)
     densified_bytes = np.where(sparse & ~touched & ~asynchronous, arrays.nbytes, 0.0).sum(axis=1)
+    fp16_pieces = np.where(fp16_sent > 0, parts, 0).sum(axis=1)
+    merged_pieces = np.where(grouped & ~asynchronous, parts, 0).sum(axis=1)
 
     order = arrays.ready_order  # units: columns in ready order
     route = np.where(gather, GATHER, np.where(asynchronous, PS_ASYNC, batch.route))
@@ -253,7 +260,8 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
                  ready_s=np.broadcast_to(arrays.ready_s[order], (n, v)), sparse_bytes=unit_sparse,
                  server_bytes=server_bytes, balanced_bytes=balanced.sum(axis=1),
                  largest_key=key.max(axis=1) if v else np.zeros(n),
-                 fp16_bytes=fp16_bytes, fp16_ps_bytes=fp16_ps_bytes, densified_bytes=densified_bytes)
+                 fp16_bytes=fp16_bytes, fp16_ps_bytes=fp16_ps_bytes, densified_bytes=densified_bytes,
+                 fp16_pieces=fp16_pieces, merged_pieces=merged_pieces)
 
 
 def _group_placement(share: np.ndarray, group: np.ndarray) -> np.ndarray:

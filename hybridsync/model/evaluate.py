@@ -1,8 +1,9 @@
 """How good is a simulator: ranking and error metrics, held-out evaluation, transfer, a plot.
 
-Metrics are computed per query group, a (model, cluster) pair, since a search only ever
-compares strategies of one model on one cluster, then averaged over groups weighted by
-their trials:
+Metrics are computed per query group, a trial job (model, cluster, job): a search only ever
+compares strategies of one model on one cluster, and step times of different jobs are not
+comparable (a job has a level of its own, up to 30% apart on these machines). They are
+then averaged over groups weighted by their trials:
 
 - pairwise ranking accuracy: of the pairs of trials with different measured times, the
   share the prediction orders the same way (AutoSync's metric; ~0.84-0.92 there);
@@ -10,26 +11,32 @@ their trials:
   ``NOISE_Z`` standard errors of the difference (each trial's ``Sample.noise_s``); pairs closer
   than that are coin flips of the measurement, which no simulator can be asked to order;
 - Kendall tau (scipy) of predicted vs measured;
-- MAPE: mean |predicted - measured| / measured;
+- MAPE: mean |predicted - measured| / measured, raw, and within jobs (``mape_job``: each job's
+  predictions scaled by its level, the geometric mean of measured / predicted over its
+  controls, plain Horovod and the baselines, or over all its trials when it has none);
 - top-1 regret: measured time of the predicted-best trial over the measured best, minus 1.
 
-``cross_validate`` holds out one model (or one cluster) at a time, fits on the rest and
-scores the held-out trials; ``transfer`` warm-starts a simulator with k trials of a held-out
-model. Randomness only from explicit seeds.
+``cross_validate`` holds out one model, one model family (``family_of``: ``gen-<family>-<k>``
+for the generator's models, a family of its own for every other model) or one cluster at a
+time, fits on the rest and scores the held-out trials; ``transfer`` warm-starts a simulator
+with k trials of a held-out model; ``live_accuracy`` scores the predictions an autotune made
+before its trials ran. Randomness only from explicit seeds.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Callable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
 from hybridsync.model.analytic import CostConstants
+from hybridsync.model.links import LinkConstants
 from hybridsync.model.simulator import BoosterParams, Sample, Simulator, median_standard_error
-from hybridsync.trials.store import cluster_label
+from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND, cluster_label
 
-Split = Literal["model", "cluster"]
+Split = Literal["model", "family", "cluster"]
+SPLITS = ("model", "family", "cluster")
 NOISE_Z = 2.0
 """A pair counts for the noise-aware accuracy when |m_i - m_j| > NOISE_Z * sqrt(se_i^2 + se_j^2)
 (about 95% sure of the measured order)."""
@@ -48,18 +55,42 @@ class Metrics:
     """Pairwise accuracy over the pairs the measurements resolve (``NOISE_Z``; nan without noise estimates)."""
     resolved_share: float = float("nan")
     """Share of the pairs of different measured times that the measurements resolve."""
+    mape_job: float = float("nan")
+    """MAPE once each group's level is taken out (module docstring); nan without groups' controls given."""
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        """JSON-ready: nan (not computed) as ``None``."""
+        return {k: None if isinstance(v, float) and not np.isfinite(v) else v
+                for k, v in dataclasses.asdict(self).items()}
 
 
-def group_key(sample: Sample) -> tuple[str, str]:
-    """A sample's query group: (model, cluster label)."""
-    return sample.model, cluster_label(sample.cluster.to_dict())
+CONTROL_KINDS = (HOROVOD_KIND, BASELINE_PREFIX)
+"""Kind prefixes of a job's controls: plain Horovod and the hand-made baselines."""
+
+
+def group_key(sample: Sample) -> tuple[str, str, str]:
+    """A sample's query group, its trial job: (model, cluster label, job)."""
+    return sample.model, cluster_label(sample.cluster.to_dict()), sample.job
+
+
+def family_of(model: str) -> str:
+    """A model's family: ``recsys`` for the generator's ``gen-recsys-7``; any other model (the
+    zoo's, a user's) is a family of its own."""
+    parts = model.split("-")
+    return parts[1] if len(parts) >= 3 and parts[0] == "gen" else model
+
+
+def is_control(kind: str) -> bool:
+    """Whether a trial of this kind is one of its job's controls (``CONTROL_KINDS``)."""
+    return kind.startswith(CONTROL_KINDS)
 
 
 def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object],
-          noise: np.ndarray | None = None) -> Metrics:
+          noise: np.ndarray | None = None, controls: np.ndarray | None = None) -> Metrics:
     """Metrics of ``predicted`` vs ``measured`` seconds; ``groups[i]`` is trial i's query group;
     ``noise[i]`` the standard error of ``measured[i]`` (the noise-aware pairwise accuracy; all
-    zero or ``None``: not computed)."""
+    zero or ``None``: not computed); ``controls[i]`` whether trial i is a control of its group
+    (``mape_job``; ``None``: not computed)."""
     predicted, measured = np.asarray(predicted, float), np.asarray(measured, float)
     if predicted.shape != measured.shape or len(predicted) != len(groups) or len(predicted) == 0:
         raise ValueError(f"score: need as many predictions ({predicted.shape}), measurements ({measured.shape}) "
@@ -67,6 +98,7 @@ def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object],
     noise = None if noise is None or not np.any(noise) else np.asarray(noise, float)
     if noise is not None and noise.shape != measured.shape:
         raise ValueError(f"score: need a noise estimate per measurement, got {noise.shape} for {measured.shape}")
+    leveled = None if controls is None else np.zeros_like(predicted)
     resolved_agree = resolved = 0
     by_group: dict[object, list[int]] = defaultdict(list)
     for i, group in enumerate(groups):
@@ -91,12 +123,17 @@ def score(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[object],
             tau_weights.append(len(members))
         regrets.append(m[np.argmin(p)] / m.min() - 1.0)
         regret_weights.append(len(members))
+        if leveled is not None:
+            mine = np.asarray(controls, bool)[members]
+            basis = mine if mine.any() else np.ones(len(members), bool)
+            leveled[members] = p * np.exp(np.mean(np.log(m[basis] / p[basis])))
     return Metrics(pairwise=agree / pairs if pairs else float("nan"),
                    kendall_tau=float(np.average(taus, weights=tau_weights)) if taus else float("nan"),
                    mape=float(np.mean(np.abs(predicted - measured) / measured)),
                    top1_regret=float(np.average(regrets, weights=regret_weights)), trials=len(predicted),
                    pairwise_resolved=resolved_agree / resolved if resolved else float("nan"),
-                   resolved_share=resolved / pairs if noise is not None and pairs else float("nan"))
+                   resolved_share=resolved / pairs if noise is not None and pairs else float("nan"),
+                   mape_job=float("nan") if leveled is None else float(np.mean(np.abs(leveled - measured) / measured)))
 
 
 def split_half(step_times: Sequence[Sequence[float]], groups: Sequence[object]) -> Metrics:
@@ -141,48 +178,64 @@ class Row:
     metrics: Metrics
     predicted: np.ndarray = dataclasses.field(repr=False)
     measured: np.ndarray = dataclasses.field(repr=False)
-    groups: tuple[tuple[str, str], ...] = dataclasses.field(repr=False, default=())
-    """Each test trial's query group (model, cluster label)."""
+    groups: tuple[tuple[str, str, str], ...] = dataclasses.field(repr=False, default=())
+    """Each test trial's query group (model, cluster label, job)."""
     timed_steps: tuple[int, ...] = dataclasses.field(repr=False, default=())
     """Each test trial's number of timed steps."""
     noise: tuple[float, ...] = dataclasses.field(repr=False, default=())
     """Each test trial's ``Sample.noise_s`` (empty: unknown)."""
+    controls: tuple[bool, ...] = dataclasses.field(repr=False, default=())
+    """Whether each test trial is a control of its job (``is_control``; empty: unknown)."""
+
+    @classmethod
+    def of(cls, *, kind: str, split: str, held_out: str, train_trials: int, predicted: np.ndarray,
+           measured: np.ndarray, groups: Sequence[tuple[str, str, str]], timed_steps: Sequence[int],
+           noise: Sequence[float], controls: Sequence[bool]) -> "Row":
+        """A row scored on its own predictions (``score``)."""
+        noise, controls = tuple(noise), tuple(controls)
+        return cls(kind=kind, split=split, held_out=held_out, train_trials=train_trials, predicted=predicted,
+                   measured=measured, groups=tuple(groups), timed_steps=tuple(timed_steps), noise=noise,
+                   controls=controls, metrics=score(predicted, measured, groups, np.array(noise) if noise else None,
+                                                    np.array(controls) if controls else None))
 
     def where(self, keep: np.ndarray) -> "Row":
         """This row scored on the test trials ``keep`` (a boolean mask) selects."""
-        groups = tuple(g for g, k in zip(self.groups, keep) if k)
-        noise = tuple(np.asarray(self.noise)[keep]) if self.noise else ()
-        return dataclasses.replace(self, predicted=self.predicted[keep], measured=self.measured[keep], groups=groups,
-                                   timed_steps=tuple(np.asarray(self.timed_steps)[keep]), noise=noise,
-                                   metrics=score(self.predicted[keep], self.measured[keep], groups,
-                                                 np.array(noise) if noise else None))
+        def kept(values: tuple) -> tuple:
+            return tuple(v for v, k in zip(values, keep) if k)
+        return Row.of(kind=self.kind, split=self.split, held_out=self.held_out, train_trials=self.train_trials,
+                      predicted=self.predicted[keep], measured=self.measured[keep], groups=kept(self.groups),
+                      timed_steps=kept(self.timed_steps), noise=kept(self.noise), controls=kept(self.controls))
 
     @property
     def models(self) -> tuple[str, ...]:
         return tuple(group[0] for group in self.groups)
 
 
-def _held_out_name(sample: Sample, split: Split) -> str:
-    return sample.model if split == "model" else cluster_label(sample.cluster.to_dict())
+def held_out_name(sample: Sample, split: Split) -> str:
+    """What a ``split`` holds out that ``sample`` belongs to: its model, family or cluster label."""
+    if split == "model":
+        return sample.model
+    return family_of(sample.model) if split == "family" else cluster_label(sample.cluster.to_dict())
 
 
 def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: Sequence[str] = ("analytic",
                    "xgboost", "both"), constants: CostConstants | None = None,
-                   params: BoosterParams | None = None) -> list[Row]:
-    """Leave-one-model-out (``split="model"``) or leave-one-cluster-out evaluation of each kind."""
-    if split not in ("model", "cluster"):
-        raise ValueError(f"split must be 'model' or 'cluster', got {split!r}")
-    names = sorted({_held_out_name(s, split) for s in samples})
+                   params: BoosterParams | None = None, links: Mapping[str, LinkConstants] | None = None) -> list[Row]:
+    """Leave-one-model-out (``split="model"``), leave-one-family-out or leave-one-cluster-out
+    evaluation of each kind (``links``: calibrated clusters, ``Simulator.fit(calibrations=)``)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    names = sorted({held_out_name(s, split) for s in samples})
     if len(names) < 2:
         raise ValueError(f"cross_validate: need trials of at least two {split}s, got {names}")
     rows = []
     for name in names:
-        train = [s for s in samples if _held_out_name(s, split) != name]
-        test = [s for s in samples if _held_out_name(s, split) == name]
+        train = [s for s in samples if held_out_name(s, split) != name]
+        test = [s for s in samples if held_out_name(s, split) == name]
         fitted_constants = None
         for kind in kinds:
             simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params)
-            simulator.fit(train, refit_constants=fitted_constants is None)
+            simulator.fit(train, refit_constants=fitted_constants is None, calibrations=links)
             if kind != "xgboost":
                 fitted_constants = simulator.constants  # analytic and both share one least-squares fit
             rows.append(_row(simulator, kind, split, name, len(train), test))
@@ -191,29 +244,26 @@ def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: 
 
 def _row(simulator: Simulator, kind: str, split: str, held_out: str, train_trials: int,
          test: Sequence[Sample]) -> Row:
-    predicted = predict_samples(simulator, test)
-    measured = np.array([s.step_s for s in test])
-    noise = np.array([s.noise_s for s in test])
-    return Row(kind=kind, split=split, held_out=held_out, train_trials=train_trials,
-               metrics=score(predicted, measured, [group_key(s) for s in test], noise), predicted=predicted,
-               measured=measured, groups=tuple(group_key(s) for s in test),
-               timed_steps=tuple(s.timed_steps for s in test), noise=tuple(noise))
+    return Row.of(kind=kind, split=split, held_out=held_out, train_trials=train_trials,
+                  predicted=predict_samples(simulator, test), measured=np.array([s.step_s for s in test]),
+                  groups=[group_key(s) for s in test], timed_steps=[s.timed_steps for s in test],
+                  noise=[s.noise_s for s in test], controls=[is_control(s.kind) for s in test])
 
 
 def transfer(samples: Sequence[Sample], *, held_out: str, split: Split = "model", ks: Sequence[int] = (0, 5, 10, 20),
              seed: int = 0, constants: CostConstants | None = None, params: BoosterParams | None = None,
-             kind: str = "both") -> list[Row]:
-    """Fit on every model (or cluster, by ``split``) but ``held_out``, then warm-start with k of
-    its trials (drawn with ``seed``) and score on its other trials (the same test set for every
-    k: those not among the largest k's draws)."""
-    train = [s for s in samples if _held_out_name(s, split) != held_out]
-    target = [s for s in samples if _held_out_name(s, split) == held_out]
+             kind: str = "both", links: Mapping[str, LinkConstants] | None = None) -> list[Row]:
+    """Fit on every model (or family or cluster, by ``split``) but ``held_out``, then warm-start
+    with k of its trials (drawn with ``seed``) and score on its other trials (the same test set
+    for every k: those not among the largest k's draws)."""
+    train = [s for s in samples if held_out_name(s, split) != held_out]
+    target = [s for s in samples if held_out_name(s, split) == held_out]
     if not train or len(target) <= max(ks):
         raise ValueError(f"transfer: need other models' trials and more than {max(ks)} of {held_out!r}, "
                          f"got {len(train)} and {len(target)}")
     order = np.random.default_rng(seed).permutation(len(target))
     test = [target[i] for i in order[max(ks):]]
-    base = Simulator(kind=kind, constants=constants, params=params).fit(train)
+    base = Simulator(kind=kind, constants=constants, params=params).fit(train, calibrations=links)
     rows = []
     for k in ks:
         simulator = base if k == 0 else Simulator(kind=kind, params=params).fit(
@@ -222,35 +272,60 @@ def transfer(samples: Sequence[Sample], *, held_out: str, split: Split = "model"
     return rows
 
 
+def live_accuracy(trials: Iterable[Any]) -> Metrics | None:
+    """How well an autotune's simulator predicted its own trials, each predicted before it ran:
+    ``trials`` have ``predicted_s``, ``measured_s`` (``None``: failed) and ``round`` (one trial job
+    per round, so pairs and regret are taken within rounds). ``None`` when fewer than two trials
+    of a round were measured. (``autotune.loop.TrialOutcome`` has these fields.)"""
+    kept = [t for t in trials if t.measured_s is not None and t.predicted_s is not None]
+    rounds = defaultdict(int)
+    for trial in kept:
+        rounds[trial.round] += 1
+    kept = [t for t in kept if rounds[t.round] >= 2]
+    if not kept:
+        return None
+    return score(np.array([t.predicted_s for t in kept]), np.array([t.measured_s for t in kept]),
+                 [t.round for t in kept], controls=np.array([is_control(getattr(t, "kind", "")) for t in kept]))
+
+
+def describe_live(metrics: Mapping[str, Any] | None) -> str:
+    """One line for an autotune report: ``live_accuracy`` (as ``Metrics.to_dict``) in words."""
+    if not metrics:
+        return "Simulator accuracy on these trials: too few trials measured in one round to say."
+    return (f"Simulator accuracy on these trials (each predicted before it ran; pairs within a round's job): "
+            f"pairwise {metrics['pairwise']:.2f}, Kendall tau {metrics['kendall_tau']:.2f}, top-1 regret "
+            f"{metrics['top1_regret']:.1%}, MAPE {metrics['mape']:.1%} ({metrics['mape_job']:.1%} within a job), "
+            f"{metrics['trials']} trials.")
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    """The rows as a fixed-width text table."""
+    """The rows as a fixed-width text table (``MAPE/job``: ``Metrics.mape_job``)."""
     lines = [f"{'split':<14} {'held out':<16} {'kind':<9} {'train':>6} {'test':>5} {'pairwise':>9} "
-             f"{'pw>noise':>9} {'tau':>6} {'MAPE':>7} {'regret':>7}"]
+             f"{'pw>noise':>9} {'tau':>6} {'MAPE':>7} {'MAPE/job':>9} {'regret':>7}"]
     for row in rows:
         m = row.metrics
         lines.append(f"{row.split:<14} {row.held_out:<16} {row.kind:<9} {row.train_trials:>6} {m.trials:>5} "
                      f"{m.pairwise:>9.3f} {m.pairwise_resolved:>9.3f} {m.kendall_tau:>6.3f} {m.mape:>6.1%} "
-                     f"{m.top1_regret:>6.1%}")
+                     f"{m.mape_job:>8.1%} {m.top1_regret:>6.1%}")
     return "\n".join(lines)
 
 
 def summarize(rows: Sequence[Row], *, key: Callable[[Row], str] = lambda row: f"{row.split} {row.kind}") -> list[Row]:
     """One pooled row per ``key`` (e.g. per split and kind): the metrics of all its predictions
-    together, (model, cluster) groups kept apart."""
+    together, jobs kept apart."""
     pooled: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
         pooled[key(row)].append(row)
     out = []
-    for name, members in pooled.items():
-        predicted = np.concatenate([r.predicted for r in members])
-        measured = np.concatenate([r.measured for r in members])
-        groups = tuple(g for r in members for g in r.groups)
-        noise = tuple(n for r in members for n in r.noise) if all(r.noise for r in members) else ()
-        out.append(Row(kind=members[0].kind, split=members[0].split, held_out="all",
-                       train_trials=int(np.mean([r.train_trials for r in members])),
-                       metrics=score(predicted, measured, groups, np.array(noise) if noise else None),
-                       predicted=predicted, measured=measured, groups=groups, noise=noise,
-                       timed_steps=tuple(n for r in members for n in r.timed_steps)))
+    for members in pooled.values():
+        def joined(field: str) -> tuple:
+            return tuple(v for r in members for v in getattr(r, field)) if all(getattr(r, field) for r in members) \
+                else ()
+        out.append(Row.of(kind=members[0].kind, split=members[0].split, held_out="all",
+                          train_trials=int(np.mean([r.train_trials for r in members])),
+                          predicted=np.concatenate([r.predicted for r in members]),
+                          measured=np.concatenate([r.measured for r in members]), groups=joined("groups"),
+                          timed_steps=joined("timed_steps"), noise=joined("noise"), controls=joined("controls")))
     return out
 
 

@@ -14,9 +14,9 @@ Three kinds, to compare what each part brings:
 - ``both`` (default): trees regress log(measured / analytic) on every feature, so they
   learn what the analytic model misses (contention for the cores, densifying, mixing
   routes) and fall back to it where they know nothing. By default (``BoosterParams.target``)
-  that log ratio is centered within each (model, cluster) before the fit: the trees learn
-  how strategies of one job differ, not how far off the analytic level of each training
-  model was, which does not carry over to another model; the level is the analytic model's.
+  that log ratio is centered within each trial job before the fit: the trees learn how
+  strategies of one job differ, not how far off the analytic level of each training job
+  was, which does not carry over to another model or job; the level is the analytic model's.
 
 Warm start (``fit(..., base=...)``): keeps the base's constants and adds ``warm_rounds``
 trees fit to the new trials on top of the base's (xgboost's ``xgb_model=`` continuation).
@@ -24,6 +24,7 @@ Torch-free; xgboost with one thread (the machine's cores belong to measurements)
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -36,16 +37,17 @@ import numpy as np
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id, parse_description
-from hybridsync.model.analytic import CostConstants, analytic_terms, fit_constants, reference_terms
+from hybridsync.model.analytic import CostConstants, Problem, analytic_terms, fit_constants, job_residuals, reference_terms
 from hybridsync.model.encoding import ModelArrays, StrategyBatch, Units, from_strategies, model_arrays, units
 from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
+from hybridsync.model.links import LinkConstants, mean_deviation, nominal_links, relative_links
 from hybridsync.strategy import Strategy
 
 Kind = Literal["both", "xgboost", "analytic"]
 Target = Literal["centered", "log_ratio"]
 KINDS: tuple[str, ...] = ("both", "xgboost", "analytic")
 FORMAT = "hybridsync-simulator"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,6 +68,16 @@ class Sample:
     noise_s: float = 0.0
     """Standard error of ``step_s`` estimated from the timed steps (``median_standard_error``;
     0: unknown): how far apart two trials must be before their order means anything."""
+    job: str = ""
+    """The trial job that measured it: times of different jobs are not comparable (a job has
+    a level of its own), so fits and metrics compare trials within a job ("": one job per
+    model and cluster)."""
+    kind: str = ""
+    """The trial's kind (``horovod``, ``baseline:<name>``, ``random``, ``search:r<k>``...):
+    plain Horovod and the baselines are a job's controls."""
+    job_position: float = 0.0
+    """When in its job the trial ran: 0 for the job's first trial, 1 for its last (by start
+    time). Step times drift within a job; a fit can take that out of its targets."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,9 +98,10 @@ class BoosterParams:
     seed: int = 0
     """xgboost's seed: equal seeds and data give equal models."""
     target: Target = "centered"
-    """``both`` only, fresh fits: ``centered`` subtracts each (model, cluster)'s mean of
-    log(measured / analytic) from its trials' targets; ``log_ratio`` keeps it. A warm start
-    fits the plain log ratio, so a few trials of a new job also correct its level."""
+    """``both`` only: ``centered`` takes each trial job's level (and drift, ``Sample.job_position``)
+    out of log(measured / analytic) before the trees see it (``analytic.job_residuals``), fresh
+    fits and warm starts alike: a job's level is its own, and an autotune's next round runs in
+    a new job; ``log_ratio`` keeps it."""
 
     def __post_init__(self) -> None:
         if self.target not in ("centered", "log_ratio"):
@@ -131,18 +144,29 @@ def load_samples(store: Any, *, model: str | None = None, cluster: Any = None) -
 def samples_from_records(records: Iterable[Any], descriptions: Mapping[str, ModelDescription]) -> list[Sample]:
     """``Sample``s of trial records (``TrialRecord``) that have timed steps; ``ValueError`` for a
     record whose description is missing."""
-    out = []
-    for record in records:
-        if record.status != "ok" or not record.median_s:
-            continue
+    kept = [record for record in records if record.status == "ok" and record.median_s]
+    for record in kept:
         if record.description_id not in descriptions:
             raise ValueError(f"trial {record.uid} ({record.model}): its description {record.description_id} "
                              f"is not in the store")
-        out.append(Sample(model=record.model, description=descriptions[record.description_id],
-                          cluster=ClusterSpec.from_dict(record.cluster), step_s=float(record.median_s),
-                          strategy=None if record.strategy is None else Strategy.from_dict(record.strategy),
-                          timed_steps=len(record.timed_steps),
-                          noise_s=median_standard_error(record.timed_steps)))
+    return [Sample(model=record.model, description=descriptions[record.description_id],
+                   cluster=ClusterSpec.from_dict(record.cluster), step_s=float(record.median_s),
+                   strategy=None if record.strategy is None else Strategy.from_dict(record.strategy),
+                   timed_steps=len(record.timed_steps), noise_s=median_standard_error(record.timed_steps),
+                   job=record.job or "", kind=record.kind, job_position=position)
+            for record, position in zip(kept, _job_positions(kept))]
+
+
+def _job_positions(records: Sequence[Any]) -> list[float]:
+    """Each record's place in its job by start time, from 0 (first) to 1 (last; a lone trial: 0)."""
+    by_job: dict[str, list[int]] = defaultdict(list)
+    for i, record in enumerate(records):
+        by_job[record.job or ""].append(i)
+    out = [0.0] * len(records)
+    for members in by_job.values():
+        ordered = sorted(members, key=lambda i: records[i].started)
+        for rank, i in enumerate(ordered):
+            out[i] = rank / max(len(ordered) - 1, 1)
     return out
 
 
@@ -167,30 +191,46 @@ class _Problem:
     step_s: np.ndarray
     indices: np.ndarray
     """Positions of these samples in the list given to ``fit``."""
+    links: LinkConstants
+    jobs: np.ndarray
+    """Each sample's job."""
+    positions: np.ndarray
+    """Each sample's ``job_position``."""
+
+    def fit_problem(self) -> Problem:
+        return Problem(self.arrays, self.units, self.cluster, self.step_s, self.links, self.jobs, self.positions)
 
 
 class Simulator:
     """Predicts the step time of strategies for a (model description, cluster)."""
 
     def __init__(self, *, kind: Kind = "both", constants: CostConstants | None = None,
-                 params: BoosterParams | None = None) -> None:
+                 params: BoosterParams | None = None, links: Mapping[str, LinkConstants] | None = None) -> None:
+        """``links``: measured paths of clusters, by ``cluster_label`` (``calibrated``), priced
+        relative to the calibrations of the clusters it was fit on (``links.relative_links``);
+        any other cluster is priced by its spec (``nominal_links``)."""
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         self.kind = kind
         self.constants = constants or CostConstants()
         self.params = params or BoosterParams()
+        self.links: dict[str, LinkConstants] = dict(links or {})
+        self.reference: dict[str, float] = {}
+        """``links.mean_deviation`` of the training clusters' calibrations (``fit(calibrations=)``)."""
         self.booster: Any = None
         self.meta: dict[str, Any] = {}
         self._columns = [j for j, name in enumerate(FEATURE_NAMES) if kind == "both" or name not in ANALYTIC_FEATURES]
 
     # --- fitting ------------------------------------------------------------------------
-    def fit(self, samples: Sequence[Sample], *, base: "Simulator | None" = None,
-            refit_constants: bool = True) -> "Simulator":
+    def fit(self, samples: Sequence[Sample], *, base: "Simulator | None" = None, refit_constants: bool = True,
+            calibrations: Mapping[str, LinkConstants] | None = None) -> "Simulator":
         """Fit to measured ``samples`` (returns ``self``). With ``base``: warm start from it
-        (its kind, constants and trees, plus ``warm_rounds`` trees for these samples).
-        ``refit_constants=False`` keeps the analytic constants given to the constructor.
-        ``ValueError`` for no samples, a description without timing, or a strategy the
-        sample's cluster cannot run."""
+        (its kind, constants, calibrations and trees, plus ``warm_rounds`` trees for these
+        samples). ``refit_constants=False`` keeps the analytic constants given to the
+        constructor. ``calibrations``: measured paths of (some of) the samples' clusters, by
+        label: the training clusters are priced by their spec, and these become the reference
+        a later calibration is read against (``links.relative_links``). ``ValueError`` for no
+        samples, a description without timing, or a strategy the sample's cluster cannot run."""
         samples = list(samples)
         if not samples:
             raise ValueError("Simulator.fit: no samples (is the trial store empty, or every trial failed?)")
@@ -202,10 +242,15 @@ class Simulator:
             if base.kind != self.kind:
                 raise ValueError(f"warm start from a {base.kind!r} simulator into a {self.kind!r} one")
             self.constants = base.constants
+            self.links, self.reference = {**base.links, **self.links}, dict(base.reference)
+        elif calibrations:
+            from hybridsync.trials.store import cluster_label
+            clusters = {cluster_label(s.cluster.to_dict()): s.cluster for s in samples}
+            self.reference = mean_deviation([(clusters[label], links) for label, links in calibrations.items()
+                                             if label in clusters])
         problems = self._problems(samples)
         if self.kind != "xgboost" and base is None and refit_constants:
-            self.constants = fit_constants([(p.arrays, p.units, p.cluster, p.step_s) for p in problems],
-                                           self.constants)
+            self.constants = fit_constants([p.fit_problem() for p in problems], self.constants)
         if self.kind != "analytic":
             self._fit_booster(problems, len(samples), base)
         self.meta = {"samples": len(samples) + (base.meta.get("samples", 0) if base else 0),
@@ -226,8 +271,24 @@ class Simulator:
             problems.append(_Problem(arrays=arrays, cluster=first.cluster,
                                      units=units(arrays, batch, partition_bytes=self.constants.partition_bytes),
                                      step_s=np.array([samples[i].step_s for i in indices]),
-                                     indices=np.array(indices)))
+                                     indices=np.array(indices), links=self.links_for(first.cluster),
+                                     jobs=np.array([samples[i].job for i in indices]),
+                                     positions=np.array([samples[i].job_position for i in indices])))
         return problems
+
+    def links_for(self, cluster: ClusterSpec) -> LinkConstants:
+        """The paths the cluster is priced by: calibrated (``calibrated``) or from its spec."""
+        from hybridsync.trials.store import cluster_label
+        measured = self.links.get(cluster_label(cluster.to_dict()))
+        return nominal_links(cluster) if measured is None else relative_links(cluster, measured, self.reference)
+
+    def calibrated(self, cluster: ClusterSpec, links: LinkConstants) -> "Simulator":
+        """This simulator pricing ``cluster`` with measured ``links`` (``model.calibration``): a copy
+        sharing its constants and trees."""
+        from hybridsync.trials.store import cluster_label
+        out = copy.copy(self)
+        out.links = {**self.links, cluster_label(cluster.to_dict()): links}
+        return out
 
     def _fit_booster(self, problems: Sequence[_Problem], count: int, base: "Simulator | None") -> None:
         import xgboost
@@ -235,13 +296,13 @@ class Simulator:
         features = np.zeros((count, len(self._columns)), dtype=np.float32)
         target = np.zeros(count)
         for p in problems:
-            terms = analytic_terms(p.arrays, p.units, p.cluster, self.constants)
-            reference = reference_terms(p.arrays, p.cluster, self.constants)["step_s"][0]
-            matrix = feature_matrix(p.arrays, p.units, p.cluster, terms, reference_s=reference)
+            terms = analytic_terms(p.arrays, p.units, p.cluster, self.constants, p.links)
+            reference = reference_terms(p.arrays, p.cluster, self.constants, p.links)
+            matrix = feature_matrix(p.arrays, p.units, p.cluster, terms, reference=reference)
             features[p.indices] = matrix[:, self._columns]
             ratio = np.log(p.step_s) - (np.log(terms["step_s"]) if self.kind == "both" else 0.0)
-            if self.kind == "both" and base is None and self.params.target == "centered":
-                ratio = ratio - ratio.mean()
+            if self.kind == "both" and self.params.target == "centered":
+                ratio = -job_residuals(-ratio, p.jobs, p.positions, level_weight=0.0)
             target[p.indices] = ratio
         train = xgboost.DMatrix(features, label=target, feature_names=self.feature_names)
         rounds = self.params.warm_rounds if base is not None else self.params.rounds
@@ -268,13 +329,14 @@ class Simulator:
         if len(batch) == 0:
             return np.zeros(0)
         u = units(arrays, batch, partition_bytes=self.constants.partition_bytes)
-        terms = analytic_terms(arrays, u, cluster, self.constants)
+        links = self.links_for(cluster)
+        terms = analytic_terms(arrays, u, cluster, self.constants, links)
         if self.kind == "analytic":
             return terms["step_s"]
         import xgboost
 
-        reference = reference_terms(arrays, cluster, self.constants)["step_s"][0]
-        matrix = feature_matrix(arrays, u, cluster, terms, reference_s=reference)
+        reference = reference_terms(arrays, cluster, self.constants, links)
+        matrix = feature_matrix(arrays, u, cluster, terms, reference=reference)
         data = xgboost.DMatrix(matrix[:, self._columns], feature_names=self.feature_names, nthread=1)
         learned = self.booster.predict(data)
         return np.exp(learned + (np.log(terms["step_s"]) if self.kind == "both" else 0.0))
@@ -287,6 +349,8 @@ class Simulator:
 
         import hybridsync
         doc = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind, "constants": self.constants.to_dict(),
+               "links": {label: links.to_dict() for label, links in sorted(self.links.items())},
+               "reference": self.reference,
                "params": dataclasses.asdict(self.params), "feature_names": self.feature_names,
                "meta": {**self.meta, "xgboost": xgboost.__version__, "hybridsync": hybridsync.__version__},
                "booster": None if self.booster is None else json.loads(bytes(self.booster.save_raw("json")))}
@@ -310,9 +374,11 @@ class Simulator:
             raise ValueError(f"{path!r} is not a saved hybridsync simulator (no \"format\": \"{FORMAT}\")")
         if doc.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path!r}: simulator format version {doc.get('version')!r}; this hybridsync reads "
-                             f"{FORMAT_VERSION}")
+                             f"{FORMAT_VERSION}: refit it (benchmarks/simulator.py --store URL --save PATH)")
         simulator = cls(kind=doc["kind"], constants=CostConstants.from_dict(doc["constants"]),
-                        params=BoosterParams(**doc["params"]))
+                        params=BoosterParams(**doc["params"]),
+                        links={label: LinkConstants.from_dict(links) for label, links in doc["links"].items()})
+        simulator.reference = dict(doc["reference"])
         if doc["feature_names"] != simulator.feature_names:
             raise ValueError(f"{path!r}: saved with other features than this hybridsync computes; refit it")
         simulator.meta = dict(doc.get("meta", {}))

@@ -15,6 +15,15 @@ sparse gradient, and any sparse gradient on the hierarchical route, is made dens
 the message (as Horovod's ``sparse_as_dense``: correct, at the variable's full bytes).
 The result goes back into ``p.grad`` as a sparse tensor, as the optimizer expects.
 
+Whether a variable's gradient is sparse is agreed by the ranks before its first message
+goes out: a rank whose sparse embedding got no gradient in a step must send sparse zeros,
+not dense ones, or it would wait forever for a collective the others never start. Until a
+variable has been seen with a gradient on some rank (``GradientKinds``), the messages that
+could travel sparse wait for ``finish()``, where one small all-gather of each rank's kinds
+decides (a variable dense on one rank and sparse on another is a ``ValueError`` on every
+rank). Usually that is the first step only; an optimizer's later plans (``set_strategy``)
+keep what was agreed.
+
 Backends are known only by ``backends/base.py``'s protocols: what a backend can do beyond
 ``submit`` (sparse gradients, keys declared up front) is asked once, with ``isinstance``,
 when the router is built. Key names, servers and wire sizes come from the plan.
@@ -22,20 +31,48 @@ when the router is built. Key names, servers and wire sizes come from the plan.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Callable, Sequence
 
 import torch
 
 from hybridsync.backends import (Backend, BackendFactory, Handle, KeyedBackend, ParameterSync, ParameterSyncFactory,
                                  Reduction, SparseBackend, make_backend, make_parameter_sync)
+from hybridsync.backends import stalls
 from hybridsync.backends.base import wire_of
 from hybridsync.compression import compressor_named
 from hybridsync.router.plan import Message, Piece, RoutingPlan
 
 
-_ROUTERS_CREATED = itertools.count()
+_routers_created = 0
 """Routers built in this process so far: every rank builds the same ones, in the same order."""
+
+
+def next_instance() -> int:
+    """The number the next ``Router`` built in this process takes unless it is given one."""
+    return _routers_created
+
+
+def _take_instance(instance: int | None) -> int:
+    global _routers_created
+    instance = _routers_created if instance is None else instance
+    _routers_created = max(_routers_created, instance + 1)
+    return instance
+
+
+class GradientKinds:
+    """Which variables' gradients are sparse, as every rank agreed; shared by an optimizer's routers."""
+
+    def __init__(self) -> None:
+        self.sparse: set[int] = set()
+        """Variables seen with a sparse gradient: one that gets none is sent as sparse zeros."""
+        self.decided: set[int] = set()
+        """Variables whose kind the ranks agreed on (seen with a gradient on some rank)."""
+
+
+KindsExchange = Callable[[list[int], str], list[list[int]]]
+"""Every rank's list of small ints, in rank order (collective over the router's process set)."""
+
+_NO_GRADIENT, _DENSE, _SPARSE = 0, 1, 2
 
 
 @dataclasses.dataclass(slots=True)
@@ -59,12 +96,18 @@ class Router:
     def __init__(self, plan: RoutingPlan, params: Sequence[torch.nn.Parameter], *,
                  compression: Any, reduction: Reduction, process_set: Any = None, sparse_as_dense: bool = False,
                  backends: BackendFactory = make_backend,
-                 parameter_syncs: ParameterSyncFactory = make_parameter_sync) -> None:
+                 parameter_syncs: ParameterSyncFactory = make_parameter_sync,
+                 kinds: GradientKinds | None = None, exchange: KindsExchange | None = None,
+                 instance: int | None = None) -> None:
         """``sparse_as_dense``: every sparse gradient is made dense for its message, whatever the
         backend could send (Horovod's option). ``backends`` and ``parameter_syncs`` make the
-        transports (a test passes fakes)."""
+        transports, ``exchange`` the all-gather that agrees on gradient kinds (a test passes
+        fakes); ``kinds``: what earlier routers over the same parameters agreed. ``instance``:
+        the number the ranks agreed on, when their processes built different numbers of routers
+        before (a worker that joined an elastic job); by default ``next_instance()``. Either way
+        the next router numbers past it."""
         assert len(params) == len(plan.var_names)
-        self.instance = next(_ROUTERS_CREATED)
+        self.instance = _take_instance(instance)
         """Identical on every rank (the optimizer's fingerprint check covers it)."""
         self.namespace = f"opt{self.instance}"
         """Prefix of every name kept beyond a step (parameter-server keys): two routers never share one."""
@@ -87,8 +130,13 @@ class Router:
         self._ready: set[int] = set()
         self._all_vars = frozenset(range(len(self._params)))
         self._in_flight: list[_InFlight] = []
-        self._sparse_vars: set[int] = set()
-        """Variables seen with a sparse gradient: one that gets none is sent as sparse zeros."""
+        self._kinds = kinds if kinds is not None else GradientKinds()
+        self._sparse_vars = self._kinds.sparse
+        self._exchange = exchange or _horovod_exchange(process_set)
+        self._held = self._undecided_messages()
+        """Messages whose kind is not agreed yet: submitted in ``finish()``, after the agreement."""
+        self._steps = 0
+        """``finish()`` calls so far: the step number the stall watch reports."""
         self._sparse_results: dict[int, list[torch.Tensor]] = {}
         self._densified: dict[int, torch.Tensor] = {}
         """This step's sparse gradients made dense for an all-reduce, by variable index."""
@@ -122,6 +170,16 @@ class Router:
                 by_backend.setdefault(id(backend), (backend, []))[1].append(declaration)
         for backend, messages in by_backend.values():
             backend.declare_all(messages)
+
+    def _undecided_messages(self) -> frozenset[int]:
+        """Messages that could travel sparse and hold a variable of undecided kind."""
+        if self._sparse_as_dense:
+            return frozenset()
+        return frozenset(
+            index for index, message in enumerate(self.plan.messages)
+            if not self._async[index] and (self._keyed[index] is not None or (
+                self._sparse[index] is not None and len(message.pieces) == 1 and message.pieces[0].whole))
+            and not message.var_indices <= self._kinds.decided)
 
     def before_step(self) -> None:
         """First call: the ASP/SSP variables join the servers, taking the servers' values.
@@ -163,6 +221,20 @@ class Router:
         for sync in self._parameter_syncs or ():
             sync.close()
 
+    def abandon(self) -> None:
+        """Forget the step in flight and release this plan's resources, talking to no other rank.
+
+        For a world that is gone (a rank died, or an elastic reset re-formed the job): its
+        collectives cannot complete. ``close`` of each backend lets go of the hierarchical
+        route's groups (``backends.forget_world`` closes them whoever holds them). Idempotent.
+        """
+        self._in_flight.clear()
+        self._ready.clear()
+        self._sparse_results.clear()
+        self._densified.clear()
+        self._waiting_on = [len(m.var_indices) for m in self.plan.messages]
+        self.close()
+
     @property
     def pending(self) -> bool:
         """True while gradients have been marked ready or messages are in flight this step."""
@@ -175,30 +247,42 @@ class Router:
         self._ready.add(var_index)
         for m_index in self.plan.messages_of_var[var_index]:
             self._waiting_on[m_index] -= 1
-            if self._waiting_on[m_index] == 0 and not self._async[m_index]:
+            if self._waiting_on[m_index] == 0 and not self._async[m_index] and m_index not in self._held:
                 self._submit(m_index)
 
     def finish(self) -> None:
         """Start what never became ready (zero gradients), wait for all, write results back."""
         lent = []
-        for var_index in sorted(self._all_vars - self._ready):
-            param = self._params[var_index]
-            if not param.requires_grad:
-                if self._alone_in_its_messages(var_index):
-                    continue  # frozen: never synchronized, never given a gradient
-                if param.grad is None:
-                    lent.append(param)  # a fused message needs its piece on every rank; taken back below
-            if param.grad is None:
-                # Another rank may have a gradient here (dynamic graphs): send zeros, as Horovod does.
-                param.grad = (_sparse_zeros(param) if var_index in self._sparse_vars else torch.zeros_like(param))
-            self.mark_ready(var_index)
+        missing = sorted(self._all_vars - self._ready)
+        held = self._held
         try:
+            if held:
+                self._agree_on_kinds(held, missing)
+            for var_index in missing:
+                param = self._params[var_index]
+                if not param.requires_grad:
+                    if self._alone_in_its_messages(var_index):
+                        continue  # frozen: never synchronized, never given a gradient
+                    if param.grad is None:
+                        lent.append(param)  # a fused message needs its piece on every rank; taken back below
+                if param.grad is None:
+                    # Another rank may have a gradient here (dynamic graphs): send zeros, as Horovod does.
+                    param.grad = (_sparse_zeros(param) if var_index in self._sparse_vars else torch.zeros_like(param))
+                self.mark_ready(var_index)
+            if held:
+                self._held = self._undecided_messages()
+                for m_index in sorted(held):
+                    if self._waiting_on[m_index] == 0:  # not a frozen variable's own message
+                        self._submit(m_index)
             # Plan order, identical on every rank: a backend whose wait() blocks on a collective
             # (hierarchical, parameter server) then meets the other ranks at the same message.
             for flight in sorted(self._in_flight, key=lambda f: f.index):
+                stalls.where = ("step", self.instance, self._steps, flight.message.name)
                 self._complete(flight)
             self._write_back_sparse()
         finally:
+            stalls.where = None
+            self._steps += 1
             for param in lent:
                 param.grad = None
             self._in_flight.clear()
@@ -206,6 +290,32 @@ class Router:
             self._sparse_results.clear()
             self._densified.clear()
             self._waiting_on = [len(m.var_indices) for m in self.plan.messages]
+
+    def _agree_on_kinds(self, held: frozenset[int], missing: list[int]) -> None:
+        """Every rank says, per undecided variable of ``held``, whether it has a dense, a sparse or no
+        gradient; a variable sparse anywhere is sparse everywhere (zeros go sparse), one dense
+        anywhere is dense. Dense on one rank and sparse on another: ``ValueError`` on every rank."""
+        undecided = sorted({v for m in held for v in self.plan.messages[m].var_indices} - self._kinds.decided)
+        absent = set(missing)
+        mine = [_NO_GRADIENT if v in absent or self._params[v].grad is None else
+                _SPARSE if self._params[v].grad.is_sparse else _DENSE for v in undecided]
+        stalls.where = ("step", self.instance, self._steps, None)  # None: this agreement
+        everyone = self._exchange(mine, f"hybridsync.{self.namespace}.gradient_kinds")
+        clashes = []
+        for column, var_index in enumerate(undecided):
+            kinds = [states[column] for states in everyone]
+            if _SPARSE in kinds and _DENSE in kinds:
+                clashes.append(f"{self.plan.var_names[var_index]} (sparse on ranks "
+                               f"{[r for r, k in enumerate(kinds) if k == _SPARSE]}, dense on ranks "
+                               f"{[r for r, k in enumerate(kinds) if k == _DENSE]})")
+            elif _SPARSE in kinds or _DENSE in kinds:
+                self._kinds.decided.add(var_index)
+                if _SPARSE in kinds:
+                    self._kinds.sparse.add(var_index)
+        if clashes:
+            raise ValueError(f"ranks disagree on which gradients are sparse: {'; '.join(clashes)} (ranks numbered "
+                             f"within the optimizer's process set). Every rank must build the same model "
+                             f"(nn.Embedding(sparse=...) alike).")
 
     def _alone_in_its_messages(self, var_index: int) -> bool:
         return all(len(self.plan.messages[m].pieces) == 1 for m in self.plan.messages_of_var[var_index])
@@ -312,6 +422,16 @@ class Router:
         for view, sent, ctx in zip(flight.views, flight.sent, flight.contexts):
             if sent is not view:
                 view.copy_(flight.compressor.decompress(sent, ctx))
+
+
+def _horovod_exchange(process_set: Any) -> KindsExchange:
+    """The Horovod all-gather the ranks of ``process_set`` agree on gradient kinds through."""
+    def exchange(states: list[int], name: str) -> list[list[int]]:
+        from hybridsync.agreement import gather_records
+        import horovod.torch as hvd
+        return [record["kinds"] for record in gather_records(
+            hvd, {"kinds": states}, process_set if process_set is not None else hvd.global_process_set, name)]
+    return exchange
 
 
 def _backend_key(message: Message) -> tuple[str, str]:

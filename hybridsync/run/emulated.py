@@ -8,7 +8,7 @@ Three ways to start ranks, all ending in ``local_size == workers_per_node`` and
 - ``mpirun_argv`` / ``launch_mpirun``: Open MPI's ``mpirun`` on host 0, reaching the other
   hosts through an ssh stand-in script (``--mca plm_rsh_agent``).
 - ``launch_horovodrun``: the real ``horovodrun`` on host 0, with the same stand-in on
-  ``PATH`` as ``ssh``.
+  ``PATH`` as ``ssh``; ``launch_horovodrun_elastic`` the same in elastic mode.
 
 Host names are the nodes' addresses (``10.77.0.1`` ...), which is what both launchers need
 to tell the local host from remote ones inside a namespace.
@@ -263,15 +263,49 @@ def launch_horovodrun(
     **popen_kwargs: Any,
 ) -> Job:
     """Runs the real ``horovodrun -np N -H <hosts>`` on host 0, with our ssh stand-in on PATH."""
-    directory = cluster.workdir
-    write_remote_shell(cluster, directory)
-    bin_dir = os.path.dirname(sys.executable)
-    path = os.pathsep.join([directory, bin_dir, os.environ.get("PATH", "")])
-    run_env = {**os.environ, **EMULATION_ENV, **(env or {}), "PATH": path}
     argv = [
-        os.path.join(bin_dir, "horovodrun"), "-np", str(cluster.spec.num_workers),
-        "-H", cluster.spec.horovod_hosts,
+        _horovodrun(), "-np", str(cluster.spec.num_workers), "-H", cluster.spec.horovod_hosts,
         "--network-interfaces", NODE_IFACE,  # skips horovodrun's ~10 s interface discovery
         *horovodrun_args, *command,
     ]
-    return Job(processes=[cluster.run(0, argv, env=run_env, **popen_kwargs)])
+    return Job(processes=[cluster.run(0, argv, env=_horovodrun_env(cluster, env), **popen_kwargs)])
+
+
+def launch_horovodrun_elastic(
+    cluster: EmulatedCluster,
+    command: Sequence[str],
+    *,
+    discovery_script: str,
+    num_proc: int,
+    max_proc: int | None = None,
+    min_proc: int = 1,
+    env: Mapping[str, str] | None = None,
+    horovodrun_args: Sequence[str] = (),
+    **popen_kwargs: Any,
+) -> Job:
+    """Runs the real ``horovodrun`` in elastic mode on host 0 (``--min-np``/``--max-np``, hosts from
+    ``discovery_script``, which prints ``<node address>:<slots>`` lines), with the ssh stand-in on PATH.
+
+    ``--network-interface`` is the hosts' uplink, so horovodrun needs no second host to look
+    for a common interface. When the job starts the script must list a host other than host 0:
+    with only its own host, horovodrun 0.28.1 looks for an interface holding 127.0.0.1 among the
+    ones given and fails (README, "Elastic training").
+    """
+    argv = [
+        _horovodrun(), "-np", str(num_proc), "--min-np", str(min_proc), "--max-np", str(max_proc or num_proc),
+        "--host-discovery-script", discovery_script, "--network-interface", NODE_IFACE,
+        *horovodrun_args, *command,
+    ]
+    return Job(processes=[cluster.run(0, argv, env=_horovodrun_env(cluster, env), **popen_kwargs)])
+
+
+def _horovodrun() -> str:
+    return os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
+def _horovodrun_env(cluster: EmulatedCluster, env: Mapping[str, str] | None) -> dict[str, str]:
+    """Our environment, ``EMULATION_ENV``, ``env``, and ``PATH`` with the ssh stand-in first."""
+    directory = cluster.workdir
+    write_remote_shell(cluster, directory)
+    path = os.pathsep.join([directory, os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return {**os.environ, **EMULATION_ENV, **(env or {}), "PATH": path}

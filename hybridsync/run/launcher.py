@@ -10,7 +10,13 @@ With horovodrun's ``--config-file``, the file's ``hybridsync:`` section (``strat
 relative to the file, ``num_servers``, ``partition_bytes``) supplies what the command line
 does not set; the flags win. The launcher sets ``HYBRIDSYNC_STRATEGY`` for every rank, starts K
 parameter servers (BytePS's ``DMLC_*`` settings) beside the workers when the strategy
-routes anything through the PS, and stops them when the job ends, however it ends.
+routes anything through the PS, each under a supervisor that replaces it if it dies or
+hangs (``hybridsync-server --supervise``), and stops them when the job ends, however it ends.
+
+An elastic job (horovodrun's ``--min-np``/``--max-np``/``--host-discovery-script``) gets no
+servers (its PS variables go by ring all-reduce, ``hybridsync.world``), a discovery script
+that cannot run is an error at once, and a job without ``--network-interface`` is told why
+it may wait for a second host.
 
 Where the servers run: on the hosts of ``--server-hosts`` (one server per entry), else
 colocated with the workers, round-robin over the job's hosts (``-H``/``--hostfile``), else
@@ -23,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +39,7 @@ import time
 from typing import Sequence
 
 from hybridsync.run import procs
+from hybridsync.run.horovodrun import horovodrun_command
 from hybridsync.run.ps_servers import ps_environment, server_command, server_environment
 from hybridsync.strategy import Strategy
 
@@ -102,6 +111,21 @@ def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
     flag's value (or after ``--``), and everything from there on is the command's, even
     a word that looks like one of our flags.
     """
+    own, horovodrun_flags, command_start = _scan_flags(argv)
+    return _options(own), horovodrun_flags + list(argv[command_start:])
+
+
+def asks_for_help(argv: Sequence[str]) -> bool:
+    """Whether ``-h``/``--help`` stands among the flags (after the command it is the command's)."""
+    _, horovodrun_flags, _ = _scan_flags(argv)
+    return any(_is_flag(word) and _resolve_flag(word)[0] in _HELP_FLAGS for word in horovodrun_flags)
+
+
+_HELP_FLAGS = ("-h", "--help")
+
+
+def _scan_flags(argv: Sequence[str]) -> tuple[dict[str, str], list[str], int]:
+    """Our flags' values, horovodrun's flags (with their values) and where the command starts."""
     own: dict[str, str] = {}
     rest: list[str] = []
     i = 0
@@ -121,7 +145,7 @@ def split_argv(argv: Sequence[str]) -> tuple[LaunchOptions, list[str]]:
             taken += 1  # a flag where a value should be: horovodrun reports the missing value
         rest.extend(argv[i:i + 1 + taken])
         i += 1 + taken
-    return _options(own), rest + list(argv[i:])
+    return own, rest, i
 
 
 def _is_flag(word: str) -> bool:
@@ -186,6 +210,49 @@ def _options(own: dict[str, str]) -> LaunchOptions:
                          autotune_report=own.get("--autotune-report"))
 
 
+_OWN_OPTIONS = """\
+  --strategy PATH        strategy file for every rank
+  --num-servers K        parameter servers to start (default: 1 if the strategy uses the PS)
+  --server-hosts H,...   host of each server (default: colocated with the workers)
+  --partition-bytes N    BYTEPS_PARTITION_BYTES (default 4096000)
+  --ps-root-port P       rendezvous port of server 0 (default: a free port)
+  --autotune             profile, search, measure trials, then train with the winner
+  --trial-budget N       --autotune: real trials to spend, baselines included (default 50)
+  --store URL            --autotune: trial store (default sqlite:///trials.db)
+  --cluster SPEC.yaml    the cluster (bandwidth, servers); emulated here unless -H/--hostfile
+  --autotune-report DIR  --autotune: report and winning strategy (default autotune-report)"""
+
+
+def usage() -> str:
+    """``hybridsync-run --help``: what it does and its own options, then horovodrun's help."""
+    def heading(text: str) -> str:
+        rule = "=" * 79
+        return f"{rule}\n{text}\n{rule}"
+    return "\n\n".join([
+        __doc__.strip().replace("``", ""),
+        heading("hybridsync-run options (anywhere before the command; they override the\n"
+                "--config-file's hybridsync: section)") + "\n" + _OWN_OPTIONS,
+        heading("horovodrun options (every other flag before the command goes to horovodrun\n"
+                "unchanged; --autotune is hybridsync's: Horovod's own autotuner is\n"
+                "HOROVOD_AUTOTUNE=1 or the config file's autotune: section)") + "\n" + horovodrun_help()])
+
+
+def horovodrun_help() -> str:
+    """horovodrun's ``--help`` text, from its own parser (nothing is launched)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from horovod.runner import launch
+    text = io.StringIO()
+    with mock.patch.object(sys, "argv", ["horovodrun", "--help"]), contextlib.redirect_stdout(text):
+        try:
+            launch.parse_args()
+        except SystemExit:  # argparse exits once the help is printed
+            pass
+    return text.getvalue().rstrip()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobShape:
     """What hybridsync-run needs from horovodrun's arguments."""
@@ -203,6 +270,16 @@ class JobShape:
     """``-H`` as given."""
     hostfile: str | None = None
     """``--hostfile`` as given."""
+    elastic: bool = False
+    """Elastic Horovod (``--min-np``/``--max-np``/``--host-discovery-script``): workers come and go."""
+    discovery_script: str | None = None
+    """``--host-discovery-script`` as given (a shell command)."""
+    nics: tuple[str, ...] = ()
+    """``--network-interface(s)`` as given."""
+    gloo_timeout_s: int | None = None
+    """``--gloo-timeout-seconds`` (or its config-file setting), else ``HOROVOD_GLOO_TIMEOUT_SECONDS``."""
+    max_proc: int | None = None
+    """``--max-np`` (``None``: no bound)."""
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -222,8 +299,49 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
     names = tuple(h.hostname for h in horovod_hosts.parse_hosts(spec)) if spec else ()
     ssh_args = (("-p", str(args.ssh_port)) if args.ssh_port else ()) + (
         ("-i", args.ssh_identity_file) if args.ssh_identity_file else ())
+    # horovodrun's own test for elastic mode (launch._is_elastic)
+    elastic = args.host_discovery_script is not None or args.min_num_proc is not None
     return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file,
-                    command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile)
+                    command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile, elastic=elastic,
+                    discovery_script=args.host_discovery_script, nics=tuple(args.nics or ()),
+                    gloo_timeout_s=args.gloo_timeout_seconds or _int_or_none(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")),
+                    max_proc=args.max_num_proc)
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
+
+
+def elastic_notes(job: JobShape, num_servers: int) -> list[str]:
+    """What to tell the user before an elastic job starts; ``ValueError`` for a discovery script
+    horovodrun could not run (it fails on it too, but after starting up)."""
+    if job.discovery_script is not None:
+        words = shlex.split(job.discovery_script)
+        program = words[0] if words else ""
+        found = shutil.which(program) if os.sep not in program else program
+        if not found or not os.path.isfile(found):
+            raise ValueError(f"--host-discovery-script {job.discovery_script!r}: {program!r} is not a file "
+                             f"(give a path, e.g. ./discover.sh)")
+        if not os.access(found, os.X_OK):
+            raise ValueError(f"--host-discovery-script {job.discovery_script!r}: {found} is not executable "
+                             f"(chmod +x {found})")
+    notes = []
+    if not job.nics:
+        notes.append("an elastic job without --network-interface waits (up to --elastic-timeout, 600 s by "
+                     "default) until the discovery script lists 2 hosts, which horovodrun 0.28.1 needs to find "
+                     "a common interface; on one host pass --network-interface lo")
+    may_grow = job.max_proc is None or job.max_proc > job.num_proc
+    if may_grow and (job.gloo_timeout_s or 30) < 60:
+        notes.append(f"when workers join, the running ones wait for them only {job.gloo_timeout_s or 30} s "
+                     f"(Horovod's Gloo timeout), then abort; a worker's start-up can take longer on a busy "
+                     f"host: pass --gloo-timeout-seconds 120 (it also bounds a survivor's wait on a dead rank)")
+    if num_servers:
+        notes.append("no parameter servers are started for an elastic job: the strategy's PS variables go by "
+                     "ring all-reduce (README, \"Elastic training\")")
+    return notes
 
 
 def with_run_config(options: LaunchOptions, config_file: str | None) -> LaunchOptions:
@@ -320,8 +438,8 @@ def start_servers(num_servers: int, env: dict[str, str], placement: tuple[str, .
     if placement is None:
         return [procs.start(server, env={**env, **server_environment(i)}, capture=False) for i in range(num_servers)]
     slots = ",".join(f"{host}:{placement.count(host)}" for host in dict.fromkeys(placement))
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    argv = [horovodrun, "-np", str(num_servers), "-H", slots, "--gloo", *ssh_args, *server, "--id-from-launcher-rank"]
+    argv = [*horovodrun_command(), "-np", str(num_servers), "-H", slots, "--gloo", *ssh_args, *server,
+            "--id-from-launcher-rank"]
     return [procs.start(argv, env={**env, **server_environment()}, capture=False)]
 
 
@@ -335,18 +453,21 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     job_shape = horovodrun_job(horovodrun_argv)
     options = with_run_config(options, job_shape.config_file)
     num_servers = options.num_servers if options.num_servers is not None else int(_uses_ps(options.strategy))
-    if num_servers == 0 and _uses_ps(options.strategy):
+    if job_shape.elastic:
+        for note in elastic_notes(job_shape, num_servers):
+            print(f"hybridsync-run: {note}", file=sys.stderr)
+        num_servers = 0
+    elif num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
                          f"but the number of servers (--num-servers or the config's num_servers) is 0")
     placement = server_placement(options, job_shape, num_servers) if num_servers else None
     env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     servers: list[subprocess.Popen] = []
     job = None
     try:
         servers = start_servers(num_servers, env, placement, job_shape.ssh_args)
-        job = procs.start([horovodrun, *horovodrun_argv], env=env, capture=False)
+        job = procs.start([*horovodrun_command(), *horovodrun_argv], env=env, capture=False)
         return job.wait()
     except KeyboardInterrupt:
         print("hybridsync-run: interrupted; stopping the job and its servers", file=sys.stderr)
@@ -367,4 +488,3 @@ def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             pass
         procs.stop(server)
-

@@ -16,9 +16,10 @@ SERVER_MODULE = "hybridsync.backends.ps.server"
 interpreter (and ``PYTHONPATH``) of the launcher that serves."""
 
 
-def server_command() -> list[str]:
-    """``python -m hybridsync.backends.ps.server`` with this interpreter."""
-    return [sys.executable, "-m", SERVER_MODULE]
+def server_command(*, supervise: bool = True) -> list[str]:
+    """``python -m hybridsync.backends.ps.server --supervise`` with this interpreter: a supervisor
+    that starts a replacement whenever the server dies or hangs (the workers restore its keys)."""
+    return [sys.executable, "-m", SERVER_MODULE, *(["--supervise"] if supervise else [])]
 
 
 def ps_environment(*, num_workers: int, num_servers: int, root_uri: str, root_port: int,

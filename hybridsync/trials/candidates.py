@@ -1,4 +1,4 @@
-"""What a trial run measures: the reference row, every baseline, and random strategies.
+"""What a trial run measures: the reference rows, every baseline (and its fp16 twin), and random strategies.
 
 Torch-free: candidates are built from a model description and a cluster spec, so a
 trial list can be written (``--list``) and checked anywhere.
@@ -15,7 +15,7 @@ from hybridsync import baselines
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.strategy_space import bounds_for, random_strategy
 from hybridsync.strategy import Strategy
-from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND
+from hybridsync.trials.store import BASELINE_PREFIX, CONTROL_PREFIX, HOROVOD_FP16_KIND, HOROVOD_KIND, base_kind
 from hybridsync.variables import VariableInfo
 
 HOROVOD_FINGERPRINT = "horovod"
@@ -33,7 +33,13 @@ class Candidate:
 
     @property
     def fingerprint(self) -> str:
-        return HOROVOD_FINGERPRINT if self.strategy is None else self.strategy.fingerprint()
+        if self.strategy is not None:
+            return self.strategy.fingerprint()
+        return HOROVOD_FP16_KIND if base_kind(self.kind) == HOROVOD_FP16_KIND else HOROVOD_FINGERPRINT
+
+    def as_control(self) -> "Candidate":
+        """This strategy, re-measured as a control between a job's candidates (``control:<kind>``)."""
+        return dataclasses.replace(self, kind=CONTROL_PREFIX + base_kind(self.kind))
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "strategy": None if self.strategy is None else self.strategy.to_dict()}
@@ -44,20 +50,60 @@ class Candidate:
         return cls(kind=str(doc["kind"]), strategy=None if strategy is None else Strategy.from_dict(strategy))
 
 
-def baseline_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec) -> list[Candidate]:
-    """Every baseline builder's strategy; PS builders only if the cluster has servers.
+def baseline_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec, *,
+                        fp16_twins: bool = False) -> list[Candidate]:
+    """Every baseline builder's strategy (and with ``fp16_twins`` every runnable fp16 twin,
+    ``baseline:<name>-fp16``); PS builders only if the cluster has servers.
 
     Builders that produce the same strategy for this model share one candidate, whose kind
     names them all (``baseline:ps-lb+ps-partitioned``).
     """
+    names = list(baselines.BUILDERS)
+    if fp16_twins:
+        names += [name + baselines.FP16_SUFFIX for name in baselines.FP16_TWINS]
     by_fingerprint: dict[str, tuple[list[str], Strategy]] = {}
-    for name in baselines.BUILDERS:
-        if name in baselines.NEEDS_SERVERS and spec.num_servers == 0:
+    for name in names:
+        if name.removesuffix(baselines.FP16_SUFFIX) in baselines.NEEDS_SERVERS and spec.num_servers == 0:
             continue
-        strategy = baselines.build_baseline(name, variables, spec.num_servers)
+        try:
+            strategy = baselines.build_baseline(name, variables, spec.num_servers)
+        except ValueError:  # a twin that cannot run on this model (rivals() says why)
+            continue
         by_fingerprint.setdefault(strategy.fingerprint(), ([], strategy))[0].append(name)
     return [Candidate(kind=BASELINE_PREFIX + "+".join(names), strategy=strategy)
             for names, strategy in by_fingerprint.values()]
+
+
+def rivals(variables: Mapping[str, VariableInfo], spec: ClusterSpec, *, horovod: bool,
+           fp16: bool) -> tuple[list[Candidate], dict[str, str]]:
+    """What a tuned strategy has to beat: plain Horovod (``horovod``: the workload can run it),
+    every baseline and, with ``fp16``, Horovod with ``Compression.fp16`` and the baselines' fp16
+    twins. Returns the runnable ones and, kind -> reason, the fp16 rivals that cannot run here."""
+    sparse = any(info.sparse for info in variables.values())
+    out = [Candidate(kind=HOROVOD_KIND, strategy=None)] if horovod else []
+    not_runnable: dict[str, str] = {}
+    if fp16 and horovod:
+        if sparse:
+            not_runnable[HOROVOD_FP16_KIND] = baselines.NOT_RUNNABLE_SPARSE_FP16
+        else:
+            out.append(Candidate(kind=HOROVOD_FP16_KIND, strategy=None))
+    if fp16 and sparse:
+        not_runnable[BASELINE_PREFIX + "allreduce" + baselines.FP16_SUFFIX] = baselines.NOT_RUNNABLE_SPARSE_FP16
+    return out + baseline_candidates(variables, spec, fp16_twins=fp16), not_runnable
+
+
+def rival_levers(kind: str) -> frozenset[str]:
+    """The levers (``baselines.levers``) a rival of this kind uses: ``fp16`` for Horovod with
+    ``Compression.fp16`` and the baselines' twins, none for plain Horovod and the baselines."""
+    kind = base_kind(kind)
+    fp16 = kind == HOROVOD_FP16_KIND or (kind.startswith(BASELINE_PREFIX) and kind.endswith(baselines.FP16_SUFFIX))
+    return frozenset({"fp16"}) if fp16 else frozenset()
+
+
+def is_rival(kind: str) -> bool:
+    """Whether ``kind`` is a hand-made rival: a reference row (Horovod) or a baseline."""
+    kind = base_kind(kind)
+    return kind in (HOROVOD_KIND, HOROVOD_FP16_KIND) or kind.startswith(BASELINE_PREFIX)
 
 
 def random_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec, count: int, seed: int,

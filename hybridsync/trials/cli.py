@@ -35,7 +35,7 @@ def add_parser(commands: Any) -> None:
     _model_arguments(p)
     p.set_defaults(func=_list)
     p = sub.add_parser("sweep", help="every model x every emulated cluster into one store (resumable)")
-    p.add_argument("--models", nargs="+", required=True, help="zoo model names")
+    p.add_argument("--models", nargs="+", required=True, help="zoo or generated model names")
     p.add_argument("--clusters", nargs="+", required=True, help="cluster spec YAML files (emulated)")
     p.add_argument("--descriptions", help="directory of profiled descriptions <model>.json (optional)")
     p.add_argument("--sample", type=int, default=80, help="random strategies per model and cluster")
@@ -46,7 +46,7 @@ def add_parser(commands: Any) -> None:
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="zoo model name (ncf, bert, vgg, resnet)")
+    p.add_argument("--model", required=True, help="zoo model name (ncf, bert, vgg, resnet) or generated (gen-recsys-7)")
     p.add_argument("--cluster", required=True, help="cluster spec YAML (hybridsync.cluster.ClusterSpec)")
     p.add_argument("--description", help="profiled model description (default: the zoo model's variables)")
     source = p.add_mutually_exclusive_group()
@@ -61,6 +61,12 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps per trial (default 10)")
     p.add_argument("--steps", type=int, default=40, help="timed steps per trial (default 40)")
     p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial counts as hung")
+    p.add_argument("--controls", type=int, default=0,
+                   help="re-measure the first N candidates (the reference row, then the baselines) as controls "
+                        "between blocks of --block-size candidates in every job, so that jobs can be put on one "
+                        "level (hybridsync.trials.levels); default 0: none")
+    p.add_argument("--block-size", type=int, help="candidates between two passes over the controls (default: "
+                                                  "the runner's, 5)")
     p.add_argument("--workdir", help="where schedules, results and job logs go (default: a new temp dir)")
 
 
@@ -131,7 +137,9 @@ def run_with_progress(runs: Sequence[tuple[str, str, Any, list[Candidate]]], sto
     (trials done / left, ETA, best so far), printing a summary line per run."""
     from tqdm import tqdm
 
-    from hybridsync.trials.runner import TrialProtocol, TrialRunner
+    from hybridsync.trials.runner import DEFAULT_BLOCK_SIZE, TrialProtocol, TrialRunner
+    if args.controls < 0:
+        raise ValueError(f"--controls must be >= 0, got {args.controls}")
     protocol = TrialProtocol(warmup_steps=args.warmup, timed_steps=args.steps, trial_timeout_s=args.trial_timeout)
     runners = [TrialRunner(model=model, description_id=desc_id, target=target, store=store, protocol=protocol,
                            workdir=args.workdir) for model, desc_id, target, _ in runs]
@@ -149,9 +157,11 @@ def run_with_progress(runs: Sequence[tuple[str, str, Any, list[Candidate]]], sto
                 shown = "-" if best["ms"] is None else f"{best['ms']:.1f} ms ({best['kind']})"
                 bar.set_postfix_str(f"{model} on {cluster_label(target.spec.to_dict())}: best {shown}, failed {best['failed']}")
 
-            summary = runner.run(candidates, on_trial)
-            bar.write(f"{model} on {cluster_label(target.spec.to_dict())}: {summary.measured} measured, {summary.failed} failed, "
-                      f"{summary.skipped} already in the store, {summary.jobs} job(s), {summary.seconds:.0f} s")
+            summary = runner.run(candidates, on_trial, controls=candidates[:args.controls],
+                                 block_size=DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size)
+            bar.write(f"{model} on {cluster_label(target.spec.to_dict())}: {summary.measured} measured, "
+                      f"{summary.failed} failed, {summary.skipped} already in the store, {summary.controls} control "
+                      f"trials, {summary.jobs} job(s), {summary.seconds:.0f} s")
 
 
 def _open_store(url: str) -> Any:

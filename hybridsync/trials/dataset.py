@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND, TrialRecord, cluster_label, quantile
+from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND, TrialRecord, base_kind, cluster_label, quantile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,16 +70,16 @@ def _summary(model: str, cluster: str, records: Sequence[TrialRecord]) -> Summar
     timed = [r for r in records if r.status == "ok" and r.median_s is not None]
     baselines: dict[str, float] = {}
     for record in timed:
-        if record.kind.startswith(BASELINE_PREFIX):
-            name = record.kind[len(BASELINE_PREFIX):]
+        if base_kind(record.kind).startswith(BASELINE_PREFIX):  # a control's re-measurements count too
+            name = base_kind(record.kind)[len(BASELINE_PREFIX):]
             baselines[name] = min(baselines.get(name, record.median_s), record.median_s)
-    horovod = [r.median_s for r in timed if r.kind == HOROVOD_KIND]
+    horovod = [r.median_s for r in timed if base_kind(r.kind) == HOROVOD_KIND]
     best = min(timed, key=lambda r: r.median_s, default=None)
     return Summary(model=model, cluster=cluster, ok=sum(r.status == "ok" for r in records),
                    failed=sum(r.status != "ok" for r in records),
                    medians_s=tuple(sorted(r.median_s for r in timed)), baselines_s=baselines,
                    horovod_s=min(horovod) if horovod else None,
-                   best_kind=best.kind if best else None, best_s=best.median_s if best else None)
+                   best_kind=base_kind(best.kind) if best else None, best_s=best.median_s if best else None)
 
 
 COLUMNS = ("model", "cluster", "ok", "failed", "best baseline", "ms", "horovod ms", "best trial", "ms",

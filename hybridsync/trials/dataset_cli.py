@@ -2,7 +2,7 @@
 
     hybridsync dataset stats  --store sqlite:///trials.db
     hybridsync dataset plot   --store sqlite:///trials.db -o plots/
-    hybridsync dataset export --store sqlite:///trials.db -o trials.jsonl
+    hybridsync dataset export --store sqlite:///trials.db -o trials.jsonl     # .jsonl.gz: compressed
     hybridsync dataset import host1.jsonl host2.jsonl --store sqlite:///merged.db
 """
 from __future__ import annotations

@@ -38,6 +38,11 @@ class _EmulatedJob:
     def exit_codes(self) -> list[int | None]:
         return [proc.poll() for proc in self.workers.processes]
 
+    def pids(self) -> dict[str, list[int]]:
+        """Process ids of the job: ``workers`` in rank order, ``servers`` host-major."""
+        return {"workers": [proc.pid for proc in self.workers.processes],
+                "servers": [proc.pid for proc in self.servers.processes] if self.servers is not None else []}
+
     def stop(self) -> None:
         for job in (self.workers, self.servers):
             if job is not None:
@@ -49,16 +54,20 @@ class EmulatedTarget:
     """Jobs on an emulated cluster (namespaces + shaped links) that lives as long as the target.
 
     Use as a context manager; needs root. Workers start the way horovodrun's Gloo mode
-    starts them, servers on every host (``servers_per_node``).
+    starts them, servers on every host (``servers_per_node``). With ``pin_hosts`` (default)
+    each host's processes run on that host's share of the cores (``EmulatedCluster``), so
+    that every job places its ranks and servers the same way: left to the kernel, the ratio
+    of two strategies measured in one job moved 1.6-2.8x from job to job here, pinned
+    1.1-1.3x (benchmarks/RESULTS.md, "Job-to-job variation").
     """
 
-    def __init__(self, spec: ClusterSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ClusterSpec, *, pin_hosts: bool = True) -> None:
+        self.spec, self.pin_hosts = spec, pin_hosts
         self._cluster: Any = None
 
     def __enter__(self) -> "EmulatedTarget":
         from hybridsync.cluster import EmulatedCluster
-        self._cluster = EmulatedCluster(self.spec).up()
+        self._cluster = EmulatedCluster(self.spec, pin_hosts=self.pin_hosts).up()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -147,6 +156,7 @@ class HostsTarget:
         launcher = os.path.join(os.path.dirname(sys.executable), "hybridsync-run")
         argv = [launcher, "-np", str(self.spec.num_workers), *self.placement, "--gloo",
                 "--num-servers", str(self.spec.num_servers), *self.launcher_args, *command]
+        from hybridsync.children import die_with_parent
         process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True)
+                                   text=True, start_new_session=True, preexec_fn=die_with_parent())
         return _LauncherJob(process=process, log=LineFollower(log.name))

@@ -13,6 +13,11 @@ A trial that fails is recorded as failed, with its reason, and the run goes on:
   remaining candidates.
 A job that dies before its first trial (twice in a row) is not a trial's fault: the run
 stops with the job's log, rather than recording every candidate as failed.
+
+Given controls, every job re-measures them in passes between blocks of candidates
+(``blocked_schedule``), as ``control:<kind>`` trials of that job: one command's step time moves
+from job to job on shared cores, and ``hybridsync.trials.levels`` uses the controls to put the
+jobs on one level.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from hybridsync import envvars
 
 from hybridsync.trials.candidates import Candidate
 from hybridsync.trials.jobs import JobTarget, LineFollower, RunningJob
-from hybridsync.trials.store import TrialRecord, TrialStore
+from hybridsync.trials.store import TrialRecord, TrialStore, is_control
 from hybridsync.trials.worker import utc_now
 
 POLL_S = 0.2
@@ -62,14 +67,35 @@ class TrialProtocol:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSummary:
-    """What one ``TrialRunner.run`` did: trials measured (ok) and failed, candidates the store
-    already held, jobs started, wall time."""
+    """What one ``TrialRunner.run`` did: candidates measured (ok) and failed, candidates the store
+    already held, control trials measured, jobs started, wall time."""
 
     measured: int
     failed: int
     skipped: int
     jobs: int
     seconds: float
+    controls: int = 0
+
+
+DEFAULT_BLOCK_SIZE = 5
+"""Candidates between two passes over the controls: short enough that the controls follow a job's
+drift, long enough that they cost less than half of its trials (two controls per pass)."""
+
+
+def blocked_schedule(candidates: Sequence[Candidate], controls: Sequence[Candidate],
+                     block_size: int = DEFAULT_BLOCK_SIZE) -> list[Candidate]:
+    """A job's schedule: a pass over the controls, ``block_size`` candidates, a pass, ... and a last
+    pass (control trials have kind ``control:<kind>``). Without controls: the candidates as they are."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not controls or not candidates:
+        return list(candidates)
+    one_pass = [control.as_control() for control in controls]
+    schedule: list[Candidate] = []
+    for start in range(0, len(candidates), block_size):
+        schedule += one_pass + list(candidates[start:start + block_size])
+    return schedule + one_pass
 
 
 class Workload(Protocol):
@@ -107,6 +133,18 @@ class ScriptWorkload:
                                     envvars.TRIALS_STEPS: str(protocol.timed_steps)}
 
 
+@dataclasses.dataclass(frozen=True)
+class EnvWorkload:
+    """Another workload whose every rank also gets ``env`` (e.g. Horovod's tuned settings)."""
+
+    inner: Workload
+    env: tuple[tuple[str, str], ...]
+
+    def job(self, schedule: str, results: str, protocol: TrialProtocol, seed: int) -> tuple[list[str], dict[str, str]]:
+        command, env = self.inner.job(schedule, results, protocol, seed)
+        return command, {**env, **dict(self.env)}
+
+
 class _Follower(LineFollower):
     """The results file's events, as the ranks append them."""
 
@@ -138,16 +176,26 @@ class TrialRunner:
         return [c for c in candidates if c.fingerprint not in done]
 
     def run(self, candidates: Sequence[Candidate], on_trial: Callable[[TrialRecord], None] = lambda r: None,
-            ) -> RunSummary:
-        """Measures every pending candidate; ``on_trial`` sees each record once it is stored."""
+            *, controls: Sequence[Candidate] = (), block_size: int = DEFAULT_BLOCK_SIZE) -> RunSummary:
+        """Measures every pending candidate; ``on_trial`` sees each candidate's record once it is stored.
+
+        With ``controls``, every job re-measures them in passes between blocks of ``block_size``
+        candidates (``blocked_schedule``), stored as ``control:<kind>`` trials of that job, so that
+        ``hybridsync.trials.levels`` can put the jobs' step times on one level. A control that
+        fails is recorded and left out of the run's later jobs.
+        """
         start, remaining = time.monotonic(), self.pending(candidates)
-        skipped, records, jobs, false_starts = len(candidates) - len(remaining), [], 0, 0
+        controls = list(controls)
+        skipped, records, jobs, false_starts, control_trials = len(candidates) - len(remaining), [], 0, 0, 0
         while remaining:
             jobs += 1
             job_id = uuid.uuid4().hex[:12]
-            measured, failure, started = self._run_job(job_id, remaining, on_trial)
-            records += measured
-            remaining = remaining[len(measured):]
+            schedule = blocked_schedule(remaining, controls, block_size)
+            measured, failure, started = self._run_job(job_id, schedule, on_trial)
+            mine = [r for _, r in measured if not is_control(r.kind)]
+            control_trials += len(measured) - len(mine)
+            records += mine
+            remaining = remaining[len(mine):]  # the schedule keeps the candidates' order
             if failure is None or not remaining:
                 continue
             if not started:
@@ -157,35 +205,41 @@ class TrialRunner:
                                        f"(logs in {self.workdir}): {failure}")
                 continue
             false_starts = 0
-            failed = self._record(job_id, remaining[0], status="failed", reason=failure, step_times=[],
-                                  started=measured[-1].finished if measured else utc_now())
-            self._store(failed, on_trial)
+            culprit = schedule[len(measured)]
+            failed = self._record(job_id, culprit, status="failed", reason=failure, step_times=[],
+                                  started=measured[-1][1].finished if measured else utc_now())
+            self.store.add(failed)
+            if is_control(culprit.kind):
+                controls = [c for c in controls if c.fingerprint != culprit.fingerprint]
+                continue
+            on_trial(failed)
             records.append(failed)
             remaining = remaining[1:]
         ok = sum(r.status == "ok" for r in records)
         return RunSummary(measured=ok, failed=len(records) - ok, skipped=skipped, jobs=jobs,
-                          seconds=time.monotonic() - start)
+                          seconds=time.monotonic() - start, controls=control_trials)
 
-    def _run_job(self, job_id: str, candidates: Sequence[Candidate], on_trial: Callable[[TrialRecord], None],
-                 ) -> tuple[list[TrialRecord], str | None, bool]:
-        """One job over ``candidates``: the records it produced, why it ended early (or None), and
-        whether it got as far as its first trial."""
+    def _run_job(self, job_id: str, schedule: Sequence[Candidate], on_trial: Callable[[TrialRecord], None],
+                 ) -> tuple[list[tuple[Candidate, TrialRecord]], str | None, bool]:
+        """One job over ``schedule``: each entry it measured with its record (in schedule order), why
+        the job ended early (or None), and whether it got as far as its first trial."""
         base = os.path.join(self.workdir, job_id)
         with open(f"{base}.schedule.jsonl", "w", encoding="utf-8") as handle:
-            for index, candidate in enumerate(candidates):
+            for index, candidate in enumerate(schedule):
                 handle.write(json.dumps({"index": index, **candidate.to_dict()}) + "\n")
         command, env = self.workload.job(f"{base}.schedule.jsonl", f"{base}.results.jsonl", self.protocol, self.seed)
         with open(f"{base}.log", "a", encoding="utf-8") as log:
             job = self.target.start(command, env, log)
             try:
-                return self._follow(job, job_id, candidates, _Follower(f"{base}.results.jsonl"), f"{base}.log",
+                return self._follow(job, job_id, schedule, _Follower(f"{base}.results.jsonl"), f"{base}.log",
                                     on_trial)
             finally:
                 job.stop()
 
-    def _follow(self, job: RunningJob, job_id: str, candidates: Sequence[Candidate], results: _Follower,
-                log_path: str, on_trial: Callable[[TrialRecord], None]) -> tuple[list[TrialRecord], str | None, bool]:
-        records: list[TrialRecord] = []
+    def _follow(self, job: RunningJob, job_id: str, schedule: Sequence[Candidate], results: _Follower,
+                log_path: str, on_trial: Callable[[TrialRecord], None],
+                ) -> tuple[list[tuple[Candidate, TrialRecord]], str | None, bool]:
+        records: list[tuple[Candidate, TrialRecord]] = []
         errors: list[str] = []
         started, last_finished = False, utc_now()
         deadline = time.monotonic() + self.protocol.start_timeout_s
@@ -196,23 +250,28 @@ class TrialRunner:
                     started, self.versions = True, event["versions"]
                     last_finished = event["time"]
                 elif event["event"] == "trial":
-                    record = self._record(job_id, candidates[event["index"]], status=event["status"],
-                                          reason=event["reason"], step_times=event["step_times"],
-                                          started=event["started"], finished=event["finished"])
-                    self._store(record, on_trial)
-                    records.append(record)
+                    entry = schedule[event["index"]]
+                    record = self._record(job_id, entry, status=event["status"], reason=event["reason"],
+                                          step_times=event["step_times"], started=event["started"],
+                                          finished=event["finished"])
+                    self.store.add(record)
+                    if not is_control(entry.kind):
+                        on_trial(record)
+                    records.append((entry, record))
                     last_finished = record.finished
                 elif event["event"] == "error":
                     errors.append(f"rank {event['rank']}: {event['reason']}")
                 elif event["event"] == "done":
                     return records, None, True
                 elif event["event"] == "exhausted":  # a script that trains fewer steps than the schedule needs
-                    if records:
+                    if any(not is_control(entry.kind) for entry, _ in records):
                         return records, None, True  # not a trial's fault: a new run takes the rest
-                    steps = self.protocol.warmup_steps + self.protocol.timed_steps
+                    first = next(i for i, entry in enumerate(schedule) if not is_control(entry.kind))
+                    steps = (first + 1) * (self.protocol.warmup_steps + self.protocol.timed_steps)
+                    controls = f", {first} control trial(s) first" if first else ""
                     raise RuntimeError(f"the training script ended after {event['steps']} steps, before its first "
                                        f"trial was measured: each run must train at least {steps} steps "
-                                       f"(warm-up + timed steps per trial); train it longer")
+                                       f"(warm-up + timed steps per trial{controls}); train it longer")
                 deadline = time.monotonic() + self.protocol.trial_timeout_s
             if errors or ended:
                 time.sleep(SETTLE_S)  # the other ranks' exits and error lines, for the reason
@@ -234,10 +293,6 @@ class TrialRunner:
             fingerprint=candidate.fingerprint, status=status, reason=reason,
             warmup_steps=self.protocol.warmup_steps, step_times=list(step_times), versions=dict(self.versions),
             started=started, finished=finished or utc_now(), host=self.host, job=job_id)
-
-    def _store(self, record: TrialRecord, on_trial: Callable[[TrialRecord], None]) -> None:
-        self.store.add(record)
-        on_trial(record)
 
 
 MAX_FALSE_STARTS = 2

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -32,7 +34,7 @@ import statistics
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, BinaryIO, Iterable, Iterator, Mapping, TextIO
 
 from hybridsync import envvars
 
@@ -46,8 +48,13 @@ short transaction, so contention lasts milliseconds; the margin covers a loaded 
 STATUSES = ("ok", "failed")
 HOROVOD_KIND = "horovod"
 """``kind`` of the plain ``horovod.torch.DistributedOptimizer`` reference row."""
+HOROVOD_FP16_KIND = "horovod-fp16"
+"""``kind`` of the reference row with Horovod's own ``compression=hvd.Compression.fp16``."""
 BASELINE_PREFIX = "baseline:"
 """``kind`` of a baseline is ``baseline:<name>`` (``+``-joined when builders coincide)."""
+CONTROL_PREFIX = "control:"
+"""``kind`` of a control trial is ``control:<kind of the strategy>``: a strategy re-measured in
+blocks between a job's candidates, so that jobs can be compared (``hybridsync.trials.levels``)."""
 IMPORT_BATCH = 500
 """Rows per transaction of an import (one per row would make large imports slow)."""
 
@@ -55,6 +62,16 @@ SHARING = ("runners on one host may share one SQLite file; SQLite over NFS is un
            "hosts each runner writes its own store and `hybridsync dataset import` merges their "
            "JSONL exports (`hybridsync dataset export`)")
 URL_FORMS = "sqlite:///relative/path.db, sqlite:////absolute/path.db or a plain file path"
+
+
+def is_control(kind: str) -> bool:
+    """Whether a trial of this kind re-measured a control between a job's candidates."""
+    return kind.startswith(CONTROL_PREFIX)
+
+
+def base_kind(kind: str) -> str:
+    """The kind of the strategy a trial measured, without the ``control:`` of a control trial."""
+    return kind.removeprefix(CONTROL_PREFIX)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -87,11 +104,12 @@ class TrialRecord:
     cluster: dict
     """``ClusterSpec.to_dict()`` of the cluster it ran on."""
     kind: str
-    """How the strategy was chosen: ``horovod``, ``baseline:<name>``, ``random``, ``search``..."""
+    """How the strategy was chosen: ``horovod``, ``baseline:<name>``, ``random``, ``search``...;
+    ``control:<kind>`` for a control re-measured between a job's candidates."""
     strategy: dict | None
-    """``Strategy.to_dict()``; ``None`` for the ``horovod`` reference row."""
+    """``Strategy.to_dict()``; ``None`` for the ``horovod`` and ``horovod-fp16`` reference rows."""
     fingerprint: str
-    """``Strategy.fingerprint()``, or ``"horovod"`` for the reference row."""
+    """``Strategy.fingerprint()``, or ``"horovod"`` / ``"horovod-fp16"`` for the reference rows."""
     status: str
     """``"ok"`` or ``"failed"``."""
     reason: str | None
@@ -390,13 +408,16 @@ class TrialStore:
     def export_jsonl(self, path: str | os.PathLike[str]) -> int:
         """Writes the store as JSON lines, in a deterministic order (descriptions by id, then
         trials by model, cluster, start): one object per line, keys sorted, so two exports
-        diff line by line. Returns the number of lines."""
+        diff line by line. A path ending in ``.gz`` is gzip-compressed, also deterministically
+        (no time stamp or file name in the header): equal stores give equal bytes. Returns the
+        number of lines."""
         lines = [_dumps({"type": "description", "description_id": did, **entry})
                  for did, entry in self.descriptions().items()]
         lines += [_dumps({"type": "trial", **record.to_dict()}) for record in self.trials()]
         temporary = f"{os.fspath(path)}.partial"
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.writelines(line + "\n" for line in lines)
+        with open(temporary, "wb") as raw:
+            with _text_writer(raw, gzipped=os.fspath(path).endswith(".gz")) as handle:
+                handle.writelines(line + "\n" for line in lines)
         os.replace(temporary, path)  # a crash mid-export never leaves a truncated file behind
         return len(lines)
 
@@ -432,10 +453,17 @@ class TrialStore:
         self.close()
 
 
+def _text_writer(raw: BinaryIO, *, gzipped: bool) -> TextIO:
+    if not gzipped:
+        return io.TextIOWrapper(raw, encoding="utf-8")
+    return io.TextIOWrapper(gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0), encoding="utf-8")
+
+
 def _read_jsonl(path: str | os.PathLike[str], progress: bool) -> Iterator[TrialRecord | dict[str, Any]]:
-    """The trials (as records) and descriptions (as dicts) of an export; ``ValueError`` naming
-    the file and line of the first bad one."""
-    with open(path, encoding="utf-8") as handle:
+    """The trials (as records) and descriptions (as dicts) of an export (gzip-compressed if its
+    name ends in ``.gz``); ``ValueError`` naming the file and line of the first bad one."""
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
         lines: Iterable[str] = handle
         if progress:
             from tqdm import tqdm

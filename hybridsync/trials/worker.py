@@ -1,4 +1,4 @@
-"""The ranks of a trial job: one zoo model, many strategies, measured one after the other.
+"""The ranks of a trial job: one zoo model (or generated one), many strategies, measured one after the other.
 
     python -m hybridsync.trials.worker --model ncf --schedule S.jsonl --results R.jsonl
 
@@ -7,8 +7,10 @@ launcher. Rank 0 reads the schedule (one candidate per line: ``index``, ``kind``
 ``strategy`` document or null for plain Horovod) and broadcasts it. For each candidate,
 every rank switches its ``hybridsync.DistributedOptimizer`` to the strategy with
 ``set_strategy`` (so one job serves every trial), trains ``warmup + timed`` steps and times
-each; the slowest rank's time of each step is the trial's. The reference row ("horovod")
-trains a copy of the model under ``horovod.torch.DistributedOptimizer`` itself.
+each; the slowest rank's time of each step is the trial's. The reference rows train a copy
+of the model under ``horovod.torch.DistributedOptimizer`` itself: ``horovod`` as it comes,
+``horovod-fp16`` with ``compression=hvd.Compression.fp16`` (refused, as a failed trial, on a
+model with sparse gradients, which Horovod 0.28.1's fp16 cannot take).
 
 Results are appended to the results file (JSON lines, flushed and fsynced) as they come:
 ``ready`` (versions, host), one ``trial`` per candidate (``status`` ok or failed), ``done``.
@@ -28,8 +30,11 @@ import time
 from typing import Any
 
 from hybridsync import envvars
+from hybridsync.baselines import NOT_RUNNABLE_SPARSE_FP16
 from hybridsync.frameworks import versions
 from hybridsync.hooks.trials import ResultsFile, slowest_rank_times, utc_now
+from hybridsync.trials.store import HOROVOD_FP16_KIND, base_kind
+from hybridsync.variables import variables_from_model
 
 BATCHES_PER_RANK = 4
 """Batches made before the first step and cycled, so that no data generation is timed."""
@@ -69,24 +74,28 @@ class TrialWorker:
         self.optimizer = hs.DistributedOptimizer(
             self.zoo_model.optimizer(self.model),
             named_parameters=self.model.named_parameters())
-        self._horovod: tuple[Any, Any] | None = None
+        self._horovod: dict[bool, tuple[Any, Any]] = {}
 
-    def horovod_reference(self) -> tuple[Any, Any]:
-        """A copy of the model under plain ``horovod.torch.DistributedOptimizer`` (made once)."""
-        if self._horovod is None:
+    def horovod_reference(self, fp16: bool = False) -> tuple[Any, Any]:
+        """A copy of the model under plain ``horovod.torch.DistributedOptimizer``, with
+        ``compression=hvd.Compression.fp16`` if ``fp16`` (each made once); ``ValueError`` for fp16
+        on a model with sparse gradients, which Horovod 0.28.1 cannot run."""
+        if fp16 and any(info.sparse for info in variables_from_model(self.model).values()):
+            raise ValueError(f"not runnable: {NOT_RUNNABLE_SPARSE_FP16}")
+        if fp16 not in self._horovod:
             model = copy.deepcopy(self.model)
             optimizer = self.hvd.DistributedOptimizer(
-                self.zoo_model.optimizer(model),
-                named_parameters=model.named_parameters())
-            self._horovod = (model, optimizer)
-        return self._horovod
+                self.zoo_model.optimizer(model), named_parameters=model.named_parameters(),
+                compression=self.hvd.Compression.fp16 if fp16 else self.hvd.Compression.none)
+            self._horovod[fp16] = (model, optimizer)
+        return self._horovod[fp16]
 
     def measure(self, entry: dict[str, Any]) -> list[float]:
         """Switch to the entry's strategy, then time warm-up + timed steps (slowest rank per step)."""
         steps = self.args.warmup_steps + self.args.timed_steps
         self._inject_fault(entry["kind"])
         if entry["strategy"] is None:
-            model, optimizer = self.horovod_reference()
+            model, optimizer = self.horovod_reference(fp16=base_kind(entry["kind"]) == HOROVOD_FP16_KIND)
         else:
             model, optimizer = self.model, self.optimizer
             optimizer.set_strategy(entry["strategy"])
@@ -139,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hybridsync.trials.worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="zoo model name (hybridsync.zoo.ZOO_MODELS)")
+    parser.add_argument("--model", required=True, help="zoo or generated model name (hybridsync.zoo.get)")
     parser.add_argument("--schedule", required=True, help="JSON lines: index, kind, strategy (null: plain Horovod)")
     parser.add_argument("--results", required=True, help="JSON lines appended by the ranks")
     parser.add_argument("--warmup-steps", type=int, default=10)

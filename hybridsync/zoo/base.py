@@ -64,6 +64,13 @@ def teacher(name: str) -> torch.Generator:
     return torch.Generator().manual_seed(TEACHER_SEED + zlib.crc32(name.encode()))
 
 
+def popular_ids(n: int, size: int, generator: torch.Generator, popularity: float) -> torch.Tensor:
+    """``size`` ids in ``[0, n)`` drawn as ``floor(n * u**popularity)``: a few popular ids occur in
+    most batches (as in real logs), so their embeddings learn within tens of steps, and a step's
+    sparse gradient touches far fewer rows than the batch has samples."""
+    return (n * torch.rand(size, generator=generator) ** popularity).long().clamp_(max=n - 1)
+
+
 def model_stats(model: torch.nn.Module, top: int = 3) -> dict[str, Any]:
     """Parameter count, bytes (all, and in dense-gradient variables), tensor counts, and the share
     of the bytes held by the ``top`` largest tensors: what decides how a model synchronizes."""

@@ -61,25 +61,34 @@ class Bert(nn.Module):
         return self.classifier(x.mean(dim=1))
 
 
-@functools.lru_cache(maxsize=1)
-def _topics() -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _topics(name: str, vocab: int) -> torch.Tensor:
     """``[class, TOPIC_TOKENS]``: the tokens that give each class away (disjoint)."""
-    return torch.randperm(VOCAB, generator=teacher("bert"))[:NUM_CLASSES * TOPIC_TOKENS].view(NUM_CLASSES, -1)
+    return torch.randperm(vocab, generator=teacher(name))[:NUM_CLASSES * TOPIC_TOKENS].view(NUM_CLASSES, -1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BertModel(ZooModel):
-    """Sentences whose class shows in some of their tokens; cross-entropy over the classes."""
+    """Sentences whose class shows in some of their tokens; cross-entropy over the classes.
+    The fields after ``momentum`` shape the encoder (defaults: the zoo's ``bert``)."""
+
+    vocab: int = VOCAB
+    seq_len: int = SEQ_LEN
+    dim: int = 128
+    heads: int = 4
+    ffn: int = 512
+    blocks: int = 2
 
     def build(self) -> nn.Module:
-        return Bert()
+        return Bert(vocab=self.vocab, seq_len=self.seq_len, dim=self.dim, heads=self.heads, ffn=self.ffn,
+                    blocks=self.blocks)
 
     def make_batch(self, generator: torch.Generator,
                    batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        size = self._batch_size(batch_size)
+        size, seq = self._batch_size(batch_size), self.seq_len
         target = torch.randint(0, NUM_CLASSES, (size,), generator=generator)
-        tokens = torch.randint(0, VOCAB, (size, SEQ_LEN), generator=generator)
-        picks = torch.randint(0, TOPIC_TOKENS, (size, SEQ_LEN), generator=generator)
-        topical = torch.rand(size, SEQ_LEN, generator=generator) < TOPIC_FRACTION
-        tokens = torch.where(topical, _topics()[target.unsqueeze(1), picks], tokens)
+        tokens = torch.randint(0, self.vocab, (size, seq), generator=generator)
+        picks = torch.randint(0, TOPIC_TOKENS, (size, seq), generator=generator)
+        topical = torch.rand(size, seq, generator=generator) < TOPIC_FRACTION
+        tokens = torch.where(topical, _topics(self.name, self.vocab)[target.unsqueeze(1), picks], tokens)
         return tokens, target

@@ -8,14 +8,13 @@ import torch
 from torch import nn
 
 from hybridsync.variables import sparse_parameter_names
-from hybridsync.zoo.base import ZooModel, teacher
+from hybridsync.zoo.base import ZooModel, popular_ids, teacher
 
 NUM_USERS = 100_000
 NUM_ITEMS = 20_000
 TEACHER_DIM = 8
 POPULARITY = 10.0
-"""Ids are drawn as ``floor(n * u**POPULARITY)``: a few popular users and items occur in most
-batches (as in real logs), so their embeddings learn within tens of steps."""
+"""Ids are drawn as ``floor(n * u**POPULARITY)`` (``base.popular_ids``)."""
 
 EMBEDDING_LR_SCALE = 300.0
 """The embeddings' learning rate over the MLP's (see ``NCFModel.optimizer``)."""
@@ -59,10 +58,6 @@ def _teacher_factors() -> tuple[torch.Tensor, torch.Tensor]:
     return users, items
 
 
-def _popular_ids(n: int, size: int, generator: torch.Generator) -> torch.Tensor:
-    return (n * torch.rand(size, generator=generator) ** POPULARITY).long().clamp_(max=n - 1)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NCFModel(ZooModel):
     """(user, item) pairs labelled by a fixed latent-factor teacher; binary cross-entropy."""
@@ -73,8 +68,8 @@ class NCFModel(ZooModel):
     def make_batch(self, generator: torch.Generator,
                    batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         size = self._batch_size(batch_size)
-        users = _popular_ids(NUM_USERS, size, generator)
-        items = _popular_ids(NUM_ITEMS, size, generator)
+        users = popular_ids(NUM_USERS, size, generator, POPULARITY)
+        items = popular_ids(NUM_ITEMS, size, generator, POPULARITY)
         user_factors, item_factors = _teacher_factors()
         target = ((user_factors[users] * item_factors[items]).sum(1) > 0).float()
         return torch.stack([users, items], dim=1), target

@@ -4,6 +4,8 @@
     horovodrun -np 2 -H localhost:2 --gloo python -m hybridsync.zoo.train --model vgg --optimizer horovod
     mpirun -np 2 python -m hybridsync.zoo.train --model bert --strategy s.json --json out.json
     python -m hybridsync.zoo.train --model resnet --describe -o resnet.json
+    python -m hybridsync.zoo.train --model gen-recsys-3 --describe       # a generated model
+    python -m hybridsync.zoo.train --catalogue                           # the generated models, as a table
 
 Every rank trains on its own synthetic batches; ``--warmup`` steps come first, then
 ``--steps`` timed ones. Rank 0 prints the median step time of the timed steps and the first
@@ -70,9 +72,9 @@ def train(args: argparse.Namespace) -> int:
     """Train ``args.model`` on every rank of the job; rank 0 reports (and writes ``--json``)."""
     if args.optimizer == "horovod" and args.strategy:
         raise ValueError("--strategy needs --optimizer hybridsync (Horovod's optimizer ignores strategies)")
+    zoo_model = zoo.get(args.model)  # an unknown name fails before the job starts
     import horovod.torch as hvd
     hvd.init()  # hs.init() is hvd.init()
-    zoo_model = zoo.get(args.model)
     torch.manual_seed(args.seed)
     model = zoo_model.build()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -103,7 +105,8 @@ def train(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hybridsync.zoo.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, choices=zoo.ZOO_MODELS)
+    parser.add_argument("--model", help=f"a zoo model ({', '.join(zoo.ZOO_MODELS)}) or a generated one "
+                                        f"(gen-<family>-<k>, e.g. gen-recsys-7)")
     parser.add_argument("--steps", type=int, default=50, help="timed steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (their times are still written)")
     parser.add_argument("--batch-size", type=int, help="per-rank batch size (default: the model's)")
@@ -115,11 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="rank 0 writes step times, losses and checksums here")
     parser.add_argument("--describe", action="store_true", help="do not train: print statistics and compute time")
     parser.add_argument("-o", "--output", help="with --describe: write the model description JSON here")
+    parser.add_argument("--catalogue", action="store_true",
+                        help="print the generated models the runtime dataset measures, as a Markdown table")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.catalogue:
+        from hybridsync.zoo.generator import catalogue_table
+        print(catalogue_table())
+        return 0
+    if args.model is None:
+        parser.error("--model is required (or --catalogue)")
     for flag in ("steps", "warmup", "batch_size", "threads"):
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "warmup" else 1):

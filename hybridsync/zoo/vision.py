@@ -87,11 +87,21 @@ class ImageModel(ZooModel):
     image_size: int
     """Side of the square RGB images, in pixels."""
     architecture: Literal["vgg", "resnet"]
+    channels: tuple[int, ...] | None = None
+    """Channels per stage (default: ``VGG``'s or ``ResNet``'s own)."""
+    blocks: tuple[int, ...] | None = None
+    """``resnet``: basic blocks per stage (default ResNet-34's 3, 4, 6, 3)."""
+    hidden: int = 1024
+    """``vgg``: width of the two fully connected layers."""
 
     def build(self) -> nn.Module:
         if self.architecture == "vgg":
-            return VGG(image=self.image_size)
-        return ResNet()
+            return VGG(**self._given(channels=self.channels), image=self.image_size, hidden=self.hidden)
+        return ResNet(**self._given(blocks=self.blocks, channels=self.channels))
+
+    @staticmethod
+    def _given(**fields: tuple[int, ...] | None) -> dict[str, tuple[int, ...]]:
+        return {name: value for name, value in fields.items() if value is not None}
 
     def make_batch(self, generator: torch.Generator,
                    batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,6 +82,22 @@ def ps_worker_count_mismatch():
             del os.environ[var]
 
 
+def frozen_on_one_rank():
+    m = model()
+    if hvd.rank() == 1:
+        m[0].bias.requires_grad_(False)
+    hs.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+
+
+def sparse_on_one_rank():
+    """Rank 0's embedding is sparse, rank 1's dense: same strategy and plan, clash at the first step."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 4, sparse=hvd.rank() == 0), nn.Linear(4, 2))
+    opt = hs.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    m(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    opt.step()
+
+
 CASES = {
     "fingerprint_mismatch": rank_dependent_strategy,
     "unknown_variable": lambda: make({"variables": {"missing.weight": {"route": "allreduce"}}}),
@@ -98,6 +114,9 @@ CASES = {
     "duplicate_names": lambda: make(named=[("w", p) for p in model().parameters()]),
     "predivide_with_sum": lambda: make(op=hs.Sum, gradient_predivide_factor=2.0),
     "zero_grad_before_step": zero_grad_before_step,
+    "frozen_on_one_rank": frozen_on_one_rank,
+    "backward_passes_differ": lambda: make(backward_passes_per_step=1 + hvd.rank()),
+    "sparse_on_one_rank": sparse_on_one_rank,
     "too_many_backward_passes": too_many_backward_passes,
 }
 

@@ -3,7 +3,8 @@
 Usage: ``python tests/workers/ps_scenarios.py SCENARIO OUT_DIR`` with the ``DMLC_*`` settings
 in the environment; writes ``OUT_DIR/worker<i>.json`` (the outcome, or the error it met).
 Scenarios: ``basic`` (dense BSP sums, sparse rows, payloads that do not match their key),
-``async`` (ASP and SSP training), ``loop`` (push-pull until stopped, for failure tests).
+``async`` (ASP and SSP training), ``loop`` (push-pull until stopped, for failure tests),
+``recover_bsp`` and ``recover_asp`` (steps checked exactly, while a test kills or stops a server).
 """
 from __future__ import annotations
 
@@ -117,6 +118,71 @@ def _scenario_loop(client, out_dir: Path) -> None:
         time.sleep(0.01)
 
 
+RECOVER_STEPS = int(os.environ.get("PS_TEST_STEPS", "60"))
+
+
+def _recover_bsp(client, out_dir: Path, out: dict) -> None:
+    """BSP steps of dense keys on every server and a sparse key, each result compared bitwise with
+    the sum the server computes (``sum_dense``/``sum_sparse``, worker order)."""
+    import torch
+    from hybridsync.backends.base import Reduction
+    from hybridsync.backends.ps import PSBackend
+    from hybridsync.backends.ps.store import sum_dense, sum_sparse
+    backend, me, n = PSBackend(client), client.config.index, client.num_workers
+    shapes = {f"key{s}": (300, 40) for s in range(client.config.num_servers)}  # 48 kB: 12 keys each
+    for s, (name, shape) in enumerate(shapes.items()):
+        backend.declare(name, [torch.empty(shape)], server=s)
+    mismatches = []
+    for step in range(RECOVER_STEPS):
+        mine = {name: _seeded(me, step, shape) for name, shape in shapes.items()}
+        rows = torch.tensor([[me, 7, 20 + step % 5]])
+        sparse = torch.sparse_coo_tensor(rows, torch.full((3, 4), float(step + me)), (50, 4))
+        handles = [backend.submit(name, [t], Reduction(op="sum")) for name, t in mine.items()]
+        got_sparse = backend.submit_sparse("emb", sparse, Reduction(op="sum"))().coalesce()
+        for handle in handles:
+            handle.wait()
+        for name, got in mine.items():
+            if not torch.equal(got, sum_dense([_seeded(w, step, shapes[name]) for w in range(n)])):
+                mismatches.append(f"{name} step {step}")
+        parts = []
+        for w in range(n):
+            theirs = torch.sparse_coo_tensor(torch.tensor([[w, 7, 20 + step % 5]]),
+                                             torch.full((3, 4), float(step + w)), (50, 4)).coalesce()
+            parts.append((theirs.indices(), theirs.values(), (50, 4)))
+        indices, values, _ = sum_sparse(parts)
+        if not (torch.equal(got_sparse.indices(), indices) and torch.equal(got_sparse.values(), values)):
+            mismatches.append(f"emb step {step}")
+        if step == 2:
+            (out_dir / f"ready{me}").touch()
+        time.sleep(0.05)
+    out.update(mismatches=mismatches, steps=RECOVER_STEPS)
+
+
+def _recover_asp(client, out_dir: Path, out: dict) -> None:
+    """ASP steps adding a known delta to parameters on every server: once every worker is done, the
+    servers' values must hold every delta exactly once (small integers: float sums are exact)."""
+    import torch
+    from hybridsync.backends.ps.asp import AsyncParameterSync
+    me, n = client.config.index, client.num_workers
+    params = [torch.zeros(3000) for _ in range(client.config.num_servers)]  # 12 kB: 3 keys each
+    sync = AsyncParameterSync(client, [(f"p{s}", p) for s, p in enumerate(params)],
+                              servers={f"p{s}": s for s in range(len(params))})
+    for step in range(RECOVER_STEPS):
+        for param in params:
+            param.add_(me + 1)
+        sync.push_pull()
+        if step == 2:
+            (out_dir / f"ready{me}").touch()
+        time.sleep(0.05 * (me + 1))
+    (out_dir / f"done{me}").touch()
+    deadline = time.monotonic() + 120
+    while not all((out_dir / f"done{w}").exists() for w in range(n)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sync.pull()
+    expected = RECOVER_STEPS * sum(w + 1 for w in range(n))
+    out.update(values=sorted({float(v) for p in params for v in p.unique()}), expected=float(expected))
+
+
 def _train(client, staleness: int | None, out: dict) -> None:
     """A 4-class linear classifier on synthetic blobs; worker 1 is slow. Accuracy and waits recorded."""
     import torch
@@ -159,10 +225,16 @@ def worker_main(scenario: str, out_dir: Path) -> int:
         elif scenario == "async":
             _train(client, None, out)
             _train(client, 1, out)
+        elif scenario == "recover_bsp":
+            _recover_bsp(client, out_dir, out)
+        elif scenario == "recover_asp":
+            _recover_asp(client, out_dir, out)
         else:
             _scenario_loop(client, out_dir)
     except Exception as e:  # noqa: BLE001 - recorded for the test to judge
         out.update(error_type=type(e).__name__, error=str(e), error_time=time.time())
+    out["recoveries"] = [{"server": r.server, "incarnation": r.incarnation, "seconds": r.seconds, "keys": r.keys,
+                          "resent": r.resent, "error": r.error} for r in client.recoveries]
     (out_dir / f"worker{client.config.index}.json").write_text(json.dumps(out))
     ps.shutdown()
     return 0

@@ -17,13 +17,13 @@ The intra-node steps go through one of two transports (``HYBRIDSYNC_INTRA_NODE``
   Chosen on x86-64 when every node's ranks are seen to share the segment (and each other's
   pids); otherwise (ranks of a node in separate containers, say) the job warns once and
   uses ``horovod``.
-- ``horovod``: a Gloo all-reduce of the whole message within the node's group, then the
-  cross-node step on the slice, then an all-gather of the slices within the node. Moves
-  about twice a reduce-scatter's bytes within the node: Horovod 0.28.1's Gloo
-  ``reducescatter`` on a process set intermittently returned wrong sums (one contribution
-  counted twice) and sometimes hung for 64 MiB buffers on the emulated cluster
-  (``tests/workers/reducescatter_stress.py`` reproduces it). The fallback: the shared
-  segment is several times faster (benchmarks/RESULTS.md, collectives.py).
+- ``horovod`` (the default in elastic Horovod jobs): a Gloo all-reduce of the whole message
+  within the node's group, then the cross-node step on the slice, then an all-gather of the
+  slices within the node. Moves about twice a reduce-scatter's bytes within the node:
+  Horovod 0.28.1's Gloo ``reducescatter`` on a process set intermittently returned wrong
+  sums (one contribution counted twice) and sometimes hung for 64 MiB buffers on the
+  emulated cluster (``tests/workers/reducescatter_stress.py`` reproduces it). The fallback:
+  the shared segment is several times faster (benchmarks/RESULTS.md, collectives.py).
 
 A message's tensors travel as one flat buffer padded to a multiple of the node size, so
 every rank's slice has the same length. Where one level has a single member (one node,
@@ -113,9 +113,14 @@ class HierarchicalAllreduce:
         self._uses: dict[str, int] = {}
 
     def _choose_intra_node(self, asked: str | None) -> str:
-        """``shm`` where asked for and every node's ranks share a probe segment; agreed by all ranks."""
+        """``shm`` where asked for and every node's ranks share a probe segment; agreed by all ranks.
+
+        An elastic job defaults to ``horovod``: a rank whose step failed leaves its node peers'
+        Gloo collectives failing at once (``forget_world``), where in shared memory a peer
+        could wait on its counters while it re-forms the job."""
         hvd, groups = self.hvd, self.groups
-        choice = asked or os.environ.get(INTRA_NODE_VAR, "shm").strip().lower() or "shm"
+        default = "horovod" if os.environ.get(envvars.HOROVOD_ELASTIC) == "1" else "shm"
+        choice = asked or os.environ.get(INTRA_NODE_VAR, default).strip().lower() or default
         if choice not in INTRA_NODE_CHOICES:
             raise ValueError(f"{INTRA_NODE_VAR} must be one of {', '.join(INTRA_NODE_CHOICES)}, got {choice!r}")
         self.job_token = hvd.broadcast_object(uuid.uuid4().hex if hvd.rank() == 0 else None, root_rank=0,
@@ -175,8 +180,8 @@ class HierarchicalAllreduce:
         self._segments.clear()
         self._uses.clear()
         if self.groups is not None:
-            self.groups = None
-            release_hierarchical_groups()
+            groups, self.groups = self.groups, None
+            release_hierarchical_groups(groups)
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> Any:
         dtypes = {t.dtype for t in tensors}

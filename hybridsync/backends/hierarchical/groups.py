@@ -27,23 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
-import socket
 from collections import Counter
 from typing import Any, Protocol
 
 import torch
 
-from hybridsync import envvars
+from hybridsync.backends import rendezvous
 from hybridsync.backends.base import RouteUnavailableError
-from hybridsync.backends.waiting import wait
+from hybridsync.backends.waiting import wait, wait_until
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=600)
 """Gloo's bound on one collective: a 64 MiB slice at 100 Mbit/s takes ~6 s; a dead peer fails
 at once (its sockets close), so this only bounds a peer that hangs."""
-CONNECT_TIMEOUT_S = 5.0
-INTERFACE_VARS = envvars.INTERFACE
-"""The interface horovodrun (or the user) chose for Gloo; used for our groups too when set."""
 
 
 class Work(Protocol):
@@ -112,7 +107,10 @@ class _GlooWork:
         self._work = work
 
     def wait(self) -> Any:
-        return self._work.wait()  # blocks in C++ without holding the GIL or a spinning core
+        # Polled, so that a long wait is watched (waiting.py); never spinning: Gloo's own threads
+        # do the work, and its blocking wait held no core either.
+        wait_until(self._work.is_completed, spin=False)
+        return self._work.wait()
 
     def done(self) -> bool:
         return bool(self._work.is_completed())
@@ -136,6 +134,12 @@ class GlooGroup:
         out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype)
         self._group.allgather([list(out.chunk(self.size))], [tensor]).wait()
         return out
+
+    def close(self) -> None:
+        """Close the group's connections now: a peer waiting in one of its collectives fails at
+        once. (Gloo's ``abort()`` and ``shutdown()`` leave them open; only dropping the group
+        closes them, so no reference elsewhere, say in a traceback, may keep it.)"""
+        self._group = None
 
 
 _groups: dict[str, Any] = {}
@@ -175,36 +179,47 @@ def hierarchical_groups_in_use() -> int:
     return _groups.get("users", 0)
 
 
-def release_hierarchical_groups() -> None:
+def release_hierarchical_groups(groups: HierarchicalGroups | None = None) -> None:
     """Give back groups taken with ``hierarchical_groups``; the last one back drops them.
 
     Collective in effect: every rank gives them back at the same point of the program.
+    ``groups``: the ones taken; nothing happens when they are no longer this process's
+    (``forget_hierarchical_groups`` dropped them for a new world).
     """
-    if not _groups:
+    if not _groups or (groups is not None and groups is not _groups["groups"]):
         return
     _groups["users"] -= 1
     if _groups["users"] <= 0:
-        _groups.clear()  # the Gloo groups and the store close when their last reference goes
+        forget_hierarchical_groups()
+
+
+def forget_hierarchical_groups() -> None:
+    """Close and drop this process's groups whoever holds them (rank 0's store closes with its
+    last reference). Also for a world that is gone (a rank failed, an elastic reset re-formed
+    the job): peers waiting in a group's collective fail at once, and the next plan that uses
+    the route builds groups for the new world."""
+    groups = _groups.get("groups")
+    for group in (getattr(groups, "intra_node", None), getattr(groups, "cross_node", None)):
+        if isinstance(group, GlooGroup):
+            group.close()
+    _groups.clear()
 
 
 def _rendezvous(hvd: Any) -> tuple[Any, str]:
     """Rank 0 hosts a ``TCPStore``; every rank finds an address of rank 0 it reaches and the
     address of its own it reaches it from (its Gloo device's address). Rank 0's own device
     address is the one of its addresses the other ranks reached most."""
-    import torch.distributed as dist
     store, offer = None, None
     if hvd.rank() == 0:
         try:
-            addresses = _own_addresses()
-            store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
-            offer = (addresses, store.port)
-        except RouteUnavailableError as e:
-            offer = str(e)  # every rank raises it: the others are waiting for this broadcast
+            store, offer = rendezvous.host_store(GROUP_TIMEOUT)
+        except ValueError as e:
+            offer = f"hierarchical all-reduce: {e}"  # every rank raises it: the others are waiting for this broadcast
     offer = hvd.broadcast_object(offer, root_rank=0, name="hybridsync.groups.offer")
     if isinstance(offer, str):
         raise RouteUnavailableError(offer)
     candidates, port = offer
-    reached = _reach(candidates, port) if hvd.rank() != 0 else None
+    reached = rendezvous.reach(candidates, port) if hvd.rank() != 0 else None
     everyone = hvd.allgather_object(reached, name="hybridsync.groups.reached")
     failed = [r for r, answer in enumerate(everyone) if r != 0 and answer is None]
     if failed:
@@ -215,32 +230,4 @@ def _rendezvous(hvd: Any) -> tuple[Any, str]:
         votes = Counter(answer[0] for answer in everyone[1:])
         return store, votes.most_common(1)[0][0] if votes else candidates[0]
     rank0_address, own_address = reached
-    store = dist.TCPStore(rank0_address, port, None, False, timeout=GROUP_TIMEOUT)
-    return store, own_address
-
-
-def _own_addresses() -> list[str]:
-    """This host's IPv4 addresses, the chosen interface's first, loopback last."""
-    import psutil
-    wanted = next((os.environ[v] for v in INTERFACE_VARS if os.environ.get(v)), None)
-    found: list[tuple[int, str]] = []
-    for iface, addresses in psutil.net_if_addrs().items():
-        for address in addresses:
-            if address.family == socket.AF_INET:
-                order = 0 if iface == wanted else 2 if address.address.startswith("127.") else 1
-                found.append((order, address.address))
-    if wanted and not any(order == 0 for order, _ in found):
-        raise RouteUnavailableError(f"hierarchical all-reduce: interface {wanted!r} (from "
-                                    f"{'/'.join(INTERFACE_VARS)}) has no IPv4 address on rank 0's host")
-    return [address for _, address in sorted(found)] or ["127.0.0.1"]
-
-
-def _reach(candidates: list[str], port: int) -> tuple[str, str] | None:
-    """(rank 0's address, our source address) for the first candidate that accepts a connection."""
-    for address in candidates:
-        try:
-            with socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S) as probe:
-                return address, probe.getsockname()[0]
-        except OSError:
-            continue
-    return None
+    return rendezvous.connect_store(rank0_address, port, GROUP_TIMEOUT), own_address

@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from hybridsync.backends import stalls, waiting
+
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
 """Counters first, data page-aligned after them: room for 170 ranks per node."""
@@ -104,21 +106,24 @@ class NodeSegment:
         ``waiting_for()`` has exited; warns once if the wait stalls for a minute."""
         start = time.monotonic()
         next_check, delay, warned = start + LIVENESS_CHECK_S, 0.0, False
-        while not ready():
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + LIVENESS_CHECK_S
-                late = waiting_for()
-                self.check_alive(late, what)
-                if late and not warned and now - start > STALL_WARNING_S:
-                    warned = True
-                    warnings.warn(f"local ranks {late} have not answered for {now - start:.0f} s while {what}",
-                                  RuntimeWarning, stacklevel=2)
-            if now - start < SPIN_S:
-                os.sched_yield()
-            else:
-                delay = min(max(2 * delay, 20e-6), MAX_SLEEP_S)
-                time.sleep(delay)
+        with stalls.Watched() as watch:  # ranks out of step (another node's rank elsewhere) are named
+            while not ready():
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + LIVENESS_CHECK_S
+                    late = waiting_for()
+                    self.check_alive(late, what)
+                    if late and not warned and now - start > STALL_WARNING_S:
+                        warned = True
+                        warnings.warn(f"local ranks {late} have not answered for {now - start:.0f} s while {what}",
+                                      RuntimeWarning, stacklevel=2)
+                    watch.tick()
+                if now - start < SPIN_S:
+                    os.sched_yield()
+                else:
+                    cap = MAX_SLEEP_S if now - start < waiting.LONG_WAIT_S else waiting.LONG_SLEEP_S
+                    delay = min(max(2 * delay, 20e-6), cap)
+                    time.sleep(delay)
 
     def check_alive(self, local_ranks: list[int], what: str) -> None:
         """Raises ``PeerExitedError`` if one of ``local_ranks`` mapped the segment and has exited since."""

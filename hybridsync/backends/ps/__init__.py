@@ -4,7 +4,10 @@ Launch (BytePS's vocabulary; see ``config.py`` for the rank layout)::
 
     DMLC_ROLE=server DMLC_SERVER_ID=i DMLC_NUM_SERVER=K DMLC_NUM_WORKER=N \\
     DMLC_PS_ROOT_URI=<host of server 0> DMLC_PS_ROOT_PORT=<free port> \\
-        python -m hybridsync.backends.ps.server          # K of these, then N workers
+        python -m hybridsync.backends.ps.server --supervise   # K of these, then N workers
+
+``--supervise`` replaces a server that dies or hangs; the workers restore its keys and
+resend what it never answered (``recovery.py``), so training goes on with nothing lost.
 
 Worker side::
 

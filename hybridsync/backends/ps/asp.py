@@ -49,11 +49,12 @@ class AsyncParameterSync(ParameterSync):
     def _init(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """Create the parameter's keys (first worker's value wins) and adopt the servers' value."""
         flat = param.data.view(-1)
-        for chunk in self.client.layout(name, [param.data]).chunks:
-            value = self.client.call(self.client.server_of(chunk.key), "rpc_init_async", timeout=60,
+        chunks = self.client.layout(name, [param.data]).chunks
+        calls = [self.client.request(self.client.server_of(chunk.key), "rpc_init_async", timeout=60,
                                      args=(chunk.key, self.client.config.index, flat[chunk.start:chunk.stop].clone(),
-                                           self.staleness)).wait()
-            flat[chunk.start:chunk.stop].copy_(value)
+                                           self.staleness)) for chunk in chunks]
+        for chunk, pulled in zip(chunks, self.client.wait_all(calls, f"the creation of {name}")):
+            flat[chunk.start:chunk.stop].copy_(pulled.value)
         return flat.clone()
 
     def push_pull(self) -> None:
@@ -68,9 +69,9 @@ class AsyncParameterSync(ParameterSync):
                 pending.append((flat, pulled, chunk,
                                 self.client.send(chunk.key, "rpc_push_delta", delta[chunk.start:chunk.stop].clone())))
         results = self.client.wait_all([call for *_, call in pending], "asynchronous push_pull")
-        for (flat, pulled, chunk, _), value in zip(pending, results):
-            flat[chunk.start:chunk.stop].copy_(value)
-            pulled[chunk.start:chunk.stop].copy_(value)
+        for (flat, pulled, chunk, _), answer in zip(pending, results):
+            flat[chunk.start:chunk.stop].copy_(answer.value)
+            pulled[chunk.start:chunk.stop].copy_(answer.value)
         self.waited_s += time.monotonic() - started
 
     def pull(self) -> None:

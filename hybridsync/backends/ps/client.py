@@ -3,7 +3,9 @@
 ``PSClient`` joins the RPC group, places keys, and runs BSP push-pulls: every chunk of a
 message goes to its server as one RPC whose answer is the sum over all workers.
 ``PSBackend`` adapts it to the router's ``Backend`` protocol. A watchdog pings every
-server, so a dead server fails ``wait`` with its name instead of hanging.
+server; a server that dies or hangs is replaced if a supervisor restarts it (every call
+is resent to the replacement, ``recovery.py``), else it fails ``wait`` with its name
+instead of hanging.
 """
 from __future__ import annotations
 
@@ -11,28 +13,31 @@ import atexit
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.futures import Future
 
+from hybridsync import envvars
 from hybridsync.backends.base import KeyedBackend, Reduction, SparseBackend, wire_of
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
+from hybridsync.backends.ps.recovery import Call, Links, PSServerError, Recovery
 from hybridsync.backends.ps.store import WireCounters, payload_bytes
 from hybridsync.backends.ps.watchdog import Watchdog
 from hybridsync.placement import Chunk, Declaration, KeyTable, Layout, WireTensor, namespaced, part_key
 
-
-class PSServerError(RuntimeError):
-    """A parameter server died, hung, or refused a push; the message names the server."""
+DEFAULT_PING_TIMEOUT_S = 10.0
 
 
 class PSClient:
     """One worker's connection to the servers: placement, push-pull, counters, shutdown."""
 
     def __init__(self, config: PSConfig, *, join_timeout_s: float = 120.0, ping_interval_s: float = 1.0,
-                 ping_timeout_s: float = 10.0) -> None:
+                 ping_timeout_s: float | None = None) -> None:
+        """``ping_timeout_s``: how long a server may leave a ping unanswered before it counts as
+        hung (default ``HYBRIDSYNC_PS_PING_TIMEOUT``, else 10 s)."""
         if config.role != "worker":
             raise ValueError(f"DMLC_ROLE must be 'worker' for a PS client, got {config.role!r}")
         self.config = config
@@ -42,16 +47,33 @@ class PSClient:
         self._released: set[str] = set()
         """Namespaces (``"<namespace>/"``) this worker released: their keys are never sent again."""
         self._steps: dict[str, int] = {}
-        self._failure: str | None = None
         self._closed = False
-        self._connect(join_timeout_s, ping_interval_s, ping_timeout_s)
+        self._links = Links(self)
+        self._store = None
+        self._watchdog: Watchdog | None = None
+        self._connect(join_timeout_s, ping_interval_s, _ping_timeout(ping_timeout_s))
 
     def _connect(self, join_timeout_s: float, ping_interval_s: float, ping_timeout_s: float) -> None:
-        """Join the RPC group and watch every server (with ``call``, the client's only network code:
-        an in-process test replaces both, ``tests/test_router_inprocess.py``)."""
+        """Join the RPC group, wait for every server and watch them (with ``transport``, the client's
+        only network code: an in-process test replaces both, ``tests/test_router_inprocess.py``)."""
+        self._store = group.open_store(self.config, timeout_s=join_timeout_s)
+        self._links.attach_store(self._store)
         group.join(self.config, timeout_s=join_timeout_s)
-        self._watchdog = Watchdog([group.server_name(s) for s in range(self.config.num_servers)], self._fail,
+        group.count_join(self._store, self.config.name)
+        self._wait_for_servers(join_timeout_s)
+        self._watchdog = Watchdog(self._links.watched, self._links.on_watchdog,
                                   interval_s=ping_interval_s, timeout_s=ping_timeout_s).start()
+
+    def _wait_for_servers(self, timeout_s: float) -> None:
+        """Every server (its latest incarnation) has joined; a clear error after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        missing = list(range(self.config.num_servers))
+        while missing:
+            missing = [s for s in missing if not group.joined(self._store, self._links.adopt_latest(s, self._store))]
+            if missing and time.monotonic() > deadline:
+                raise RuntimeError(group.join_failure(self.config, timeout_s, "servers never joined: " + ", ".join(
+                    group.server_name(s) for s in missing)))
+            time.sleep(0.05 if missing else 0)
 
     @property
     def num_workers(self) -> int:
@@ -85,14 +107,19 @@ class PSClient:
         self.keys.release(prefix)
         for key in [k for k in self._steps if k.startswith(prefix)]:
             del self._steps[key]
-        releases = [self.call(s, "rpc_release", (prefix, self.config.index), timeout=30)
+        self._links.forget_prefix(prefix)
+        releases = [self.request(s, "rpc_release", (prefix, self.config.index), timeout=30)
                     for s in range(self.config.num_servers)]
-        for future in releases:
-            future.wait()
+        self.wait_all(releases, f"the release of {namespace}")
+
+    def released_prefixes(self) -> tuple[str, ...]:
+        """Namespaces (``"<namespace>/"``) this worker released, sorted."""
+        return tuple(sorted(self._released))
 
     def server_key_names(self) -> list[list[str]]:
         """Every server's keys (one call to each), by server index."""
-        return [self.call(s, "rpc_key_names", (), timeout=10).wait() for s in range(self.config.num_servers)]
+        calls = [self.request(s, "rpc_key_names", (), timeout=10) for s in range(self.config.num_servers)]
+        return self.wait_all(calls, "rpc_key_names")
 
     @property
     def loads(self) -> list[int]:
@@ -112,6 +139,11 @@ class PSClient:
     def pushes(self) -> dict[str, int]:
         """Pushes sent so far, per key (a copy): the keys this worker's traffic used."""
         return dict(self._steps)
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """Servers replaced under this worker so far: which, when, how long it took (a copy)."""
+        return list(self._links.recoveries)
 
     def push_pull_async(self, name: str, tensors: Sequence[torch.Tensor],
                         reduction: Reduction = Reduction()) -> PSHandle:
@@ -142,10 +174,8 @@ class PSClient:
 
     def server_counters(self) -> list[dict[str, int]]:
         """Every server's byte counters (a synchronous RPC to each)."""
-        from torch.distributed import rpc
-        from hybridsync.backends.ps import server
-        return [rpc.rpc_sync(group.server_name(s), server.rpc_counters, timeout=10)
-                for s in range(self.config.num_servers)]
+        calls = [self.request(s, "rpc_counters", (), timeout=10) for s in range(self.config.num_servers)]
+        return self.wait_all(calls, "rpc_counters")
 
     def shutdown(self, *, timeout_s: float = 300.0) -> None:
         """Say goodbye to every server and leave the group (servers exit after the last worker).
@@ -156,24 +186,23 @@ class PSClient:
         if self._closed:
             return
         self._closed = True
-        self._watchdog.stop()
-        if self._failure is not None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._links.failure() is not None:
             _close_quietly()
             return
-        from torch.distributed import rpc
-        from hybridsync.backends.ps import server
         try:
-            goodbyes = [rpc.rpc_async(group.server_name(s), server.rpc_goodbye, args=(self.config.index,),
-                                      timeout=10) for s in range(self.config.num_servers)]
-            for future in goodbyes:
-                future.wait()
-            group.leave(timeout_s=timeout_s)
+            group.mark_finished(self._store, self.config.index)
+            goodbyes = [self.request(s, "rpc_goodbye", (self.config.index,), timeout=10)
+                        for s in range(self.config.num_servers)]
+            self.wait_all(goodbyes, "goodbye")
+            group.leave(timeout_s=timeout_s, store=self._store)
         except Exception as e:  # noqa: BLE001 - cleanup (often at exit): report, close, go on
             print(f"hybridsync PS {self.config.name}: could not leave the group cleanly ({_first_line(e)}); "
                   f"closing", file=sys.stderr, flush=True)
             _close_quietly()
 
-    def send(self, key: str, function: str, payload: Any) -> tuple[int, Future]:
+    def send(self, key: str, function: str, payload: Any) -> Call:
         """Send one push of ``key`` to its server; no RPC timeout (the watchdog bounds waits)."""
         if self._released and f"{key.split('/', 1)[0]}/" in self._released:
             raise RuntimeError(f"key {key!r} belongs to a released namespace (a replaced routing plan)")
@@ -182,48 +211,64 @@ class PSClient:
         self._steps[key] = step + 1
         self.counters.pushed_bytes += payload_bytes(payload)
         self.counters.push_pulls += 1
-        return index, self.call(index, function, (key, self.config.index, step, payload))
+        return self._links.submit(index, function, (key, self.config.index, step, payload))
 
-    def call(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Future:
-        """Call ``function`` (a name in ``server.py``) on server ``index``: the network, and nothing else."""
+    def request(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Call:
+        """Send ``function(*args)`` to server ``index``, resent to its replacement if it dies
+        (``wait_all`` gets the answer). ``timeout``: seconds per attempt (0: none)."""
+        return self._links.submit(index, function, args, timeout=timeout)
+
+    def call(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> PendingCall:
+        """``request`` and an object whose ``wait()`` returns the answer (or raises ``PSServerError``)."""
+        return PendingCall(self, self.request(index, function, args, timeout=timeout), function)
+
+    def transport(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Future:
+        """Call ``function`` (a name in ``server.py``) on server ``index``'s current incarnation:
+        the network, and nothing else."""
         from torch.distributed import rpc
         from hybridsync.backends.ps import server
-        return rpc.rpc_async(group.server_name(index), getattr(server, function), args=args, timeout=timeout)
+        return rpc.rpc_async(self._links.name(index), getattr(server, function), args=args, timeout=timeout)
 
     def layout(self, name: str, tensors: Sequence[torch.Tensor | WireTensor]) -> Layout:
         """The dtype groups and keys of message ``name`` (fixed at its first use)."""
         return self.keys.layout(name, wire_of(tensors))
 
-    def _fail(self, peer: str, error: str) -> None:
-        self._failure = (f"parameter server {peer} is unreachable ({error}); it died, hung, or exited "
-                         f"because another worker died (see its log)")
-
     def check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("the PS client was shut down")
-        if self._failure is not None:
-            raise PSServerError(self._failure)
+        failure = self._links.failure()
+        if failure is not None:
+            raise PSServerError(failure)
 
-    def wait_all(self, calls: Sequence[tuple[int, Future]], what: str) -> list[Any]:
-        """Results of ``calls`` in order; raises ``PSServerError`` naming the server on any failure."""
-        pending = _Countdown(len(calls))
-        for _, future in calls:
-            future.add_done_callback(pending.done)
-        while not pending.event.wait(0.1):
-            self.check_usable()
-        results = []
-        for index, future in calls:
-            try:
-                results.append(future.value())
-            except Exception as e:  # noqa: BLE001 - RPC errors come in several types
-                text = _first_line(e)
-                gone = any(sign in text for sign in ("eof", "ECONNREFUSED", "pipe closed", "ECONNRESET"))
-                message = (f"parameter server {group.server_name(index)} failed during {what}: "
-                           f"{'connection lost, the server process is gone (' + text + ')' if gone else text}")
-                self._failure = self._failure or message
-                raise PSServerError(message) from e
-        self.counters.pulled_bytes += sum(payload_bytes(r) for r in results)
+    def wait_all(self, calls: Sequence[Call], what: str) -> list[Any]:
+        """Results of ``calls`` in order, across server replacements; raises ``PSServerError``
+        naming the server if one is lost for good or refuses a call."""
+        results = self._links.wait(calls, what)
+        self.counters.pulled_bytes += sum(payload_bytes(r) for c, r in zip(calls, results) if c.function in _PUSHES)
         return results
+
+
+class PendingCall:
+    """An answer on its way (``PSClient.call``)."""
+
+    def __init__(self, client: PSClient, call: Call, what: str) -> None:
+        self._client, self._call, self._what = client, call, what
+
+    def wait(self) -> Any:
+        return self._client.wait_all([self._call], self._what)[0]
+
+
+_PUSHES = ("rpc_push_pull", "rpc_push_pull_sparse", "rpc_push_delta")
+
+
+def _ping_timeout(given: float | None) -> float:
+    if given is not None:
+        return given
+    text = os.environ.get(envvars.PS_PING_TIMEOUT, "").strip()
+    try:
+        return float(text) if text else DEFAULT_PING_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{envvars.PS_PING_TIMEOUT} must be a number of seconds, got {text!r}") from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -233,36 +278,11 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-class _Countdown:
-    """Sets ``event`` when ``count`` futures completed, or at once when one of them failed."""
-
-    def __init__(self, count: int) -> None:
-        self.event = threading.Event()
-        self._left = count
-        self._lock = threading.Lock()
-        if count == 0:
-            self.event.set()
-
-    def done(self, future: Future) -> None:
-        with self._lock:
-            self._left -= 1
-            if self._left == 0 or _failed(future):
-                self.event.set()
-
-
-def _failed(future: Future) -> bool:
-    try:
-        future.value()
-        return False
-    except Exception:  # noqa: BLE001
-        return True
-
-
 class PSHandle:
     """An in-flight dense push-pull; ``wait`` writes the reduced values into the tensors."""
 
     def __init__(self, client: PSClient, tensors: Sequence[torch.Tensor], layout: Layout,
-                 flats: list[torch.Tensor], calls: list[tuple[Chunk, tuple[int, Future]]],
+                 flats: list[torch.Tensor], calls: list[tuple[Chunk, Call]],
                  reduction: Reduction) -> None:
         self._client, self._tensors, self._layout, self._flats = client, tensors, layout, flats
         self._calls, self._reduction = calls, reduction
@@ -287,13 +307,14 @@ class PSHandle:
 class SparseHandle:
     """An in-flight sparse push-pull; ``wait`` returns the reduced sparse tensor."""
 
-    def __init__(self, client: PSClient, name: str, call: tuple[int, Future], reduction: Reduction) -> None:
+    def __init__(self, client: PSClient, name: str, call: Call, reduction: Reduction) -> None:
         self._client, self._name, self._call, self._reduction = client, name, call, reduction
 
     def wait(self) -> torch.Tensor:
         (indices, values, size), = self._client.wait_all([self._call], f"sparse push_pull of {self._name}")
         factor = self._reduction.result_factor(self._client.num_workers)
-        return torch.sparse_coo_tensor(indices, values * factor if factor != 1.0 else values, size,
+        # A copy either way: the answer itself is kept for a replacement server (recovery.py).
+        return torch.sparse_coo_tensor(indices.clone(), values * factor if factor != 1.0 else values.clone(), size,
                                        check_invariants=False)
 
 

@@ -2,8 +2,9 @@
 
 A PS job is one ``torch.distributed.rpc`` group: ``num_servers`` server processes take
 ranks ``0 .. num_servers-1`` (named ``server0``, ``server1``, ...) and ``num_workers``
-worker processes take the ranks after them (``worker0``, ...). Rank 0 (server 0) hosts
-the rendezvous, so ``DMLC_PS_ROOT_URI``/``DMLC_PS_ROOT_PORT`` is server 0's address.
+worker processes take the ranks after them (``worker0``, ...); a server that is replaced
+joins again under a new name and id (``group.py``). Server 0, or its supervisor, hosts
+the rendezvous store, so ``DMLC_PS_ROOT_URI``/``DMLC_PS_ROOT_PORT`` is server 0's address.
 There is no scheduler process.
 """
 from __future__ import annotations

@@ -32,6 +32,7 @@ class SwitchCoordinator:
         self._policies: dict[str, ElasticPolicy] = {}
         self._schedules: dict[str, Schedule] = {}
         self._switches: dict[tuple[str, int], dict[int, tuple[int, str, str]]] = {}
+        self._resumed: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
         """Switches every worker made, in order: job, index, step, protocol, reason, per-worker steps."""
         self._lock = threading.Lock()
@@ -40,16 +41,34 @@ class SwitchCoordinator:
         """``worker`` finished computing ``step``: feed the job's policy; returns its schedule."""
         now = time.monotonic()
         with self._lock:
-            elastic = self._policies.get(job)
-            if elastic is None:
-                elastic = self._policies[job] = ElasticPolicy(SyncPolicy.from_dict(policy), self.num_workers)
-                self._schedules[job] = []
+            elastic = self._policy(job, policy)
             decision = elastic.observe(worker, step, now)
             if decision is not None:
                 self._schedules[job].append((decision.step, decision.protocol, decision.reason))
                 log.info("%s: job %s goes %s after step %d: %s", self.name, job, decision.protocol,
                          decision.step, decision.reason)
             return list(self._schedules[job])
+
+    def _policy(self, job: str, policy: Mapping[str, Any]) -> ElasticPolicy:
+        elastic = self._policies.get(job)
+        if elastic is None:
+            elastic = self._policies[job] = ElasticPolicy(SyncPolicy.from_dict(policy), self.num_workers)
+            self._schedules.setdefault(job, [])
+        return elastic
+
+    def restore(self, job: str, policy: Mapping[str, Any], schedule: Schedule, step: int) -> None:
+        """A replacement of server 0: a worker's last answer for ``job`` (its schedule, after its
+        report of ``step``). The longest schedule wins; the policy's trace restarts after the latest
+        step reported, on the protocol the schedule left the workers on."""
+        with self._lock:
+            elastic = self._policy(job, policy)
+            if len(schedule) > len(self._schedules[job]):
+                self._schedules[job] = [tuple(entry) for entry in schedule]  # type: ignore[misc]
+            known = self._schedules[job]
+            after = max(step, known[-1][0] if known else 0)
+            if after > self._resumed.get(job, -1):
+                self._resumed[job] = after
+                elastic.resume(known[-1][1] if known else "bsp", after)  # type: ignore[arg-type]
 
     def switched(self, job: str, worker: int, index: int, step: int, protocol: str, reason: str) -> None:
         """``worker`` made its ``index``-th switch of ``job`` after ``step``; logged once all agree."""

@@ -1,4 +1,4 @@
-"""The parameter-server process: ``python -m hybridsync.backends.ps.server``.
+"""The parameter-server process: ``python -m hybridsync.backends.ps.server`` (``hybridsync-server``).
 
 Configured by BytePS's variables (``DMLC_ROLE=server``, ``DMLC_SERVER_ID``,
 ``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DMLC_PS_ROOT_PORT``).
@@ -6,6 +6,11 @@ It joins the RPC group, answers push-pulls of the keys placed on it, and exits
 - with status 0 once every worker has said goodbye (``PSClient.shutdown``), or
 - with status 1 and a message naming the worker as soon as a worker stops answering
   pings (waiting for its pushes would hang every other worker).
+
+With ``--supervise`` the process is a supervisor (``supervisor.py``) that runs the server
+and starts a replacement when it dies. A replacement learns its keys back from the workers
+(``rpc_restore``) before it answers any push: a *restore barrier* waits for every worker
+still in the group, so an ASP/SSP value starts from the freshest pull any worker had.
 """
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 import threading
+import time
 from typing import Any, Sequence
 
 from torch.distributed import rpc
@@ -23,8 +30,8 @@ from hybridsync import envvars
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
 from hybridsync.backends.ps.coordinator import Schedule, SwitchCoordinator
-from hybridsync.backends.ps.store import KeyStore, SparsePayload
-from hybridsync.backends.ps.watchdog import Watchdog
+from hybridsync.backends.ps.store import KeyStore, RestoreState, SparsePayload
+from hybridsync.backends.ps.watchdog import PeerFailure, Watchdog
 
 log = logging.getLogger("hybridsync.ps.server")
 
@@ -32,34 +39,65 @@ log = logging.getLogger("hybridsync.ps.server")
 class Server:
     """One server's state: its keys, the workers still attached, and how it ends."""
 
-    def __init__(self, config: PSConfig) -> None:
+    def __init__(self, config: PSConfig, incarnation: int = 0) -> None:
         self.config = config
+        self.incarnation = incarnation
+        self.name = config.name if incarnation == 0 else f"{config.name} (replacement {incarnation})"
         self.store = KeyStore(num_workers=config.num_workers)
         self.coordinator = SwitchCoordinator(config.num_workers, config.name)
         self._attached = set(range(config.num_workers))
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self.failure: str | None = None
-        # Sibling servers are watched too: once one is gone the job cannot finish, so do not linger.
-        peers = [group.worker_name(i) for i in range(config.num_workers)]
-        peers += [group.server_name(i) for i in range(config.num_servers) if i != config.index]
-        self.watchdog = Watchdog(peers, self.fail)
+        self.barrier = RestoreBarrier(self.name) if incarnation else None
+        """A replacement's wait for the workers' restores (restores may come as soon as it joined)."""
+        # Workers only: a sibling server's death is its replacement's business, not a reason to stop.
+        self.watchdog = Watchdog(self._watched, self._on_watchdog)
+
+    def _watched(self) -> list[str]:
+        with self._lock:
+            return [group.worker_name(w) for w in sorted(self._attached)]
+
+    def attach_only(self, workers: set[int]) -> None:
+        """A replacement serves the workers still in the group (others finished before it came)."""
+        with self._lock:
+            self._attached &= workers
+            if not self._attached:
+                self._finished.set()  # nobody left to serve: leave with the others
+        for worker in set(range(self.config.num_workers)) - workers:
+            self.store.detach(worker)
 
     def goodbye(self, worker: int) -> dict[str, int]:
         """``worker`` is done: stop watching it; the last goodbye ends the server."""
-        self.watchdog.forget(group.worker_name(worker))
         self.store.detach(worker)
+        if self.barrier is not None:
+            self.barrier.arrive(worker)
         with self._lock:
             self._attached.discard(worker)
             if not self._attached:
                 self._finished.set()
         return self.store.counters.as_dict()
 
+    def restore(self, worker: int, state: RestoreState) -> Future:
+        """``worker``'s part of a replacement's keys; the answer waits for every worker's part."""
+        barrier = self.barrier
+        keys = self.store.restore(worker, state, parameters=barrier is None or not barrier.is_open)
+        for job, (policy, schedule, step) in state.schedules.items():
+            self.coordinator.restore(job, policy, schedule, step)
+        log.info("%s: worker%d restored %d keys", self.name, worker, keys)
+        if barrier is None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        return barrier.arrive(worker)
+
+    def _on_watchdog(self, failures: list[PeerFailure]) -> None:
+        self.fail(", ".join(f.peer for f in failures), "; ".join(f.error for f in failures))
+
     def fail(self, peer: str, error: str) -> None:
         """A worker stopped answering: fail pending pulls and end the server."""
-        why = ("pushes will never arrive" if peer.startswith("worker")
-               else "the job cannot finish without that server")
-        self.failure = f"hybridsync PS {self.config.name}: {peer} stopped answering ({error}); exiting, since {why}"
+        self.failure = (f"hybridsync PS {self.config.name}: {peer} stopped answering ({error}); exiting, since "
+                        f"pushes will never arrive")
         self.store.fail_all(self.failure)
         self._finished.set()
 
@@ -70,9 +108,75 @@ class Server:
         self.watchdog.stop()
         if self.failure is not None:
             group.abandon(1, self.failure)
-        log.info("%s: all %d workers said goodbye; counters %s", self.config.name,
+        log.info("%s: all %d workers said goodbye; counters %s", self.name,
                  self.config.num_workers, self.store.counters.as_dict())
         return 0
+
+
+class RestoreBarrier:
+    """A replacement's wait for every worker's restore before any of them pushes again.
+
+    BSP rounds would sort themselves out without it; ASP/SSP values would not: a push
+    applied to a value that a later worker's fresher pull then replaces would be lost.
+    Restores may arrive before the replacement knows whom to expect (``expect``). After
+    ``timeout_s`` it opens anyway (a worker that never restores is dead or stuck, and the
+    server's watchdog ends the job if it is dead), saying which workers it missed.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.is_open = False
+        self._arrived: set[int] = set()
+        self._expected: set[int] | None = None
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self._timer: threading.Timer | None = None
+
+    def expect(self, workers: set[int], *, timeout_s: float) -> None:
+        """The workers to wait for; opens now if they all restored already."""
+        with self._lock:
+            self._expected = set(workers)
+        self._timer = threading.Timer(timeout_s, self._open, args=(f"gave up waiting after {timeout_s:.0f} s",))
+        self._timer.daemon = True
+        self._timer.start()
+        self._open_if_ready()
+
+    def arrive(self, worker: int) -> Future:
+        """``worker`` restored (or left); the future resolves once the barrier opens."""
+        future: Future = Future()
+        with self._lock:
+            self._arrived.add(worker)
+            if self.is_open:
+                future.set_result(None)
+                return future
+            self._futures.append(future)
+        self._open_if_ready()
+        return future
+
+    def _open_if_ready(self) -> None:
+        with self._lock:
+            ready = self._expected is not None and self._expected <= self._arrived
+        if ready:
+            self._open("")
+
+    def _open(self, why: str) -> None:
+        with self._lock:
+            if self.is_open:
+                return
+            self.is_open, futures = True, self._futures
+            missing = sorted((self._expected or set()) - self._arrived)
+            self._futures = []
+        if self._timer is not None:
+            self._timer.cancel()
+        if missing:
+            log.warning("%s: %s; serving without the keys of %s", self.name, why,
+                        ", ".join(group.worker_name(w) for w in missing))
+        else:
+            log.info("%s: every worker restored its keys in %.1f s; serving", self.name,
+                     time.monotonic() - self._started)
+        for future in futures:
+            future.set_result(None)
 
 
 _SERVER: Server | None = None
@@ -122,6 +226,12 @@ def rpc_sync_events() -> list[dict[str, Any]]:
     return list(_server().coordinator.events)
 
 
+@rpc.functions.async_execution
+def rpc_restore(worker: int, state: RestoreState) -> Future:
+    """A replacement server: ``worker``'s part of its keys; answered once every worker's part is in."""
+    return _server().restore(worker, state)
+
+
 def rpc_goodbye(worker: int) -> dict[str, int]:
     """A worker is shutting down; returns this server's counters."""
     return _server().goodbye(worker)
@@ -145,20 +255,49 @@ def rpc_counters() -> dict[str, Any]:
     return {**store.counters.as_dict(), **modes}
 
 
-def serve(config: PSConfig, *, join_timeout_s: float = 120.0, shutdown_timeout_s: float = 30.0) -> int:
-    """Join the group as server ``config.index`` and serve until the job ends."""
+def serve(config: PSConfig, *, join_timeout_s: float = 120.0, shutdown_timeout_s: float = 30.0,
+          restore_timeout_s: float = 60.0) -> int:
+    """Join the group as server ``config.index`` (a replacement, if it was started before) and serve
+    until the job ends."""
     global _SERVER
     assert config.role == "server", config
-    _SERVER = Server(config)
-    group.join(config, timeout_s=join_timeout_s)
-    log.info("%s serving (rank %d of %d) at %s", config.name, config.rank, config.world_size, config.init_method)
-    code = _SERVER.run()
+    hosting = group.hosts_store(config)
+    store = group.open_store(config, host=hosting, timeout_s=join_timeout_s)
+    incarnation = group.next_incarnation(store, config.index)
+    _SERVER = server = Server(config, incarnation)
+    group.join(config, timeout_s=join_timeout_s, incarnation=incarnation, store=store)
+    group.count_join(store, group.server_name(config.index, incarnation))
+    workers = [group.worker_name(w) for w in range(config.num_workers)]
+    if incarnation == 0:
+        missing = group.wait_joined(store, workers, timeout_s=join_timeout_s)
+        if missing and not server.failure:
+            raise RuntimeError(group.join_failure(config, join_timeout_s, "workers never joined: " + ", ".join(missing)))
+    else:
+        _take_over(server, store, restore_timeout_s)
+    log.info("%s serving (rank %d of %d) at %s", server.name, config.rank, config.world_size, config.init_method)
+    code = server.run()
     try:
-        group.leave(timeout_s=shutdown_timeout_s)
+        group.leave(timeout_s=shutdown_timeout_s, store=store)
     except Exception as e:  # noqa: BLE001 - every worker is done; only the farewell failed
         group.abandon(code, f"hybridsync PS {config.name}: served every worker, but could not leave the "
                             f"group cleanly ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    if hosting and not group.wait_all_left(store, timeout_s=shutdown_timeout_s):  # incl. others' supervisors
+        log.warning("%s: not every member left the group within %.0f s; closing the rendezvous store",
+                    server.name, shutdown_timeout_s)
     return code
+
+
+def _take_over(server: Server, store: Any, restore_timeout_s: float) -> None:
+    """A replacement: serve the workers still in the group (its predecessors never leave: stop
+    counting them) and answer no push until they restored its keys (``RestoreBarrier``)."""
+    config = server.config
+    group.count_departed(store, [group.server_name(config.index, r) for r in range(server.incarnation)])
+    workers = {w for w in range(config.num_workers)
+               if group.joined(store, group.worker_name(w)) and not group.finished(store, w)}
+    server.attach_only(workers)
+    log.info("%s: replaces %s; waiting for %d workers to restore its keys", server.name,
+             group.server_name(config.index, server.incarnation - 1), len(workers))
+    server.barrier.expect(workers, timeout_s=restore_timeout_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,7 +308,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--id-from-launcher-rank", action="store_true",
                         help="take DMLC_SERVER_ID from HOROVOD_RANK (servers started by horovodrun, as "
                              "hybridsync-run does for servers on other hosts)")
+    parser.add_argument("--supervise", action="store_true",
+                        help="run the server as a child and start a replacement whenever it dies or hangs "
+                             "(the workers restore its keys); the supervisor of server 0 hosts the rendezvous")
+    parser.add_argument("--max-restarts", type=int, default=10,
+                        help="--supervise: replacements to start at most (default 10)")
+    parser.add_argument("--restore-timeout", type=float, default=60.0,
+                        help="a replacement's wait for every worker to restore its keys (default 60 s)")
+    parser.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)  # supervisor.py's spare
     args = parser.parse_args(argv)
+    if args.standby and not sys.stdin.readline():
+        return 0  # the supervisor no longer needs a spare
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     env = dict(os.environ)
     if args.id_from_launcher_rank:
@@ -182,8 +331,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"hybridsync PS server: {e}\n")
     if os.environ.get(envvars.DMLC_ROLE, "server") != "server":
         parser.exit(2, f"hybridsync PS server: DMLC_ROLE is {os.environ[envvars.DMLC_ROLE]!r}, expected 'server'\n")
+    if args.supervise:
+        from hybridsync.backends.ps.supervisor import supervise
+        child = ["--join-timeout", str(args.join_timeout), "--restore-timeout", str(args.restore_timeout)]
+        return supervise(config, {**env, envvars.DMLC_SERVER_ID: str(config.index)}, child,
+                         max_restarts=args.max_restarts, join_timeout_s=args.join_timeout)
     try:
-        return serve(config, join_timeout_s=args.join_timeout)
+        return serve(config, join_timeout_s=args.join_timeout, restore_timeout_s=args.restore_timeout)
     except RuntimeError as e:
         group.abandon(1, f"hybridsync PS {config.name}: {e}")
         return 1

@@ -17,6 +17,13 @@ its local optimizer step; the server adds it and answers with the current parame
 answers at once; SSP holds the answer while the pusher is more than ``staleness`` pushes
 ahead of the slowest worker still attached, so no worker runs further ahead than that.
 
+Recovery: a server started in place of a dead one (``hybridsync-server --supervise``) gets
+its keys back from the workers (``KeyStore.restore``). A BSP key learns the last round any
+worker completed and that round's sum, which it answers again to a worker whose answer was
+lost (a *replay*); every other worker's pending push is sent again. An ASP/SSP key takes the
+freshest value any worker pulled (answers carry the per-worker push counts they include), and
+a push that value already includes is answered without being applied again.
+
 Release: keys live until the workers release their prefix (a router's namespace, when
 its plan is replaced or its optimizer closed). A worker releases once it is done with
 them; the keys go once every worker has released them or left, so a slower worker's last
@@ -26,12 +33,33 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.futures import Future
 
 SparsePayload = tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]
+
+
+class Pulled(NamedTuple):
+    """An ASP/SSP answer: the parameter, and how many pushes of each worker it includes."""
+
+    value: torch.Tensor
+    clocks: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RestoreState:
+    """What one worker holds of a replaced server's keys: enough to rebuild them."""
+
+    released: tuple[str, ...] = ()
+    """Key prefixes this worker released."""
+    rounds: dict[str, tuple[int, Any]] = dataclasses.field(default_factory=dict)
+    """BSP key -> (the last step whose sum this worker received, that sum)."""
+    parameters: dict[str, tuple[Pulled, int | None]] = dataclasses.field(default_factory=dict)
+    """ASP/SSP key -> (this worker's last pull, the key's staleness)."""
+    schedules: dict[str, tuple[dict[str, Any], list, int]] = dataclasses.field(default_factory=dict)
+    """Server 0 only: Sync-Switch job -> (its policy, the last schedule received, after which step)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -50,6 +78,8 @@ def payload_bytes(payload: torch.Tensor | SparsePayload) -> int:
     """Bytes of tensor data in a dense or sparse payload."""
     if isinstance(payload, torch.Tensor):
         return payload.nbytes
+    if isinstance(payload, Pulled):
+        return payload.value.nbytes
     indices, values, _ = payload
     return indices.nbytes + values.nbytes
 
@@ -123,11 +153,16 @@ class BspKey:
         self.lock = threading.Lock()
         self._parts: dict[int, Any] = {}
         self._futures: list[Future] = []
+        self._last: tuple[int, Any] | None = None
+        """After a restore: the last round's step and sum, replayed to a worker whose answer was lost."""
 
     def push(self, worker: int, step: int, payload: Any) -> tuple[Future, Callable[[], None] | None]:
         """Record ``worker``'s push; returns its pull future and, for the last push, the closer."""
         future: Future = Future()
         with self.lock:
+            if self._last is not None and step == self._last[0] == self.step - 1:
+                future.set_result(self._last[1])  # a replay: this round's sum came from a worker's restore
+                return future, None
             problem = self._problem(worker, step)
             if problem is not None:
                 future.set_exception(ValueError(problem))
@@ -139,7 +174,22 @@ class BspKey:
             parts = [self._parts[w] for w in sorted(self._parts)]
             futures, self._parts, self._futures = self._futures, {}, []
             self.step += 1
+            self._last = None  # every worker pushed this round, so each has the previous one's sum
         return future, lambda: _complete(futures, self.combine, parts)
+
+    def restore(self, step: int, result: Any) -> None:
+        """A worker received the sum of round ``step`` (``result``) from the dead server: adopt it."""
+        with self.lock:
+            if step < self.step - 1 or (step == self.step - 1 and self._last is not None):
+                return  # older than what this key knows
+            if step >= self.step and self._parts and self.step != step:
+                raise AssertionError(f"key {self.key!r}: workers at step {self.step} and past step {step}")
+            futures = self._futures if step >= self.step else []
+            if step >= self.step:
+                self._parts, self._futures = {}, []
+            self.step, self._last = step + 1, (step, result)
+        for future in futures:  # pushes of that round from workers whose answer was lost
+            future.set_result(result)
 
     def _problem(self, worker: int, step: int) -> str | None:
         if step != self.step:
@@ -188,12 +238,30 @@ class AsyncKey:
         self.clocks = [0] * num_workers
         self.attached = set(range(num_workers))
         self.lock = threading.Lock()
+        self.restored = False
+        """Rebuilt from the workers' pulls: a push the value already includes is answered, not applied."""
         self._held: list[tuple[int, Future]] = []
+
+    def offer(self, pulled: Pulled) -> None:
+        """A worker's last pull from the dead server: kept if it includes more pushes than the value held."""
+        with self.lock:
+            self.restored = True
+            if sum(pulled.clocks) > sum(self.clocks):
+                self.value.copy_(pulled.value.view_as(self.value))
+                self.clocks = list(pulled.clocks)
+
+    def snapshot(self) -> Pulled:
+        """The current value and what it includes (a copy)."""
+        with self.lock:
+            return Pulled(self.value.clone(), tuple(self.clocks))
 
     def push(self, worker: int, clock: int, delta: torch.Tensor) -> Future:
         """Apply ``delta``; the future resolves to the parameter once the SSP bound allows."""
         future: Future = Future()
         with self.lock:
+            if clock < self.clocks[worker] and self.restored:
+                future.set_result(Pulled(self.value.clone(), tuple(self.clocks)))  # applied before the server died
+                return future
             if clock != self.clocks[worker]:
                 future.set_exception(ValueError(f"worker{worker} pushed clock {clock} of key {self.key!r}, "
                                                 f"expected {self.clocks[worker]}"))
@@ -214,7 +282,7 @@ class AsyncKey:
             answers = self._release()
         _answer(answers)
 
-    def _release(self) -> list[tuple[Future, torch.Tensor]]:
+    def _release(self) -> list[tuple[Future, Pulled]]:
         """Answers now allowed (called under the lock), each with a snapshot of the value."""
         slowest = min((self.clocks[w] for w in self.attached), default=max(self.clocks))
         ready = [(w, f) for w, f in self._held
@@ -225,11 +293,11 @@ class AsyncKey:
         self._held = [(w, f) for w, f in self._held if id(f) not in released]
         for w, _ in ready:
             self.counters.max_lead_answered = max(self.counters.max_lead_answered, self.clocks[w] - slowest)
-        snapshot = self.value.clone()
+        snapshot = Pulled(self.value.clone(), tuple(self.clocks))
         return [(f, snapshot) for _, f in ready]
 
 
-def _answer(answers: list[tuple[Future, torch.Tensor]]) -> None:
+def _answer(answers: list[tuple[Future, Pulled]]) -> None:
     for future, value in answers:
         future.set_result(value)
 
@@ -296,7 +364,7 @@ class KeyStore:
                 state.fail(f"key {state.key!r} was released by every worker with an open round")
         return len(dropped)
 
-    def init_async(self, key: str, value: torch.Tensor, staleness: int | None) -> torch.Tensor:
+    def init_async(self, key: str, value: torch.Tensor, staleness: int | None) -> Pulled:
         """Create an ASP/SSP key (the first worker's value wins); returns the current value."""
         kind = payload_kind(value)
         if kind.sparse:
@@ -315,8 +383,29 @@ class KeyStore:
             elif state.staleness != staleness:
                 raise ValueError(f"workers disagree on the staleness of key {key!r}: "
                                  f"{state.staleness} and {staleness}")
-        with state.lock:
-            return state.value.clone()
+        return state.snapshot()
+
+    def restore(self, worker: int, state: RestoreState, *, parameters: bool = True) -> int:
+        """Rebuild keys from what ``worker`` holds of a dead server's (``RestoreState``); returns how many.
+
+        ``parameters=False``: ASP/SSP values are only created where missing, never replaced
+        (pushes may already have been applied to them)."""
+        for prefix in state.released:
+            self.release(prefix, worker)
+        for key, (step, result) in state.rounds.items():
+            with self._lock:
+                held = self._keys.get(key)
+                if held is None:
+                    kind = payload_kind(result)
+                    held = self._keys[key] = BspKey(key, kind, self.num_workers, sum_sparse if kind.sparse else sum_dense)
+            held.restore(step, result)
+        for key, (pulled, staleness) in state.parameters.items():
+            with self._lock:
+                created = key not in self._async_keys
+            self.init_async(key, pulled.value, staleness)
+            if parameters or created:
+                self._async_keys[key].offer(pulled)
+        return len(state.rounds) + len(state.parameters)
 
     def push_delta(self, key: str, worker: int, clock: int, delta: torch.Tensor) -> Future:
         """ASP/SSP push of a parameter delta; resolves to the server's current parameter."""

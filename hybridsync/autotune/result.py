@@ -1,0 +1,126 @@
+"""What an autotune found, and the verdict against fair rivals.
+
+A speedup counts only over the best *fair* rival: the hand-made strategies (plain Horovod,
+every baseline) plus, when the winner uses fp16 compression, Horovod with
+``Compression.fp16`` and the baselines' fp16 twins, since a user can turn fp16 on too.
+Every number of the verdict comes from the confirmation job (one job, interleaved repeats).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.strategy import Strategy
+from hybridsync.trials.candidates import is_rival, rival_levers
+
+TAU_TARGET = 0.8
+"""Kendall tau between the trials' ranking and the confirmation job's that the loop aims for."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialOutcome:
+    """One measured trial of the loop, with what the simulator predicted for it beforehand."""
+
+    round: int
+    kind: str
+    fingerprint: str
+    predicted_s: float | None
+    measured_s: float | None
+    """Median of the timed steps, as its job measured it; ``None`` for a failed trial."""
+    reason: str | None = None
+    job: str | None = None
+    """The trial job that measured it."""
+    normalized_s: float | None = None
+    """``measured_s`` at an average job's level (``hybridsync.trials.levels``, fit on every trial of
+    the autotune): what the loop ranks by."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutotuneResult:
+    """What the autotuner found: the winner, every trial, and the confirmation job's verdict."""
+
+    model: str
+    cluster: ClusterSpec
+    winner_kind: str
+    winner: Strategy
+    """The strategy to train with (when plain Horovod wins: the empty strategy, every variable ring
+    all-reduced through Horovod, which is what hybridsync does without a strategy)."""
+    winner_levers: frozenset[str] = frozenset()
+    """What the winner uses beyond plain Horovod's numerics (``hybridsync.baselines.levers``)."""
+    trials: list[TrialOutcome]
+    confirmed_s: dict[str, float]
+    """Kind -> median step time in the confirmation job (all repeats' timed steps)."""
+    trial_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Kind -> the trials' step time of the same strategy (normalized), for those the trials measured."""
+    not_runnable: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Rivals that cannot run on this model (kind -> why), e.g. Horovod's fp16 with sparse gradients."""
+    job_levels: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Trial job -> its level and drift per minute (``hybridsync.trials.levels.JobLevel``)."""
+    exact: bool = False
+    seconds: dict[str, float]
+    """Wall time of each phase (search, trials, refit, confirm) and the total."""
+
+    @property
+    def fair_rivals(self) -> dict[str, float]:
+        """Confirmed step time of every rival that uses no lever the winner does not use."""
+        return {kind: s for kind, s in self.confirmed_s.items()
+                if is_rival(kind) and rival_levers(kind) <= self.winner_levers}
+
+    @property
+    def best_rival(self) -> tuple[str, float] | None:
+        """The fastest fair rival in the confirmation job: what the winner's speedup is over."""
+        rivals = self.fair_rivals
+        return min(rivals.items(), key=lambda item: item[1]) if rivals else None
+
+    @property
+    def speedup(self) -> float | None:
+        """Best fair rival's confirmed step time over the winner's (> 1: the winner is faster)."""
+        best = self.best_rival
+        return None if best is None else self.speedup_over(best[0])
+
+    def speedup_over(self, kind: str) -> float | None:
+        """Confirmed step time of ``kind`` over the winner's (> 1: the winner is faster)."""
+        if kind not in self.confirmed_s:
+            return None
+        return self.confirmed_s[kind] / self.confirmed_s[self.winner_kind]
+
+    @property
+    def kendall_tau(self) -> float | None:
+        """Kendall tau (tau-b) of the trials' ranking against the confirmation job's, over the
+        strategies measured in both (``None`` for fewer than 3)."""
+        kinds = [kind for kind in self.confirmed_s if kind in self.trial_s]
+        if len(kinds) < 3:
+            return None
+        from scipy.stats import kendalltau
+        tau = kendalltau([self.trial_s[k] for k in kinds], [self.confirmed_s[k] for k in kinds]).statistic
+        return None if tau != tau else float(tau)  # NaN when one side is constant
+
+    def best_so_far(self) -> list[float]:
+        """Fastest (normalized) step time measured after each trial, in the order measured (seconds)."""
+        out, best = [], float("inf")
+        for trial in self.trials:
+            value = trial.normalized_s if trial.normalized_s is not None else trial.measured_s
+            if value is not None:
+                best = min(best, value)
+            out.append(best)
+        return out
+
+    def verdict(self) -> str:
+        """One line: the winner, its speedup and the rival it is over (and why that rival is the fair one)."""
+        best = self.best_rival
+        line = f"winner {self.winner_kind}, {self.confirmed_s[self.winner_kind] * 1e3:.1f} ms per step"
+        if best is not None:
+            line += f"; best fair rival {best[0]} {best[1] * 1e3:.1f} ms: {self.speedup:.2f}x"
+        return line + f" ({rival_rule(self)})"
+
+
+def rival_rule(result: AutotuneResult | dict[str, Any]) -> str:
+    """Which rivals count for this result's winner, said plainly."""
+    exact = result["exact"] if isinstance(result, dict) else result.exact
+    levers = set(result["winner"]["levers"] if isinstance(result, dict) else result.winner_levers)
+    if exact:
+        return "exact mode: rivals are plain Horovod and the baselines"
+    if "fp16" in levers:
+        return "the winner uses fp16: rivals include Horovod with fp16 and the baselines' fp16 twins"
+    return "the winner uses no fp16: rivals are plain Horovod and the baselines"

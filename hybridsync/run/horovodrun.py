@@ -1,0 +1,89 @@
+"""horovodrun as ``hybridsync-run`` starts it: the same program, without TensorFlow's start-up log.
+
+Before any rank starts, horovodrun asks whether Horovod was built with Gloo (or MPI) by
+importing ``horovod.tensorflow`` in a forked child (``horovod.common.util``). That imports
+TensorFlow, which prints absl's "All log messages before absl::InitializeLog()" notice,
+oneDNN's "custom operations are on" line (twice each) and ``cpu_feature_guard``'s, whether
+or not the job uses TensorFlow.
+
+Here that check runs first, in a temporary environment: ``TF_CPP_MIN_LOG_LEVEL=1`` (INFO
+off, warnings and errors still shown) hides ``cpu_feature_guard``'s line and
+``TF_ENABLE_ONEDNN_OPTS=0`` the other two, which TensorFlow prints before it reads its log
+level (the check computes nothing, so oneDNN's numerics do not matter to it). Horovod caches
+the answer, so horovodrun's own call reuses it and forks nothing; the environment is back as
+it was before horovodrun starts the ranks, so a TensorFlow user's ranks log (and compute)
+exactly as under plain horovodrun. Nothing changes when the user set ``TF_CPP_MIN_LOG_LEVEL``
+(their level then applies to the launcher too), or asks horovodrun for ``--verbose`` or
+``--check-build`` output.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Iterator, Sequence
+
+TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+CHECK_ENVIRONMENT = {TF_LOG_LEVEL: "1", "TF_ENABLE_ONEDNN_OPTS": "0"}
+"""What the build check's import of TensorFlow runs with: level 1 keeps its warnings and errors."""
+
+
+def horovodrun_command() -> list[str]:
+    """The argv prefix that runs horovodrun through this module (its arguments follow)."""
+    return [sys.executable, "-m", "hybridsync.run.horovodrun"]
+
+
+def check_build_quietly(argv: Sequence[str]) -> None:
+    """Run now the build check horovodrun is about to run for ``argv``, TensorFlow's start-up log off.
+
+    It mirrors horovodrun 0.28.1's choice (``launch.run_controller``; elastic jobs check Gloo):
+    ``--gloo`` checks Gloo, ``--mpi``/``--jsrun`` MPI, neither MPI and then, if MPI is missing,
+    Gloo, each with ``verbose=False``, the key under which Horovod caches the answer.
+    """
+    if TF_LOG_LEVEL in os.environ or {"-cb", "--check-build"} & set(argv):
+        return
+    from unittest import mock
+
+    from horovod.common.util import gloo_built, mpi_built
+    from horovod.runner import launch
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
+            mock.patch.object(sys, "argv", ["horovodrun", *argv]):
+        try:
+            args = launch.parse_args()  # also reads --config-file (its controller: setting)
+        except (SystemExit, Exception):  # --help, --version, a mistake: horovodrun answers it next
+            return
+    if args.verbose:
+        return
+    elastic = args.host_discovery_script is not None or args.min_num_proc is not None
+    with _environment(CHECK_ENVIRONMENT):
+        if args.use_gloo or elastic:
+            gloo_built(verbose=False)
+        elif not mpi_built(verbose=False) and not (args.use_mpi or args.use_jsrun):
+            gloo_built(verbose=False)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` (and so in forked children) inside the block, as before after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def main() -> None:
+    """horovodrun's own entry point, after its build check ran quietly."""
+    check_build_quietly(sys.argv[1:])
+    from horovod.runner.launch import run_commandline
+    sys.argv[0] = "horovodrun"  # argparse's usage and error lines name the program
+    sys.exit(run_commandline())
+
+
+if __name__ == "__main__":  # horovodrun's per-rank helpers are spawned: they import this module
+    main()

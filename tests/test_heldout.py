@@ -1,0 +1,74 @@
+"""The held-out example (``examples/heldout/two_tower.py``): it learns, it trains as a 2-rank job
+with its sparse tables on a parameter server, and nothing the simulator learns from holds it."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+import statistics
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import BIN, REPO, run_job  # noqa: E402
+from hybridsync import baselines  # noqa: E402
+from hybridsync.variables import variables_from_model  # noqa: E402
+
+SCRIPT = REPO / "examples" / "heldout" / "two_tower.py"
+
+
+def two_tower():
+    spec = importlib.util.spec_from_file_location("two_tower", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def variable_shapes(variables) -> frozenset:
+    return frozenset((v["name"], tuple(v["shape"])) if isinstance(v, dict) else (v.name, v.shape)
+                     for v in variables)
+
+
+@pytest.mark.unit
+def test_the_two_tower_model_learns_with_sparse_tables():
+    module = two_tower()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = module.TwoTower()
+    sparse = {n for n, v in variables_from_model(model).items() if v.sparse}
+    assert sparse == {f"{t}.weight" for t in ("user", "age", "region", "device", "item", "category", "brand")}
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    clicks = module.Clicks(seed=1)
+    losses = [module.train_step(model, optimizer, clicks.batch(128)) for _ in range(80)]
+    assert statistics.mean(losses[-10:]) < 0.9 * statistics.mean(losses[:10]), losses
+
+
+@pytest.mark.unit
+def test_no_description_the_simulator_learns_from_is_the_held_out_model():
+    held_out = variable_shapes(variables_from_model(two_tower().TwoTower()).values())
+    known = [variable_shapes(json.loads(p.read_text())["variables"])
+             for p in (REPO / "data" / "descriptions").glob("*.json")]
+    with gzip.open(REPO / "data" / "trials.jsonl.gz", "rt", encoding="utf-8") as handle:
+        shipped = [json.loads(line) for line in handle]
+    known += [variable_shapes(d["doc"]["variables"]) for d in shipped if d["type"] == "description"]
+    assert len(known) >= 60
+    assert all(len(held_out & k) <= len(held_out) // 4 for k in known), "a description shares the held-out model's shape"
+    assert not any("two_tower" in d["model"] for d in shipped)
+
+
+@pytest.mark.multiprocess
+def test_the_two_tower_script_trains_on_two_ranks_with_its_tables_on_a_server(tmp_path):
+    variables = variables_from_model(two_tower().TwoTower())
+    strategy = tmp_path / "parallax.json"
+    baselines.parallax(variables, num_servers=1).save(strategy)
+    argv = [str(BIN / "hybridsync-run"), "--num-servers", "1", "-np", "2", "-H", "localhost:2", "--gloo",
+            "--strategy", str(strategy), str(BIN / "python"), str(SCRIPT), "--steps", "40", "--batch-size", "64"]
+    proc = run_job(argv, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    summary = re.search(r"two_tower on 2 ranks: .* loss ([\d.]+) -> ([\d.]+), ranks' parameters (\w+)", proc.stdout)
+    assert summary, proc.stdout[-3000:]
+    assert summary.group(3) == "agree" and float(summary.group(2)) < float(summary.group(1))
+    pushed = re.search(r"counters \{'pushed_bytes': (\d+)", proc.stdout)
+    assert pushed and int(pushed.group(1)) > 0, "nothing went through the server"

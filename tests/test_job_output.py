@@ -1,0 +1,80 @@
+"""What a job prints: the training script's lines, the servers' own, and nothing a user must ignore.
+
+One short ``hybridsync-run`` job (horovodrun, Gloo) of ``examples/train.py`` per route: ring;
+hierarchical on two "hosts" (4 ranks, ``localhost:2,127.0.0.1:2``); the parameter server with
+a BSP and an ASP variable; fp16, groups and partitions; the last two with a sparse embedding.
+Every line of their output must match the allow-list below, so a warning from torch,
+TensorFlow, Horovod or hybridsync (the launcher's included) fails the test. The emulated
+hosts, where torch's store clients used to warn that no host name could be found, are
+checked on the emulated tier's own job (test_emulated.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import BIN, REPO, SERVER_LINES, run_job, unexpected_lines
+
+EXAMPLE_LINES = (
+    r"\d+ ranks; \d+ variables sent as \d+ messages per step:",
+    r"  \S+ +(allreduce/(ring|hierarchical)|ps/(bsp|asp)) +(-|fp16) +<- \S.*",
+    r"step +\d+  loss \d+\.\d+",
+    r"\d+ steps in [\d.]+ s \([\d.]+ ms/step\); training accuracy over the last 30 steps: [\d.]+%",
+)
+"""``examples/train.py``'s own prints (rank 0): the plan, the loss, the speed and accuracy."""
+
+RING = {"route": "allreduce", "algorithm": "ring"}
+JOBS = {
+    "ring": (2, "localhost:2", {"default": RING}, []),
+    "hierarchical": (4, "localhost:2,127.0.0.1:2", {"default": {"route": "allreduce",
+                                                                "algorithm": "hierarchical"}}, []),
+    "ps_bsp_asp": (2, "localhost:2", {"default": RING, "variables": {
+        "emb.weight": {"route": "ps", "protocol": "bsp", "partitions": 2},
+        "fc2.weight": {"route": "ps", "protocol": "asp"}}}, ["--sparse"]),
+    "fp16_groups_partitions": (2, "localhost:2", {"default": RING, "variables": {
+        "emb.weight": {"route": "allreduce", "compression": "fp16"},
+        "fc1.weight": {"route": "allreduce", "group": 1}, "fc1.bias": {"route": "allreduce", "group": 1},
+        "fc2.weight": {"route": "allreduce", "partitions": 2, "compression": "fp16"},
+        **{name: {"route": "allreduce", "group": 2, "compression": "fp16"}
+           for name in ("fc2.bias", "head.weight", "head.bias")}}}, ["--sparse"]),
+}
+STEPS = 3
+
+
+def _job_output(tmp_path, name: str) -> str:
+    np, hosts, strategy, example_args = JOBS[name]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"version": 1, **strategy}))
+    argv = [str(BIN / "hybridsync-run"), "-np", str(np), "-H", hosts, "--gloo", "--strategy", str(path),
+            sys.executable, str(REPO / "examples" / "train.py"), "--steps", str(STEPS), *example_args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_", "TF_"))}
+    proc = run_job(argv, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+@pytest.mark.multiprocess
+def test_job_prints_only_the_scripts_and_servers_lines(tmp_path, name):
+    output = _job_output(tmp_path, name)
+    assert unexpected_lines(output, (*EXAMPLE_LINES, *SERVER_LINES)) == [], output[-5000:]
+    np, _, strategy, _ = JOBS[name]
+    assert f"{np} ranks; 7 variables" in output and f"{STEPS} steps in" in output  # the job did train
+    assert output.count("serving (rank") == int('"route": "ps"' in json.dumps(strategy))  # its server, if any
+
+
+@pytest.mark.multiprocess
+def test_launcher_quiet_ranks_environment_untouched(tmp_path):
+    """The launcher's TensorFlow lines are gone, yet the ranks get the environment the user gave."""
+    probe = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+             "('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS')}))")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TF_")}, "TF_ENABLE_ONEDNN_OPTS": "1"}
+    proc = run_job([str(BIN / "hybridsync-run"), "-np", "1", "-H", "localhost:1", "--gloo",
+                    sys.executable, "-c", probe], timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert unexpected_lines(proc.stdout, [r"\{.*\}"]) == [], proc.stdout[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1].split(":", 1)[1])
+    assert seen == {"TF_CPP_MIN_LOG_LEVEL": None, "TF_ENABLE_ONEDNN_OPTS": "1"}
