@@ -11,14 +11,13 @@ from typing import Sequence
 
 from hybridsync import baselines
 from hybridsync.autotune import cli as autotune_cli
+from hybridsync.description import VariableInfo, load_model_description
 from hybridsync.explain import explain
 from hybridsync.run import launcher, profile
 from hybridsync.strategy import Strategy
-from hybridsync.description import load_model_description
 from hybridsync.syncswitch import cli as syncswitch_cli
 from hybridsync.trials import cli as trials_cli
 from hybridsync.trials import dataset_cli
-from hybridsync.variables import VariableInfo
 
 
 def load_model_variables(model: str) -> dict[str, VariableInfo]:

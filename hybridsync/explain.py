@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Mapping
 
 from hybridsync import knobs
+from hybridsync.description import VariableInfo
 from hybridsync.router.plan import build_plan
 from hybridsync.strategy import Strategy, VarConfig
-from hybridsync.variables import VariableInfo
 
 _NAME_WIDTH = 32
 _BAR_WIDTH = 20

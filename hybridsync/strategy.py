@@ -29,8 +29,8 @@ import os
 from typing import Any, Literal, Mapping
 
 from hybridsync import envvars, knobs
+from hybridsync.description import VariableInfo
 from hybridsync.sync_policy import SyncPolicy, policy_errors
-from hybridsync.variables import VariableInfo
 
 STRATEGY_VERSION = 1
 Route = Literal["allreduce", "ps"]

@@ -27,10 +27,10 @@ import json
 import math
 from typing import Mapping, Sequence
 
-from hybridsync.placement import DEFAULT_PARTITION_BYTES, KeyTable, WireTensor, namespaced, part_key
 from hybridsync import knobs
+from hybridsync.description import FLOATING_DTYPES, VariableInfo, itemsize
+from hybridsync.placement import DEFAULT_PARTITION_BYTES, KeyTable, WireTensor, namespaced, part_key
 from hybridsync.strategy import Strategy, VarConfig
-from hybridsync.variables import FLOATING_DTYPES, VariableInfo, itemsize
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,8 +18,8 @@ from typing import Mapping, Protocol, Sequence
 import numpy as np
 
 from hybridsync import knobs
+from hybridsync.description import FLOATING_DTYPES, VariableInfo
 from hybridsync.strategy import Strategy, VarConfig
-from hybridsync.variables import FLOATING_DTYPES, VariableInfo
 
 ROUTE_VARIANTS: tuple[tuple[str, str | None], ...] = (
     *(("allreduce", algorithm) for algorithm in knobs.ALGORITHM.choices), ("ps", None))

@@ -23,12 +23,12 @@ from typing import Mapping
 import numpy as np
 
 from hybridsync import knobs
+from hybridsync.description import VariableInfo
 from hybridsync.strategy import Strategy
 from hybridsync.strategy_space.batch import (PS, StrategyBatch, VariableArrays, empty_batch, message_kind,
                                              variable_arrays)
 from hybridsync.strategy_space.bounds import SpaceBounds
 from hybridsync.strategy_space.repair import repair
-from hybridsync.variables import VariableInfo
 
 BY_CLASS = 0.4
 """Share of strategies that route by variable class (sparse, large dense, small dense) rather
