@@ -312,17 +312,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._grad_accs.append(p._hybridsync_hook)
 
     def _make_hook(self, p):
+        # Runs for every parameter of every step, inside the backward pass: two lookups keyed by
+        # the parameter (each a call of Tensor.__hash__), the rest by its index. A delay at 0 or
+        # below means the parameter fired already (only this hook lowers it; every reset sets it
+        # back to backward_passes_per_step).
+        index = self._index[p]
+
         def hook(_):
-            if p in self._fired and self._allreduce_delay[p] <= 0:
+            delays = self._allreduce_delay
+            delay = delays[p]
+            if delay <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before call "
                     "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
             assert not p.grad.requires_grad
-            self._allreduce_delay[p] -= 1
-            self._fired.add(p)
-            if self._allreduce_delay[p] == 0:
+            delays[p] = delay - 1
+            self._fired.add(index)
+            if delay == 1:
                 try:
-                    (self._router or self._built_router()).mark_ready(self._index[p])
+                    (self._router or self._built_router()).mark_ready(index)
                 except RuntimeError as e:
                     if not self._elastic:
                         raise
@@ -344,8 +352,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._fail_step(e)
         finally:
             self._fired.clear()
-            for p in self._allreduce_delay:
-                self._allreduce_delay[p] = self.backward_passes_per_step
+            # dict.fromkeys over a dict reuses its keys' hashes: no Tensor.__hash__ call per parameter.
+            self._allreduce_delay = dict.fromkeys(self._allreduce_delay, self.backward_passes_per_step)
         self._synchronized = True
 
     @contextlib.contextmanager
