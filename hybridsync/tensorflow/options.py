@@ -35,7 +35,6 @@ class SyncOptions:
         check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
         groups = groups if isinstance(groups, list) else normalize_groups(groups, num_groups)
         strategy = resolve_strategy(strategy)
-        refuse_dynamic_sync(strategy)
         return cls(compression=_compression(compression), sparse_as_dense=sparse_as_dense, op=op,
                    gradient_predivide_factor=gradient_predivide_factor, groups=groups, process_set=process_set,
                    scale_local_gradients=scale_local_gradients, backward_passes_per_step=backward_passes_per_step,
@@ -44,7 +43,6 @@ class SyncOptions:
     def with_strategy(self, strategy: Any) -> "SyncOptions":
         """The same options under another strategy (resolved as ``strategy=`` is)."""
         strategy = resolve_strategy(strategy)
-        refuse_dynamic_sync(strategy)
         return dataclasses.replace(self, strategy=strategy)
 
     def size(self) -> int:
@@ -56,13 +54,15 @@ class SyncOptions:
 
 def refuse_dynamic_sync(strategy: Any) -> None:
     """``ValueError`` for a strategy whose ``sync`` policy switches protocols in flight (``switch``,
-    ``elastic``): Sync-Switch scales the optimizer's learning rate and momentum at each switch,
-    which hybridsync can do only for torch optimizers."""
+    ``elastic``) given to a gradient tape: Sync-Switch runs ASP and scales the optimizer's learning
+    rate at each switch, and a tape sees neither the update nor the optimizer."""
     sync = getattr(strategy, "sync", None)
     if sync is not None and sync.dynamic:
-        raise ValueError(f"the strategy's `sync` policy {sync.policy!r} switches protocols in flight and scales the "
-                         f"optimizer's learning rate and momentum, which hybridsync can only do for torch "
-                         f"optimizers; use a static protocol (bsp, asp, ssp) with TensorFlow")
+        raise ValueError(f"DistributedGradientTape: the strategy's `sync` policy {sync.policy!r} switches the "
+                         f"parameter server's variables to ASP in flight and scales the optimizer's learning rate, "
+                         f"and a gradient tape sees neither the update nor the optimizer. Use "
+                         f"hybridsync.tensorflow.keras.DistributedOptimizer (it also serves custom loops through "
+                         f"apply_gradients), or a static protocol (bsp, asp, ssp) with the tape")
 
 
 def _compression(compression: Any) -> Any:
