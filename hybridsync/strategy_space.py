@@ -40,7 +40,7 @@ than variable by variable: the hand-made mixes that work (Parallax; embeddings o
 dense layers hierarchical and fused) are of that kind, and a per-variable draw almost never
 produces one."""
 LARGE_DENSE_BYTES = 1024 * 1024
-_CLASSES = ("sparse", "large", "small")
+CLASSES = ("sparse", "large", "small")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,10 +106,10 @@ def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
     partition_bytes = PARTITION_BYTES_CHOICES[rng.integers(len(PARTITION_BYTES_CHOICES))]
     num_groups = int(rng.choice(GROUP_COUNT_CHOICES))
     explicit_servers = bool(rng.random() < 0.3)
-    by_class = {c: routes[rng.choice(len(routes), p=weights)] for c in _CLASSES} if rng.random() < BY_CLASS else None
+    by_class = {c: routes[rng.choice(len(routes), p=weights)] for c in CLASSES} if rng.random() < BY_CLASS else None
     configs = {}
     for name, info in variables.items():
-        route, algorithm = (by_class[_class_of(info)] if by_class is not None
+        route, algorithm = (by_class[variable_class(info)] if by_class is not None
                             else routes[rng.choice(len(routes), p=weights)])
         partitions = _partitions(info, partition_bytes, bounds.max_partitions)
         compression = "fp16" if info.dtype == "float32" and rng.random() < fp16_share else None
@@ -129,7 +129,9 @@ def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
     return strategy
 
 
-def _class_of(info: VariableInfo) -> str:
+def variable_class(info: VariableInfo) -> str:
+    """``sparse``, ``large`` (dense, at least ``LARGE_DENSE_BYTES``) or ``small`` (dense): the classes
+    that hand-made mixes treat alike (``BY_CLASS``, ``search.seeds``, the class-wide mutations)."""
     if info.sparse:
         return "sparse"
     return "large" if info.nbytes >= LARGE_DENSE_BYTES else "small"

@@ -119,6 +119,9 @@ class Autotuner:
         self.references, self.not_runnable = rivals(description.variables, cluster, horovod=with_horovod,
                                                     fp16=not settings.exact)
         """The rivals: measured first, controls of every job after the first, seeds of every search."""
+        self.seeds = seed_candidates(description, cluster, exact=settings.exact,
+                                     exclude={c.fingerprint for c in self.references})
+        """The hand-made mixes (``search.seeds``): measured beside the rivals in the first round, seeds of every search."""
         self.levels = JobLevels(strategy_s={}, jobs={})
 
     def run(self) -> AutotuneResult:
@@ -131,8 +134,9 @@ class Autotuner:
         while True:
             left = self.settings.trial_budget - len(self._measured())
             first = round_index == 0
-            picks = self._propose(min(self.settings.per_round, left - (len(references) if first else 0)), round_index)
-            batch = (references if first else []) + picks
+            first_batch = references + self.seeds if first else []
+            picks = self._propose(min(self.settings.per_round, left - len(first_batch)), round_index)
+            batch = first_batch + picks
             batch = [c for c in batch if c.fingerprint not in self._measured()]
             if not batch:
                 break
@@ -164,7 +168,7 @@ class Autotuner:
         if count <= 0:
             return []
         started = time.monotonic()
-        seeds = [c.strategy for c in self.references if c.strategy is not None]
+        seeds = [c.strategy for c in self.references + self.seeds if c.strategy is not None]
         seeds += [s for _, s in self._best_measured(self.settings.confirm_top * 2)]
         exclude = self._measured() | {c.fingerprint for c in self.references}  # those are measured anyway
         ranked = propose(self.simulator, self.description, self.cluster, seeds=seeds, exclude=exclude,
@@ -294,6 +298,17 @@ class Autotuner:
         if winner.kind == HOROVOD_FP16_KIND:
             return baselines.fp16_twin("allreduce", self.description.variables, self.cluster.num_servers)
         return Strategy(variables={})
+
+
+def seed_candidates(description: ModelDescription, cluster: ClusterSpec, *, exact: bool,
+                    exclude: set[str]) -> list[Candidate]:
+    """The structured seeds (``search.seeds``) for this model and cluster as first-round candidates
+    (``search:seed-<recipe>``), less those equal to a rival (``exclude``: fingerprints)."""
+    from hybridsync.search.seeds import structured_seeds
+    from hybridsync.strategy_space import bounds_for
+    return [Candidate(kind=f"{SEARCH_KIND}:seed-{name}", strategy=strategy)
+            for name, strategy in structured_seeds(description.variables, bounds_for(cluster, exact=exact))
+            if strategy.fingerprint() not in exclude]
 
 
 def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec, *, seeds: Sequence[Strategy],

@@ -25,7 +25,8 @@ from hybridsync.model.encoding import HIER, PS, RING, ModelArrays, StrategyBatch
 from hybridsync.strategy_space import (BY_CLASS, GROUP_COUNT_CHOICES, LARGE_DENSE_BYTES, PARTITION_BYTES_CHOICES,
                                       SpaceBounds)
 
-MUTATIONS = ("route", "partitions", "group", "compression", "protocol", "server", "spread")
+MUTATIONS = ("route", "partitions", "group", "compression", "protocol", "server", "spread", "class-route",
+             "class-compression", "class-group")
 ROUTE_CODES = {"ring": RING, "hierarchical": HIER, "bsp": PS}
 SSP = 2
 MAX_STALENESS = 3
@@ -117,7 +118,9 @@ def mutate(batch: StrategyBatch, arrays: ModelArrays, bounds: SpaceBounds, rng: 
     """1..``max_mutations`` random moves per candidate, in place; the result needs ``repair``."""
     n, v = batch.route.shape
     rounds = rng.integers(1, max_mutations + 1, size=n)
-    operators = (_move_route, _split_or_join, _regroup, _toggle_fp16, _change_protocol, _move_shard, _spread)
+    operators = (_move_route, _split_or_join, _regroup, _toggle_fp16, _change_protocol, _move_shard, _spread,
+                 _class_route, _class_fp16, _class_group)
+    assert len(operators) == len(MUTATIONS)
     for r in range(max_mutations):
         rows = np.nonzero(rounds > r)[0]
         kinds = rng.integers(len(MUTATIONS), size=len(rows))
@@ -199,6 +202,47 @@ def _spread(batch, rows, cols, arrays, bounds, rng) -> None:
     for name in ("route", "protocol", "staleness", "fp16", "partitions", "group"):
         field = getattr(batch, name)
         field[rows] = np.where(inside, field[rows, cols][:, None], field[rows])
+
+
+def variable_classes(arrays: ModelArrays) -> np.ndarray:
+    """Each variable's class (``strategy_space.CLASSES`` index: 0 sparse, 1 large dense, 2 small dense)."""
+    return np.where(arrays.sparse, 0, np.where(arrays.nbytes >= LARGE_DENSE_BYTES, 1, 2))
+
+
+def _same_class(rows, cols, arrays) -> np.ndarray:
+    """(len(rows), variables): whether each variable is of the class of the row's chosen variable."""
+    klass = variable_classes(arrays)
+    return klass[None, :] == klass[cols][:, None]
+
+
+def _class_route(batch, rows, cols, arrays, bounds, rng) -> None:
+    """Every variable of the chosen variable's class (sparse, large or small dense) moves to one other
+    route: how a hand tuner tries "embeddings on the PS" or "large layers hierarchical" at once."""
+    codes = route_codes(bounds)
+    if len(codes) < 2:
+        return
+    current = np.argmax(batch.route[rows, cols, None] == codes, axis=1)
+    new = codes[(current + rng.integers(1, len(codes), size=len(rows))) % len(codes)]
+    first_ps = np.argmax(batch.route[rows] == PS, axis=1)  # the PS variables' protocol, as in _move_route
+    members = _same_class(rows, cols, arrays)
+    batch.route[rows] = np.where(members, new[:, None], batch.route[rows])
+    for name in ("protocol", "staleness"):
+        field = getattr(batch, name)
+        field[rows] = np.where(members, field[rows, first_ps][:, None], field[rows])
+
+
+def _class_fp16(batch, rows, cols, arrays, bounds, rng) -> None:
+    """fp16 on (or off) for every variable of the chosen variable's class."""
+    batch.fp16[rows] = np.where(_same_class(rows, cols, arrays), ~batch.fp16[rows, cols][:, None], batch.fp16[rows])
+
+
+def _class_group(batch, rows, cols, arrays, bounds, rng) -> None:
+    """The chosen variable's class fused into one new merge group, or (if the variable is grouped)
+    every member of the class out of its group; repair splits a group by message kind."""
+    members = _same_class(rows, cols, arrays)
+    fresh = batch.group[rows].max(axis=1) + 1
+    target = np.where(batch.group[rows, cols] >= 0, -1, fresh)
+    batch.group[rows] = np.where(members, target[:, None], batch.group[rows])
 
 
 def _change_protocol(batch, rows, cols, arrays, bounds, rng) -> None:
