@@ -1,14 +1,16 @@
 """The autotune loop: search with the simulator, measure the most promising, refit, repeat.
 
 One round: the evolutionary search (``hybridsync.search``) spends ``search_budget``
-simulator evaluations, seeded with every baseline and the best strategies measured so
-far; the ``per_round`` best predicted strategies not yet measured are run as real trials
+simulator evaluations, seeded with every baseline, the hand-made mixes of
+``hybridsync.search.seeds`` and the best strategies measured so far; the ``per_round`` best predicted strategies not yet measured are run as real trials
 in one job (switching in flight, ``hybridsync.trials``) and stored; the simulator is then
 refit, warm-started from the shipped one with every trial of this model and cluster
 (AutoSync's transfer: a few trials of a new model correct what it learned elsewhere).
 The first round's job also measures the rivals (``hybridsync.trials.candidates.rivals``:
 every baseline, unless ``exact`` their fp16 twins, and where the workload can, plain
-Horovod and Horovod with fp16), so the simulator and the verdict see them from the start.
+Horovod and Horovod with fp16) and the hand-made mixes (``search:seed-<recipe>``: embeddings
+on the PS, dense layers merged, fp16 on the dense class...), so the simulator and the verdict
+see them from the start, measured in the same jobs.
 
 Step times of different jobs are not comparable on shared cores, so every trial job
 re-measures controls between blocks of ``block_size`` candidates: the best rival so far and

@@ -7,7 +7,9 @@ so every operator here works on whole batches (candidates x variables) with nump
   strategy-level route weights or one route per class of variable, protocol, fp16 share,
   partition size, merge group count; then each variable), without Python per variable;
 - ``mutate``: the moves of a person tuning by hand (route/algorithm, partitions x2 or /2,
-  regroup, fp16, the PS protocol of every PS variable, a shard to another server);
+  regroup, fp16, the PS protocol of every PS variable, a shard to another server, one
+  variable's settings spread to its neighbours), and the same for a whole class of variable
+  at once (sparse, large dense, small dense: its route, its fp16, fused or not);
 - ``crossover``: each variable's settings from one parent or the other;
 - ``repair``: the nearest candidate within ``SpaceBounds`` (see its docstring), with merge
   groups in a canonical form (numbered by first member, no group of one) so that equal
