@@ -5,7 +5,7 @@
 
 For each model, on one emulated cluster that lives for the model's whole run:
 
-1. a simulator that has never seen the model: fit on the shipped dataset (``data/trials.jsonl.gz``)
+1. a simulator that has never seen the model: fit on the shipped dataset (``data/trials.jsonl[.gz]``)
    without that model's trials (leave-one-model-out), as a user's new model would meet it;
 2. the autotune loop (``hybridsync.autotune``) with the zoo worker, ``--trial-budget`` distinct
    strategies (baselines and plain Horovod included), ending in its confirmation job, which
@@ -51,7 +51,9 @@ from hybridsync.trials.jobs import EmulatedTarget  # noqa: E402
 from hybridsync.trials.runner import EnvWorkload, TrialProtocol, TrialRunner, ZooWorkload  # noqa: E402
 from hybridsync.trials.store import HOROVOD_KIND, TrialStore, cluster_label  # noqa: E402
 
-DATASET = os.path.join(REPO, "data", "trials.jsonl.gz")
+DATASET = next((path for path in (os.path.join(REPO, "data", name) for name in ("trials.jsonl.gz", "trials.jsonl"))
+                if os.path.exists(path)), os.path.join(REPO, "data", "trials.jsonl.gz"))
+"""The shipped dataset (gzipped once the dataset is regenerated, plain text before)."""
 DESCRIPTIONS = os.path.join(REPO, "data", "descriptions")
 HOROVOD_TUNED = "horovod-autotuned"
 COMPARE_PROTOCOL = AutotuneSettings().confirm_protocol

@@ -72,9 +72,11 @@ class AutotuneSettings:
     """Per search trial: the dataset's protocol, which ranks like 10 + 40 up to the noise floor."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Candidates between two passes over the controls in a trial job."""
-    confirm_top: int = 3
+    confirm_top: int = 2
     """Best measured search strategies measured again in the confirmation job; as many of the
-    fastest baselines, and of their fp16 twins (by the trials), join them, and the reference rows."""
+    fastest baselines, and of their fp16 twins (by the trials), join them, and the reference rows.
+    Each costs ``confirm_repeats`` trials: at 3 the confirmation job held about a third of an
+    autotune's trials, while the third-fastest of a kind by the trials never won it."""
     confirm_protocol: TrialProtocol = TrialProtocol(warmup_steps=3, timed_steps=10)
     confirm_repeats: int = 4
     """Times each confirmation candidate is measured, interleaved (A B C A B C ...): on shared cores
@@ -123,7 +125,9 @@ class Autotuner:
         """The rivals: measured first, controls of every job after the first, seeds of every search."""
         self.seeds = seed_candidates(description, cluster, exact=settings.exact,
                                      exclude={c.fingerprint for c in self.references})
-        """The hand-made mixes (``search.seeds``): measured beside the rivals in the first round, seeds of every search."""
+        """The hand-made mixes (``search.seeds``), in the recipes' order: seeds of every search; the first
+        round measures them beside the rivals, as many as half the budget the rivals leave, and as
+        many fewer search proposals."""
         self.levels = JobLevels(strategy_s={}, jobs={})
 
     def run(self) -> AutotuneResult:
@@ -136,8 +140,10 @@ class Autotuner:
         while True:
             left = self.settings.trial_budget - len(self._measured())
             first = round_index == 0
-            first_batch = references + self.seeds if first else []
-            picks = self._propose(min(self.settings.per_round, left - len(first_batch)), round_index)
+            seeds = self.seeds[:max(0, (self.settings.trial_budget - len(references)) // 2)] if first else []
+            first_batch = references + seeds if first else []
+            wanted = self.settings.per_round - len(seeds)  # the hand mixes are the first round's proposals
+            picks = self._propose(min(wanted, left - len(first_batch)), round_index)
             batch = first_batch + picks
             batch = [c for c in batch if c.fingerprint not in self._measured()]
             if not batch:
