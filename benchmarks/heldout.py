@@ -2,13 +2,13 @@
 
     sudo .venv/bin/python benchmarks/heldout.py --description two_tower.json --winner autotune/strategy.json \\
         [--cluster horovodrun_configs/cluster_2x2_1gbit.yaml] [--baseline horovod-hierarchical] [--rounds 2] \\
-        [--out DIR] -- python examples/heldout/two_tower.py --steps 300
+        [--out DIR] -- python examples/heldout/two_tower.py --steps 2000
 
 On one emulated cluster that lives for the whole run:
 
 1. **one job** of the script measuring, interleaved ``--repeats`` times (the autotuner's
    confirmation protocol), the ``allreduce`` baseline (hybridsync's plain Horovod: every
-   variable ring all-reduced), the ``--baseline`` (the best one of the autotune) and its fp16
+   variable ring all-reduced), each ``--baseline`` (the autotune's best ones) and its fp16
    twin where it has one, the hand mix (``search.seeds``: embeddings whole on the PS, dense
    layers merged hierarchically with the largest alone) and the hand fp16 mix, and the winner;
 2. **alternating jobs**, ``--rounds`` times: the script with plain ``horovod.torch``
@@ -48,26 +48,26 @@ HAND_MIX, HAND_FP16_MIX = "sparse-ps-dense-merged", "sparse-ps-dense-merged-fp16
 MEDIAN = re.compile(r"median step ([0-9.]+) ms")
 
 
-def lineup(description, cluster, winner: Strategy, baseline: str) -> list[Candidate]:
-    """The strategies of the one-job comparison, the winner last; equal strategies once (first name)."""
+def lineup(description, cluster, winner: Strategy, names: list[str]) -> tuple[list[Candidate], str]:
+    """The strategies of the one-job comparison, equal strategies once (first name), and the
+    winner's kind there (``winner``, or the baseline or hand mix it equals)."""
     variables, servers = description.variables, cluster.num_servers
     seeds = dict(structured_seeds(variables, bounds_for(cluster)))
-    named = [("baseline:allreduce", baselines.build_baseline("allreduce", variables, servers)),
-             (f"baseline:{baseline}", baselines.build_baseline(baseline, variables, servers))]
-    twin = baseline + baselines.FP16_SUFFIX
-    if baseline in baselines.FP16_TWINS:
-        try:
-            named.append((f"baseline:{twin}", baselines.build_baseline(twin, variables, servers)))
-        except ValueError as error:
-            print(f"baseline:{twin}: {error}")
+    named = [("baseline:allreduce", baselines.build_baseline("allreduce", variables, servers))]
+    for name in names:
+        named.append((f"baseline:{name}", baselines.build_baseline(name, variables, servers)))
+        if name in baselines.FP16_TWINS:
+            try:
+                named.append((f"baseline:{name}{baselines.FP16_SUFFIX}",
+                              baselines.build_baseline(name + baselines.FP16_SUFFIX, variables, servers)))
+            except ValueError as error:
+                print(f"baseline:{name}{baselines.FP16_SUFFIX}: {error}")
     named += [(f"hand:{HAND_MIX}", seeds[HAND_MIX]), (f"hand:{HAND_FP16_MIX}", seeds[HAND_FP16_MIX]),
               ("winner", winner)]
     out: dict[str, Candidate] = {}
     for kind, strategy in named:
         out.setdefault(strategy.fingerprint(), Candidate(kind=kind, strategy=strategy))
-    if winner.fingerprint() in out and out[winner.fingerprint()].kind != "winner":
-        print(f"the winner is {out[winner.fingerprint()].kind}")
-    return list(out.values())
+    return list(out.values()), out[winner.fingerprint()].kind
 
 
 def one_job(target, description, candidates: list[Candidate], command: list[str], repeats: int,
@@ -85,12 +85,14 @@ def one_job(target, description, candidates: list[Candidate], command: list[str]
     return {kind: statistics.median(times) for kind, times in steps.items()}
 
 
-def alternating_jobs(target, command: list[str], winner_path: str, rounds: int, workdir: str) -> dict[str, list[float]]:
-    """Per job kind (``horovod``, ``winner``), each round's median step time (s) as the script prints it."""
+def alternating_jobs(target, command: list[str], winner_path: str, rounds: int, steps: int,
+                     workdir: str) -> dict[str, list[float]]:
+    """Per job kind (``horovod``, ``winner``), each round's median step time (s) as the script prints it
+    (``--steps`` appended: the script's last one wins)."""
     out: dict[str, list[float]] = {"horovod": [], "winner": []}
     for r in range(rounds):
         for kind in out:
-            job_command = command + (["--optimizer", "horovod"] if kind == "horovod" else [])
+            job_command = command + ["--steps", str(steps)] + (["--optimizer", "horovod"] if kind == "horovod" else [])
             env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
             if kind == "winner":
                 env["HYBRIDSYNC_STRATEGY"] = winner_path
@@ -111,9 +113,11 @@ def main() -> int:
     parser.add_argument("--description", required=True, help="the script's profiled description")
     parser.add_argument("--winner", required=True, help="the autotune's strategy.json")
     parser.add_argument("--cluster", default=os.path.join(REPO, "horovodrun_configs", "cluster_2x2_1gbit.yaml"))
-    parser.add_argument("--baseline", default="horovod-hierarchical", help="the autotune's best baseline")
+    parser.add_argument("--baseline", nargs="+", default=["horovod-hierarchical"],
+                        help="baselines to compare (each with its fp16 twin): the autotune's best ones")
     parser.add_argument("--repeats", type=int, default=AutotuneSettings().confirm_repeats)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--job-steps", type=int, default=200, help="steps of each alternating job")
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="hybridsync-heldout-"))
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
@@ -123,19 +127,19 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     description, cluster = load_description(args.description), load_cluster(args.cluster)
     winner = Strategy.load(args.winner)
-    candidates = lineup(description, cluster, winner, args.baseline)
+    candidates, winner_kind = lineup(description, cluster, winner, args.baseline)
     load = [os.getloadavg()[0]]
     with EmulatedTarget(cluster) as target:
         same_job = one_job(target, description, candidates, command, args.repeats, args.out)
         load.append(os.getloadavg()[0])
-        jobs = alternating_jobs(target, command, os.path.abspath(args.winner), args.rounds, args.out)
+        jobs = alternating_jobs(target, command, os.path.abspath(args.winner), args.rounds, args.job_steps, args.out)
     load.append(os.getloadavg()[0])
     sparse = any(info.sparse for info in description.variables.values())
-    doc = {"one_job_ms": {k: v * 1e3 for k, v in same_job.items()},
+    doc = {"winner_kind": winner_kind, "one_job_ms": {k: v * 1e3 for k, v in same_job.items()},
            "alternating_ms": {k: [s * 1e3 for s in v] for k, v in jobs.items()},
            "horovod_fp16": baselines.NOT_RUNNABLE_SPARSE_FP16 if sparse else "not measured", "load": load}
-    winner_s = same_job["winner"]
-    lines = ["| strategy | ms per step (one job) | x winner |", "| --- | ---: | ---: |"]
+    winner_s = same_job[winner_kind]
+    lines = [f"winner: {winner_kind}", "", "| strategy | ms per step (one job) | x winner |", "| --- | ---: | ---: |"]
     lines += [f"| {kind} | {s * 1e3:.1f} | {s / winner_s:.2f}x |" for kind, s in sorted(same_job.items(), key=lambda i: i[1])]
     lines += ["", "| job | " + " | ".join(f"round {r + 1}" for r in range(args.rounds)) + " |",
               "| --- |" + " ---: |" * args.rounds]
