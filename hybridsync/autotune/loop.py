@@ -263,7 +263,9 @@ class Autotuner:
     def _confirm(self) -> tuple[Candidate, dict[str, float], list[Candidate]]:
         """Measures the best search strategies, the fastest rivals and the reference rows again in one
         job; returns the fastest of them, every kind's median step time there, and the lineup."""
-        contenders = [Candidate(kind=f"{SEARCH_KIND}:top{i + 1}", strategy=s)
+        seeds = {c.fingerprint: c.kind.removeprefix(SEARCH_KIND + ":") for c in self.seeds}
+        contenders = [Candidate(kind=f"{SEARCH_KIND}:top{i + 1}" + (f":{seeds[s.fingerprint()]}"
+                                                                    if s.fingerprint() in seeds else ""), strategy=s)
                       for i, (_, s) in enumerate(self._best_measured(self.settings.confirm_top))]
         lineup = self._fastest_references() + contenders
         schedule = lineup * self.settings.confirm_repeats
