@@ -2,8 +2,8 @@
 
 One round: the evolutionary search (``hybridsync.search``) spends ``search_budget``
 simulator evaluations, seeded with every baseline, the hand-made mixes of
-``hybridsync.search.seeds`` and the best strategies measured so far; the ``per_round`` best predicted strategies not yet measured are run as real trials
-in one job (switching in flight, ``hybridsync.trials``) and stored; the simulator is then
+``hybridsync.search.seeds`` and the best strategies measured so far; the ``per_round`` best
+predicted strategies not yet measured are run as real trials in one job (switching in flight, ``hybridsync.trials``) and stored; the simulator is then
 refit, warm-started from the shipped one with every trial of this model and cluster
 (AutoSync's transfer: a few trials of a new model correct what it learned elsewhere).
 The first round's job also measures the rivals (``hybridsync.trials.candidates.rivals``:
