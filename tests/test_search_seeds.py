@@ -8,12 +8,13 @@ import pytest
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import load_description
+from hybridsync import strategy_space as space
 from hybridsync.model.encoding import PS, from_strategies, model_arrays
 from hybridsync.router.plan import build_plan
 from hybridsync.search import operators
 from hybridsync.search.evolution import EvolutionarySearch, bounds_for
 from hybridsync.search.seeds import structured_seeds
-from hybridsync.strategy_space import LARGE_DENSE_BYTES
+from hybridsync.strategy_space import LARGE_DENSE_BYTES, variable_classes
 from hybridsync.trials.candidates import baseline_candidates
 
 pytestmark = pytest.mark.unit
@@ -89,14 +90,14 @@ def test_class_wide_mutations_move_a_whole_class_and_stay_valid(model):
     bounds = bounds_for(CLUSTER)
     rng = np.random.default_rng(1)
     seeds = [s for _, s in structured_seeds(description.variables, bounds)]
-    base = operators.repair(from_strategies(arrays, seeds * 40, CLUSTER), arrays, bounds)
-    klass = operators.variable_classes(arrays)
+    base = space.repair(from_strategies(arrays, seeds * 40, CLUSTER), arrays, bounds)
+    klass = variable_classes(arrays)
     assert (klass == np.where(arrays.sparse, 0, np.where(arrays.nbytes >= LARGE_DENSE_BYTES, 1, 2))).all()
     rows = np.arange(len(base))
     cols = rng.integers(arrays.num_variables, size=len(base))
     members = klass[None, :] == klass[cols][:, None]
     for move in (operators._class_route, operators._class_fp16, operators._class_group):
-        batch = operators.copy_batch(base)
+        batch = space.copy_batch(base)
         move(batch, rows, cols, arrays, bounds, rng)
         if move is operators._class_route:  # one new route for the whole class, different from the chosen one's
             new = batch.route[rows, cols]
@@ -105,7 +106,7 @@ def test_class_wide_mutations_move_a_whole_class_and_stay_valid(model):
         if move is operators._class_fp16:
             flipped = ~base.fp16[rows, cols]
             assert (np.where(members, batch.fp16 == flipped[:, None], batch.fp16 == base.fp16)).all()
-        repaired = operators.repair(batch, arrays, bounds)
+        repaired = space.repair(batch, arrays, bounds)
         for i in range(0, len(repaired), 7):
             repaired.to_strategy(i, arrays.names).validate_for(description.variables)
         if move is not operators._class_group:

@@ -23,11 +23,13 @@ import dataclasses
 import math
 from typing import Literal, Mapping
 
+from hybridsync.description import FLOATING_DTYPES, VariableInfo
 from hybridsync.strategy import Strategy, VarConfig
-from hybridsync.strategy_space import SPARSE_ALLGATHER, SpaceBounds, variable_class
-from hybridsync.variables import FLOATING_DTYPES, VariableInfo
+from hybridsync.strategy_space import SpaceBounds, variable_class
 
 ClassRoute = Literal["ps", "ps-sharded", "ring", "hierarchical", "gather"]
+SPARSE_ALLGATHER = VarConfig(route="allreduce")
+"""A sparse gradient all-reduced without being made dense: Horovod's all-gather, a message of its own."""
 SHARD_BYTES = 1024 * 1024
 """Shard size of the ``ps-sharded`` class route (the sampler's middle partition size)."""
 
@@ -131,7 +133,7 @@ def _plan(seed: Seed, info: VariableInfo, bounds: SpaceBounds) -> ClassPlan:
 def _config(plan: ClassPlan, info: VariableInfo, bounds: SpaceBounds) -> VarConfig:
     compression = "fp16" if plan.fp16 and not info.sparse and info.dtype in FLOATING_DTYPES else None
     if plan.route == "gather" or (info.sparse and plan.route in ("ring", "hierarchical")
-                                  and bounds.needs_allgather(info, "allreduce")):
+                                  and not bounds.densify_sparse):
         return SPARSE_ALLGATHER
     if plan.route.startswith("ps"):
         rows = info.shape[0] if info.shape else 1
