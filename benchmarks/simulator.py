@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", help="write the predicted-vs-measured plot (first split) here")
     parser.add_argument("--save", help="fit on every trial and save the simulator here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes fitting the held-out sets at once (default 1; each fit uses one thread)")
     parser.add_argument("--no-transfer", action="store_true", help="skip the warm-start rows")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
@@ -100,7 +102,7 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
             continue
         try:
             rows += cross_validate(samples, split=split, kinds=args.kinds.split(","), constants=constants,
-                                   params=params, links=links)
+                                   params=params, links=links, workers=args.workers)
         except ValueError as error:
             print(f"leave-one-{split}-out skipped: {error}")
     print(format_table(rows))
