@@ -14,22 +14,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from hybridsync.frameworks import horovod_torch
+from hybridsync.frameworks import HOROVOD_PROCESS_FUNCTIONS, HOROVOD_TORCH_FUNCTIONS, Average, Sum, horovod_torch
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.version import __version__
 
-_HOROVOD_FUNCTIONS = frozenset({
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "broadcast_parameters", "broadcast_object",
-    "allgather_object", "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join",
-    "barrier", "mpi_enabled", "gloo_enabled", "mpi_built", "gloo_built", "ProcessSet",
-    "add_process_set", "remove_process_set", "global_process_set",
-    "HorovodInternalError",
-})
+_HOROVOD_FUNCTIONS = HOROVOD_PROCESS_FUNCTIONS | HOROVOD_TORCH_FUNCTIONS
 _LAZY = {
     "DistributedOptimizer": "hybridsync.optimizer",
-    "Average": "hybridsync.optimizer",
-    "Sum": "hybridsync.optimizer",
     "Compression": "hybridsync.compression",
     "broadcast_optimizer_state": "hybridsync.horovod_options",
 }
@@ -37,7 +28,7 @@ _LAZY = {
 _SUBMODULES = ("elastic",)
 """``hs.elastic.run``, ``hs.elastic.TorchState``: Horovod's elastic API, aware of hybridsync's plans."""
 
-__all__ = ["Strategy", "VarConfig", *_SUBMODULES, *sorted(_LAZY), *sorted(_HOROVOD_FUNCTIONS)]
+__all__ = ["Strategy", "VarConfig", "Average", "Sum", *_SUBMODULES, *sorted(_LAZY), *sorted(_HOROVOD_FUNCTIONS)]
 
 
 def __getattr__(name: str) -> Any:

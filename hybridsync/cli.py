@@ -1,21 +1,41 @@
 """The commands: ``hybridsync`` (inspect and build strategies, run emulated clusters) and
-``hybridsync-run`` (``run_main``: ``hybridsync.run.launcher``, or the autotuner with ``--autotune``)."""
+``hybridsync-run`` (``run_main``: ``hybridsync.run.launcher``, or the autotuner with ``--autotune``),
+and what their ``--model`` names (``load_model_variables``)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import Sequence
 
 from hybridsync import baselines
 from hybridsync.autotune import cli as autotune_cli
+from hybridsync.description import VariableInfo, load_model_description
 from hybridsync.explain import explain
 from hybridsync.run import launcher, profile
 from hybridsync.strategy import Strategy
 from hybridsync.syncswitch import cli as syncswitch_cli
-from hybridsync.model_source import load_model_variables
 from hybridsync.trials import cli as trials_cli
 from hybridsync.trials import dataset_cli
+
+
+def load_model_variables(model: str) -> dict[str, VariableInfo]:
+    """The variables of ``--model``: an existing description file wins, else a zoo model name
+    (``ncf``, ``bert``, ``vgg``, ``resnet``, or generated: ``gen-recsys-7``); ``ValueError`` naming
+    both possibilities otherwise. The zoo (and so torch) is imported only when ``model`` is not a
+    file, so that commands reading description files run without torch."""
+    if os.path.exists(model):
+        return load_model_description(model)
+    try:
+        from hybridsync import zoo
+    except ImportError as e:  # no torch here: only description files can be read
+        raise ValueError(f"--model {model!r}: no such model description file, and the model zoo "
+                         f"cannot be imported ({e})") from None
+    if not zoo.is_model(model):
+        raise ValueError(f"--model {model!r}: neither a model description file nor a zoo model "
+                         f"(zoo models: {', '.join(zoo.ZOO_MODELS)}; generated: gen-<family>-<k>)")
+    return zoo.describe(model)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -44,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     twins = [name + baselines.FP16_SUFFIX for name in baselines.FP16_TWINS]
     p.add_argument("name", choices=sorted([*baselines.BUILDERS, *twins]))
     p.add_argument("--model", required=True,
-                   help="model description JSON; write it with hybridsync.variables.save_model_description("
+                   help="model description JSON; write it with hybridsync.description.save_model_description("
                         "variables_from_model(model), path) so sparse embeddings are marked sparse; "
                         "or a zoo model name")
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")

@@ -1,49 +1,43 @@
-"""``hybridsync explain``: what a strategy does to each variable, as a table and totals per route."""
+"""``hybridsync explain``: what a strategy does to each variable, as a table and totals per route.
+
+The table has a column per ``column`` of the knobs (``hybridsync.knobs``): a new knob shows up
+here by its entry alone.
+"""
 from __future__ import annotations
 
 from typing import Mapping
 
+from hybridsync import knobs
+from hybridsync.description import VariableInfo
 from hybridsync.router.plan import build_plan
 from hybridsync.strategy import Strategy, VarConfig
-from hybridsync.variables import VariableInfo
 
+_NAME_WIDTH = 32
 _BAR_WIDTH = 20
-
-
-def _how(config: VarConfig) -> str:
-    return config.variant + (f"(s={config.staleness})" if config.staleness is not None else "")
-
-
-def _human(nbytes: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if nbytes < 1024 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError
+_RIGHT = ({knob.column for knob in knobs.KNOBS if knob.kind == "integer"}
+          - {knob.column for knob in knobs.KNOBS if knob.kind != "integer"})
+"""Columns of numbers only, aligned right."""
 
 
 def explain(strategy: Strategy, variables: Mapping[str, VariableInfo] | None = None) -> str:
-    """A per-variable table (route, how, shards, group, compression, bytes) and totals per route.
+    """A per-variable table (each knob's column, bytes) and totals per route.
 
     Without ``variables`` only the listed variables and the default are shown, and bytes
     are unknown; with them the strategy is validated and every variable appears.
     """
-    header = f"{'variable':<32} {'route':<9} {'how':<12} {'shards':>6} {'group':>5} {'compr':<5} {'bytes':>10}"
-    lines = [f"strategy {strategy.fingerprint()}", header, "-" * len(header)]
     if variables is None:
-        for name, config in sorted(strategy.variables.items()):
-            lines.append(_row(name, config, None, 0))
-        lines.append(_row("(default)", strategy.default, None, 0))
-        return "\n".join(lines)
+        rows = [(name, config, None) for name, config in sorted(strategy.variables.items())]
+        rows.append(("(default)", strategy.default, None))
+        return "\n".join([f"strategy {strategy.fingerprint()}", *_table(rows, largest=1)])
     plan = build_plan(variables, strategy)
-    largest = max((v.nbytes for v in variables.values()), default=1) or 1
+    rows = [(name, strategy.config_for(name), info.nbytes) for name, info in variables.items()]
+    lines = [f"strategy {strategy.fingerprint()}",
+             *_table(rows, largest=max((v.nbytes for v in variables.values()), default=1) or 1)]
     totals: dict[str, list[int]] = {}
-    for name, info in variables.items():
-        config = strategy.config_for(name)
-        lines.append(_row(name, config, info.nbytes, info.nbytes / largest))
+    for _, config, nbytes in rows:
         total = totals.setdefault(config.route, [0, 0, 0])
         total[0] += 1
-        total[1] += info.nbytes
+        total[1] += nbytes
     for message in plan.messages:
         totals[message.config.route][2] += 1
     lines += ["", "per route:"]
@@ -52,10 +46,41 @@ def explain(strategy: Strategy, variables: Mapping[str, VariableInfo] | None = N
     return "\n".join(lines)
 
 
-def _row(name: str, config: VarConfig, nbytes: int | None, share: float) -> str:
-    shown = name if len(name) <= 32 else "..." + name[-29:]
-    size = _human(nbytes) if nbytes is not None else "?"
-    bar = "#" * max(1, round(share * _BAR_WIDTH)) if nbytes else ""
-    group = "-" if config.group is None else str(config.group)
-    return (f"{shown:<32} {config.route:<9} {_how(config):<12} {config.partitions:>6} {group:>5} "
-            f"{config.compression or '-':<5} {size:>10} {bar}")
+def _table(rows: list[tuple[str, VarConfig, int | None]], largest: int) -> list[str]:
+    """Header, rule and one line per ``(name, config, bytes or None)``, columns as wide as their cells."""
+    cells = [_cells(config) for _, config, _ in rows]
+    columns = list(cells[0])
+    widths = {c: max(len(c), *(len(row[c]) for row in cells)) for c in columns}
+    header = f"{'variable':<{_NAME_WIDTH}} " + " ".join(_aligned(c, c, widths) for c in columns) + f" {'bytes':>10}"
+    lines = [header, "-" * len(header)]
+    for (name, _, nbytes), row in zip(rows, cells):
+        shown = name if len(name) <= _NAME_WIDTH else "..." + name[-(_NAME_WIDTH - 3):]
+        size = _human(nbytes) if nbytes is not None else "?"
+        bar = "#" * max(1, round(nbytes / largest * _BAR_WIDTH)) if nbytes else ""
+        lines.append(f"{shown:<{_NAME_WIDTH}} " + " ".join(_aligned(row[c], c, widths) for c in columns)
+                     + f" {size:>10} {bar}")
+    return lines
+
+
+def _cells(config: VarConfig) -> dict[str, str]:
+    """Column -> text of ``config``: the knobs that apply and are set ("-" for none)."""
+    values = {knob.name: getattr(config, knob.name) for knob in knobs.KNOBS}
+    cells: dict[str, str] = {}
+    for knob in knobs.KNOBS:
+        if knob.column is not None:
+            value = values[knob.name]
+            shown = knob.text(value) if value is not None and knob.applies(values) else ""
+            cells[knob.column] = cells.get(knob.column, "") + shown
+    return {column: text or "-" for column, text in cells.items()}
+
+
+def _aligned(text: str, column: str, widths: dict[str, int]) -> str:
+    return f"{text:>{widths[column]}}" if column in _RIGHT else f"{text:<{widths[column]}}"
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError

@@ -1,9 +1,11 @@
-"""Horovod ``DistributedOptimizer`` options that hybridsync maps onto its own concepts.
+"""Horovod's ``DistributedOptimizer`` options, and how hybridsync maps them onto its own concepts.
 
-``groups``/``num_groups`` become merge groups of the routing plan, ``process_set`` restricts
-the ring all-reduce to a subset of ranks, and ``broadcast_optimizer_state`` resumes from a
-checkpoint restored on one rank only. Kept apart from ``optimizer.py`` so that the
-optimizer reads as Horovod's hook/synchronize/step contract.
+``SyncOptions`` carries them, checked once, from every front end (``hybridsync.DistributedOptimizer``,
+``hybridsync.tensorflow``'s tape and Keras optimizer) to the optimizer. ``groups``/``num_groups``
+become merge groups of the routing plan, ``process_set`` restricts the ring all-reduce to a
+subset of ranks, and ``broadcast_optimizer_state`` resumes from a checkpoint restored on one
+rank only. Kept apart from ``optimizer.py`` so that the optimizer reads as Horovod's
+hook/synchronize/step contract.
 """
 from __future__ import annotations
 
@@ -15,10 +17,64 @@ from typing import Any, Sequence
 
 import torch
 
+from hybridsync.compression import Compression
+from hybridsync.frameworks import Average, check_op, horovod_torch
 from hybridsync.router.plan import RoutingPlan, shard_bounds
-from hybridsync.strategy import Strategy
+from hybridsync.strategy import Strategy, resolve_strategy
 
 _TORCH_OPTIMIZER_FILE = inspect.getfile(torch.optim.Optimizer)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncOptions:
+    """Horovod's arguments of ``DistributedOptimizer`` / ``DistributedGradientTape`` (v0.28.1), plus the
+    strategy: what a front end hands the optimizer (``optimizer.wrap``). Make it with ``checked``."""
+
+    compression: Any = Compression.none
+    """A compressor with Horovod's interface (``Compression.none``, ``Compression.fp16``, Horovod's own)."""
+    backward_passes_per_step: int = 1
+    op: int = Average
+    gradient_predivide_factor: float = 1.0
+    groups: Any = None
+    """Horovod's ``groups`` (``num_groups`` folded in): a count, lists of variables, or ``None``."""
+    sparse_as_dense: bool = False
+    process_set: Any = None
+    """``None``: every rank."""
+    scale_local_gradients: bool = True
+    """TensorFlow's tape: scale the gradients of worker-local variables by 1/size."""
+    strategy: Strategy | None = None
+    """The resolved strategy (from ``strategy=`` or ``HYBRIDSYNC_STRATEGY``), or ``None``: Horovod's behaviour."""
+
+    @classmethod
+    def checked(cls, *, num_groups: int = 0, groups: Any = None, strategy: Any = None, check_members: bool = True,
+                **options: Any) -> "SyncOptions":
+        """The options, with the mistakes Horovod refuses (and a bad strategy) refused now, not at the
+        first step. ``check_members=False`` leaves lists in ``groups`` unchecked (TensorFlow's variables:
+        their torch mirrors are checked when the optimizer is built)."""
+        made = cls(**options)
+        check_arguments(made.op, made.gradient_predivide_factor, made.backward_passes_per_step)
+        if not (isinstance(groups, list) and not check_members):
+            groups = normalize_groups(groups, num_groups)
+        return dataclasses.replace(made, groups=groups, strategy=resolve_strategy(strategy))
+
+    def with_strategy(self, strategy: Any) -> "SyncOptions":
+        """The same options under another strategy (resolved as ``strategy=`` is)."""
+        return dataclasses.replace(self, strategy=resolve_strategy(strategy))
+
+    def size(self) -> int:
+        """Ranks that synchronize: the process set's, else the job's."""
+        if self.process_set is not None:
+            return self.process_set.size()
+        return horovod_torch("hybridsync").size()
+
+
+def check_arguments(op: int, gradient_predivide_factor: float, backward_passes_per_step: int) -> None:
+    """``ValueError`` for the reduction arguments Horovod refuses, and for Adasum (not supported)."""
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    check_op(op)
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
 
 
 def normalize_groups(groups: Any, num_groups: int) -> Any:

@@ -16,6 +16,7 @@ module touches its underscored names.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from typing import Any, Iterable, Literal, Mapping
@@ -27,7 +28,8 @@ from hybridsync.agreement import RankFacts, check_ranks_agree
 from hybridsync.backends import Reduction, forget_world
 from hybridsync.compression import Compression, compression_name
 from hybridsync.hooks import BUILDER, StepHook, end_run
-from hybridsync.horovod_options import (called_from_horovod_state_init, check_process_set,
+from hybridsync.frameworks import Average
+from hybridsync.horovod_options import (SyncOptions, called_from_horovod_state_init, check_process_set,
                                         grouped_names, normalize_groups, strategy_with_groups, wrapped_step)
 from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.router.runtime import GradientKinds, Router, next_instance
@@ -35,48 +37,42 @@ from hybridsync.strategy import Strategy, resolve_strategy
 from hybridsync.variables import variables_from_parameters
 from hybridsync.world import current_world, elastic_job, fit_to_world
 
-# Horovod's reduce-op constants (horovod.common.basics), so hs.Average == hvd.Average.
-Average = 0
-Sum = 1
-Adasum = 2
-
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin whose ``__dict__`` becomes a subclass of the user's optimizer class (as Horovod does)."""
 
     _is_hybridsync = True
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set, strategy, frontend):
+    def __init__(self, params, named_parameters, options: SyncOptions, frontend):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
         self._hvd = hvd
         named = _checked_named_parameters(named_parameters, self.param_groups)
         self._named = named
-        self._groups = None if groups is None else grouped_names(groups, self.param_groups,
-                                                                 {p: name for name, p in named})
+        self._groups = None if options.groups is None else grouped_names(options.groups, self.param_groups,
+                                                                         {p: name for name, p in named})
         """``groups`` as variable names: applied to every strategy this optimizer is given."""
         self._parameter_names = {p: name for name, p in named}
         self._params = [p for _, p in named]
-        self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {p: backward_passes_per_step for p in self._params}
+        self.backward_passes_per_step = options.backward_passes_per_step
+        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._params}
         self._requires_update = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
         self._index = {p: i for i, p in enumerate(self._params)}
         self._fired: set[Any] = set()
         self._grad_accs: list[Any] = []
         self._synchronized = False
         self._should_synchronize = True
-        self.sparse_as_dense = sparse_as_dense
-        self._compression = compression
-        self._process_set_option = process_set
-        self._requested_strategy = strategy
+        self.sparse_as_dense = options.sparse_as_dense
+        self._compression = options.compression
+        self._process_set_option = options.process_set
+        self._requested_strategy = options.strategy
         """The strategy as given (or to ``set_strategy``); ``rebuild_for_world`` fits it to each world."""
         self._elastic = elastic_job()
-        self.strategy, self.plan, self.process_set = self._plan_for(strategy)
+        self.strategy, self.plan, self.process_set = self._plan_for(options.strategy)
         # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps
         # locally; and an elastic job synchronizes with one rank too, ready for the world to grow.
         self._synchronizing = self.process_set.included() and (hvd.size() > 1 or self._elastic)
-        self._reduction = _reduction(op, gradient_predivide_factor)
+        self._reduction = _reduction(options.op, options.gradient_predivide_factor)
         self._kinds = GradientKinds()
         """Which gradients are sparse, as the ranks agreed: kept by every plan this optimizer runs."""
         self._router: Router | None = None
@@ -87,8 +83,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # ranks already running rebuild theirs, while a joining worker builds its own.
             self._check_elastic_process_set()
         else:
-            self._router = Router(self.plan, self._params, compression=compression, reduction=self._reduction,
-                                  process_set=self.process_set, sparse_as_dense=sparse_as_dense, kinds=self._kinds)
+            self._router = Router(self.plan, self._params, compression=self._compression, reduction=self._reduction,
+                                  process_set=self.process_set, sparse_as_dense=self.sparse_as_dense, kinds=self._kinds)
             if self._synchronizing and self.process_set.size() > 1:
                 self._check_ranks_agree(self.strategy, self.plan, self.process_set, self._router.instance)
         if self._synchronizing:
@@ -99,7 +95,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """A step hook ended the run at the last ``step()``: the front end ends the process (``end_run``)."""
         # hybridsync.tensorflow reports its backward pass to the profiler itself: no torch hook sees it.
         self._profiler = BUILDER.profiler_from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
-        self._sync_controller = None if self._router is None else self._controller_for(strategy)
+        self._sync_controller = None if self._router is None else self._controller_for(options.strategy)
         self._trials = None
         self._hooks = self._step_hooks()
         if self._synchronizing:
@@ -316,17 +312,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._grad_accs.append(p._hybridsync_hook)
 
     def _make_hook(self, p):
+        # Runs for every parameter of every step, inside the backward pass: two lookups keyed by
+        # the parameter (each a call of Tensor.__hash__), the rest by its index. A delay at 0 or
+        # below means the parameter fired already (only this hook lowers it; every reset sets it
+        # back to backward_passes_per_step).
+        index = self._index[p]
+
         def hook(_):
-            if p in self._fired and self._allreduce_delay[p] <= 0:
+            delays = self._allreduce_delay
+            delay = delays[p]
+            if delay <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before call "
                     "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
             assert not p.grad.requires_grad
-            self._allreduce_delay[p] -= 1
-            self._fired.add(p)
-            if self._allreduce_delay[p] == 0:
+            delays[p] = delay - 1
+            self._fired.add(index)
+            if delay == 1:
                 try:
-                    (self._router or self._built_router()).mark_ready(self._index[p])
+                    (self._router or self._built_router()).mark_ready(index)
                 except RuntimeError as e:
                     if not self._elastic:
                         raise
@@ -348,8 +352,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._fail_step(e)
         finally:
             self._fired.clear()
-            for p in self._allreduce_delay:
-                self._allreduce_delay[p] = self.backward_passes_per_step
+            # dict.fromkeys over a dict reuses its keys' hashes: no Tensor.__hash__ call per parameter.
+            self._allreduce_delay = dict.fromkeys(self._allreduce_delay, self.backward_passes_per_step)
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -445,32 +449,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     ``process_set`` (``None``: every rank) synchronizes among its ranks only, by ring
     all-reduce; ranks outside it step on their local gradients.
     """
-    return wrap(optimizer, named_parameters, compression=compression,
-                backward_passes_per_step=backward_passes_per_step, op=op,
-                gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, groups=groups,
-                sparse_as_dense=sparse_as_dense, process_set=process_set, strategy=strategy)
+    options = SyncOptions.checked(compression=compression, backward_passes_per_step=backward_passes_per_step, op=op,
+                                  gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                                  groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set,
+                                  strategy=strategy)
+    return wrap(optimizer, named_parameters, options)
 
 
-def check_arguments(op: int, gradient_predivide_factor: float, backward_passes_per_step: int) -> None:
-    """``ValueError`` for the reduction arguments Horovod refuses, and for Adasum (not supported)."""
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if op not in (Average, Sum):
-        raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
-        raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
-
-
-def wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None, *, compression: Any,
-         backward_passes_per_step: int, op: int, gradient_predivide_factor: float, num_groups: int,
-         groups: int | list | None, sparse_as_dense: bool, process_set: Any,
-         strategy: Strategy | Mapping[str, Any] | str | os.PathLike | None,
+def wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None, options: SyncOptions,
          frontend: Literal["torch", "tensorflow"] = "torch") -> torch.optim.Optimizer:
-    """``DistributedOptimizer`` for a given ``frontend``: ``tensorflow`` when ``hybridsync.tensorflow``
-    drives it over torch mirrors of a TensorFlow model's variables."""
-    check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
-    groups = normalize_groups(groups, num_groups)
-    resolved = resolve_strategy(strategy)
+    """``DistributedOptimizer`` of ``options`` (``SyncOptions.checked``) for a given ``frontend``:
+    ``tensorflow`` when ``hybridsync.tensorflow`` drives it over torch mirrors of a TensorFlow model's
+    variables (whose ``groups`` lists, of mirrors, are checked here)."""
+    options = dataclasses.replace(options, groups=normalize_groups(options.groups, 0))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set, resolved, frontend)
+    return cls(optimizer.param_groups, named_parameters, options, frontend)

@@ -13,7 +13,9 @@ plain, versioned document (JSON or YAML) of this shape::
 
 ``sync`` (optional) is the Sync-Switch policy of the PS-routed variables: ``static`` (each
 keeps its ``protocol``), ``switch`` (BSP first, then ASP) or ``elastic`` (ASP while a
-straggler lasts); see ``hybridsync/sync_policy.py`` for its keys.
+straggler lasts); see ``hybridsync/sync_policy.py`` for its keys. The keys of a variable's
+config are the knobs of ``hybridsync/knobs.py``, whose one validator checks documents and
+``VarConfig`` objects alike.
 
 Every user mistake is reported at once, as a ``ValueError`` that names every culprit,
 so a bad file fails before the first step instead of half-way through training.
@@ -26,9 +28,9 @@ import json
 import os
 from typing import Any, Literal, Mapping
 
-from hybridsync import envvars
+from hybridsync import envvars, knobs
+from hybridsync.description import VariableInfo
 from hybridsync.sync_policy import SyncPolicy, policy_errors
-from hybridsync.variables import VariableInfo
 
 STRATEGY_VERSION = 1
 Route = Literal["allreduce", "ps"]
@@ -36,38 +38,23 @@ Algorithm = Literal["ring", "hierarchical"]
 CompressionName = Literal["none", "fp16"]
 Protocol = Literal["bsp", "asp", "ssp"]
 
-ROUTES: tuple[str, ...] = ("allreduce", "ps")
-ALGORITHMS: tuple[str, ...] = ("ring", "hierarchical")
-COMPRESSIONS: tuple[str, ...] = ("none", "fp16")
-PROTOCOLS: tuple[str, ...] = ("bsp", "asp", "ssp")
-_COMMON_KEYS = {"route", "partitions", "group", "compression"}
-KEYS_BY_ROUTE: dict[str, frozenset[str]] = {
-    "allreduce": frozenset(_COMMON_KEYS | {"algorithm"}),
-    "ps": frozenset(_COMMON_KEYS | {"protocol", "staleness", "servers"}),
-}
 _TOP_LEVEL_KEYS = {"version", "default", "variables", "sync"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VarConfig:
-    """How one variable's gradient travels."""
+    """How one variable's gradient travels: one field per knob of ``hybridsync.knobs`` (which says
+    what each means, where it applies and what it takes), defaults from there."""
 
-    route: Route = "allreduce"
-    """``allreduce`` (Horovod collectives) or ``ps`` (parameter servers)."""
-    algorithm: Algorithm = "ring"
-    """All-reduce algorithm: Horovod's ``ring``, or ``hierarchical`` (intra-node first)."""
-    partitions: int = 1
-    """Split the gradient along dim 0 into this many near-equal shards, one message each."""
-    group: int | None = None
-    """Variables sharing a group (and route settings) have their k-th shards fused into one message."""
-    compression: CompressionName | None = None
-    """Wire compression; ``None`` means the optimizer's ``compression=`` argument decides."""
-    protocol: Protocol = "bsp"
-    """Parameter-server consistency: bulk-synchronous, asynchronous or stale-synchronous."""
-    staleness: int | None = None
-    """For ``ssp``: how many steps a worker may run ahead of the slowest one."""
-    servers: tuple[int, ...] | None = None
-    """For ``ps``: the server index of each shard; ``None`` balances shards by bytes."""
+    route: Route = knobs.ROUTE.default
+    algorithm: Algorithm = knobs.ALGORITHM.default
+    protocol: Protocol = knobs.PROTOCOL.default
+    staleness: int | None = knobs.STALENESS.default
+    partitions: int = knobs.PARTITIONS.default
+    servers: tuple[int, ...] | None = knobs.SERVERS.default
+    group: int | None = knobs.GROUP.default
+    compression: CompressionName | None = knobs.COMPRESSION.default
+    """``None``: the optimizer's ``compression=`` argument decides."""
 
     def __post_init__(self) -> None:
         """Reject a config that no strategy file could express: ``ValueError`` naming the field.
@@ -77,7 +64,9 @@ class VarConfig:
         """
         if isinstance(self.servers, list):
             object.__setattr__(self, "servers", tuple(self.servers))
-        errors = _field_errors(self)
+        given = {knob.name: getattr(self, knob.name) for knob in knobs.KNOBS
+                 if knob is knobs.ROUTE or knobs.differs(getattr(self, knob.name), knob.default)}
+        errors = knobs.config_errors(given)
         if errors:
             raise ValueError("invalid VarConfig: " + "; ".join(errors))
 
@@ -92,28 +81,23 @@ class VarConfig:
         return f"{self.route}/{self.variant}"
 
     def to_dict(self) -> dict[str, Any]:
-        """The canonical document form: only the keys meaningful for the route, defaults omitted."""
-        out: dict[str, Any] = {"route": self.route}
-        if self.route == "allreduce":
-            out["algorithm"] = self.algorithm
-        else:
-            out["protocol"] = self.protocol
-            if self.staleness is not None:
-                out["staleness"] = self.staleness
-            if self.servers is not None:
-                out["servers"] = list(self.servers)
-        if self.partitions != 1:
-            out["partitions"] = self.partitions
-        if self.group is not None:
-            out["group"] = self.group
-        if self.compression is not None:
-            out["compression"] = self.compression
+        """The canonical document form: only the keys meaningful for the route, defaults omitted
+        (the route and its variant always written), in ``knobs.KNOBS`` order."""
+        out: dict[str, Any] = {}
+        for knob in knobs.KNOBS:
+            value = getattr(self, knob.name)
+            if self.route in knob.routes and (knob is knobs.ROUTE or knob.variant or value != knob.default):
+                out[knob.name] = list(value) if knob.kind == "per_shard" else value
         return out
 
     @property
     def message_key(self) -> tuple:
-        """What two variables must share to be fused into one message."""
-        return (self.route, self.variant, self.compression, self.staleness, self.group)
+        """What two variables must share to be fused into one message (``Knob.merged_alike``, and the group)."""
+        return tuple(getattr(self, knob.name) for knob in _MERGED_ALIKE) + (self.group,)
+
+
+_MERGED_ALIKE = tuple(knob for knob in knobs.KNOBS if knob.merged_alike)
+assert [f.name for f in dataclasses.fields(VarConfig)] == [knob.name for knob in knobs.KNOBS]
 
 
 def _sync_protocol_errors(sync: SyncPolicy, default: VarConfig, variables: Mapping[str, VarConfig]) -> list[str]:
@@ -128,78 +112,16 @@ def _sync_protocol_errors(sync: SyncPolicy, default: VarConfig, variables: Mappi
     return errors
 
 
-def _field_errors(config: VarConfig) -> list[str]:
-    """What is wrong with a constructed config, one message per field (as ``_config_errors`` for a document)."""
-    errors = []
-    for field, allowed in (("route", ROUTES), ("algorithm", ALGORITHMS), ("protocol", PROTOCOLS)):
-        if getattr(config, field) not in allowed:
-            errors.append(f"{field} {getattr(config, field)!r} is not one of {', '.join(allowed)}")
-    if config.compression is not None and config.compression not in COMPRESSIONS:
-        errors.append(f"compression {config.compression!r} is not one of {', '.join(COMPRESSIONS)} (or None)")
-    for field, minimum, optional in (("partitions", 1, False), ("group", 0, True), ("staleness", 0, True)):
-        value = getattr(config, field)
-        if not (optional and value is None) and (not _is_int(value) or value < minimum):
-            errors.append(f"{field} must be an integer >= {minimum}{' or None' if optional else ''}, got {value!r}")
-    if config.route == "allreduce":
-        errors += [f"{field} only applies to route 'ps' (got {getattr(config, field)!r} with route 'allreduce')"
-                   for field, default in (("protocol", "bsp"), ("staleness", None), ("servers", None))
-                   if getattr(config, field) != default]
-    elif config.algorithm != "ring":
-        errors.append(f"algorithm only applies to route 'allreduce' (got {config.algorithm!r} with route 'ps')")
-    if config.protocol == "ssp" and config.staleness is None:
-        errors.append("protocol 'ssp' needs a staleness (steps a worker may run ahead)")
-    if config.staleness is not None and config.protocol != "ssp":
-        errors.append("staleness only applies to protocol 'ssp'")
-    if config.servers is not None:
-        errors += [e.removeprefix("config: ") for e in _servers_errors("config", config.servers, config.partitions)]
-    return errors
+def _raise_if(errors: list[str]) -> None:
+    if errors:
+        raise ValueError("invalid strategy:\n  - " + "\n  - ".join(errors))
 
 
 def _config_errors(where: str, raw: Any) -> list[str]:
-    """Every problem with one variable's (or the default's) config, as messages."""
+    """Every problem with one variable's (or the default's) config in a document, as messages."""
     if not isinstance(raw, Mapping):
         return [f"{where}: expected a mapping, got {type(raw).__name__}"]
-    route = raw.get("route", "allreduce")
-    if route not in ROUTES:
-        return [f"{where}: route {route!r} is not one of {', '.join(ROUTES)}"]
-    errors = [f"{where}: unknown key {key!r} for route {route!r} "
-              f"(allowed: {', '.join(sorted(KEYS_BY_ROUTE[route]))})"
-              for key in raw if key not in KEYS_BY_ROUTE[route]]
-    choices = {"algorithm": ALGORITHMS, "compression": COMPRESSIONS, "protocol": PROTOCOLS}
-    for key, allowed in choices.items():
-        if key in raw and raw[key] not in allowed:
-            errors.append(f"{where}: {key} {raw[key]!r} is not one of {', '.join(allowed)}")
-    for key, minimum in (("partitions", 1), ("staleness", 0), ("group", 0)):
-        value = raw.get(key)
-        if key in raw and (not _is_int(value) or value < minimum):
-            errors.append(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
-    protocol = raw.get("protocol", "bsp")
-    if protocol == "ssp" and "staleness" not in raw:
-        errors.append(f"{where}: protocol 'ssp' needs a 'staleness' (steps a worker may run ahead)")
-    if "staleness" in raw and protocol != "ssp":
-        errors.append(f"{where}: 'staleness' only applies to protocol 'ssp'")
-    if "servers" in raw:
-        errors += _servers_errors(where, raw["servers"], raw.get("partitions", 1))
-    return errors
-
-
-def _servers_errors(where: str, servers: Any, partitions: Any) -> list[str]:
-    if not isinstance(servers, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in servers):
-        return [f"{where}: servers must be a list of server indices >= 0, got {servers!r}"]
-    if _is_int(partitions) and len(servers) != partitions:
-        return [f"{where}: servers lists {len(servers)} placements but partitions is {partitions}"]
-    return []
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _config_from_raw(raw: Mapping[str, Any]) -> VarConfig:
-    values = dict(raw)
-    if "servers" in values:
-        values["servers"] = tuple(values["servers"])
-    return VarConfig(**values)
+    return [f"{where}: {error}" for error in knobs.config_errors(raw)]
 
 
 class _ReadOnlyDict(dict):
@@ -230,13 +152,11 @@ class Strategy:
             raise ValueError(f"default must be a VarConfig, got {type(self.default).__name__}")
         if self.sync is not None and not isinstance(self.sync, SyncPolicy):
             raise ValueError(f"sync must be a SyncPolicy, got {type(self.sync).__name__}")
-        if self.sync is not None and self.sync.dynamic:
-            errors = _sync_protocol_errors(self.sync, self.default, self.variables)
-            if errors:
-                raise ValueError("invalid strategy: " + "; ".join(errors))
         bad = sorted(str(name) for name, config in self.variables.items() if not isinstance(config, VarConfig))
         if bad:
             raise ValueError(f"variables must map names to VarConfig; not one: {', '.join(bad)}")
+        if self.sync is not None and self.sync.dynamic:
+            _raise_if(_sync_protocol_errors(self.sync, self.default, self.variables))
         # A read-only copy: the strategy is a value (hashable, below), so it must not change after the fact.
         object.__setattr__(self, "variables", _ReadOnlyDict(self.variables))
 
@@ -270,16 +190,10 @@ class Strategy:
             errors += _config_errors(f"variable {name!r}", raw)
         if "sync" in doc:
             errors += policy_errors(doc["sync"])
-        if errors:
-            raise ValueError("invalid strategy:\n  - " + "\n  - ".join(errors))
-        default = _config_from_raw(default_raw)
-        variables = {name: _config_from_raw(raw) for name, raw in variables_raw.items()}
-        sync = SyncPolicy.from_dict(doc["sync"]) if "sync" in doc else None
-        if sync is not None and sync.dynamic:
-            errors = _sync_protocol_errors(sync, default, variables)
-            if errors:
-                raise ValueError("invalid strategy:\n  - " + "\n  - ".join(errors))
-        return cls(default=default, variables=variables, sync=sync)
+        _raise_if(errors)
+        return cls(default=VarConfig(**default_raw),
+                   variables={name: VarConfig(**raw) for name, raw in variables_raw.items()},
+                   sync=SyncPolicy.from_dict(doc["sync"]) if "sync" in doc else None)
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical document (sorted variables, defaults omitted)."""

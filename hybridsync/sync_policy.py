@@ -55,7 +55,7 @@ class SyncPolicy:
     """Momentum factor while in ASP (a number >= 0, or ``"1/n"``)."""
     enter_slowdown: float = 2.0
     """``elastic``: go ASP when the slowest worker is this much slower than the median one ...
-    (2.0: on this 2-core machine, BSP's scheduling noise alone reached 1.5-1.7 for a few steps)"""
+    (above what BSP's scheduling noise alone reaches: benchmarks/RESULTS.md, "syncswitch.py")"""
     exit_slowdown: float = 1.3
     """... and back to BSP when it is at most this much slower (below ``enter_slowdown``)."""
     enter_after: int = 3

@@ -25,9 +25,10 @@ from hybridsync import envvars
 from hybridsync.cli import build_parser
 from hybridsync.hooks import StepHook, StepHookBuilder, profiler
 from hybridsync.description import (ComputeTiming, ModelDescription, VariableTiming, description_id,
-                                    load_description, parse_description, save_description)
+                                    load_description, load_model_description, parse_description, save_description,
+                                    save_model_description)
 from hybridsync.run.profile import profile_command
-from hybridsync.variables import VariableInfo, load_model_description, save_model_description
+from hybridsync.variables import VariableInfo
 
 WARMUP, STEPS = 2, 5
 UNIQUE_IDS = 24  # tests/workers/profile_train.py: distinct embedding rows per step
@@ -71,6 +72,20 @@ def test_description_id_is_stable_and_names_content_not_provenance():
     assert description_id(dataclasses.replace(desc, timing=slower)) != description_id(desc)
     assert description_id(dataclasses.replace(desc, name="other")) != description_id(desc)
     assert re.fullmatch(r"[0-9a-f]{16}", description_id(desc))
+
+
+@pytest.mark.unit
+def test_description_functions_keep_their_old_import_paths():
+    import hybridsync.cli
+    import hybridsync.description
+    import hybridsync.model_source
+    import hybridsync.variables
+    for name in ("load_model_description", "parse_model_description", "save_model_description",
+                 "parse_variable_entries"):
+        assert getattr(hybridsync.variables, name) is getattr(hybridsync.description, name)
+    assert hybridsync.model_source.load_model_variables is hybridsync.cli.load_model_variables
+    with pytest.raises(AttributeError, match="no attribute 'load_description'"):
+        hybridsync.variables.load_description  # noqa: B018 (only the names that lived there)
 
 
 @pytest.mark.unit

@@ -15,7 +15,7 @@ import pytest
 from conftest import BIN, WORKERS, run_job
 from hybridsync.router.plan import build_plan
 from hybridsync.strategy import Strategy
-from hybridsync.variables import parse_model_description
+from hybridsync.description import parse_model_description
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 

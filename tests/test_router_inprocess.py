@@ -30,6 +30,7 @@ from hybridsync.backends.ps import route
 from hybridsync.backends.ps.client import PSBackend, PSClient
 from hybridsync.backends.ps.config import PSConfig
 from hybridsync.backends.ps.store import KeyStore
+from hybridsync.compression import Compression
 from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.router.runtime import Router
 from hybridsync.strategy import Strategy
@@ -433,3 +434,38 @@ def test_message_wire_matches_what_the_router_sends():
                              k.startswith(f"opt7/{message.name}@"))
                 assert pushed == STEPS * message.wire_bytes, (message.name, pushed, message.wire_bytes)
     assert dataclasses.is_dataclass(plan.messages[0])
+
+
+class _RecordingBackend:
+    """Reduces nothing; records the order in which its messages are waited for."""
+
+    def __init__(self, waited: list[str]) -> None:
+        self.waited = waited
+
+    def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> _Handle:
+        return _Handle(lambda: self.waited.append(name))
+
+    def close(self) -> None:
+        """Nothing outlives a step here."""
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_ring_waits_follow_submission_other_routes_the_plan(algorithm):
+    """Horovod's ring handles complete on Horovod's thread: taken in the order they were submitted
+    (the backward pass's), as Horovod does; a route whose wait meets the other ranks in a
+    collective (here one hierarchical variable) makes every wait of the step follow the plan."""
+    waited: list[str] = []
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    named = list(model.named_parameters())
+    for _, param in named:
+        param.grad = torch.ones_like(param)
+    strategy = Strategy.from_dict({"version": 1, "variables": {"1.bias": {"route": "allreduce",
+                                                                           "algorithm": algorithm}}})
+    plan = build_plan(variables_from_model(model), strategy)
+    router = Router(plan, [p for _, p in named], compression=Compression.none, reduction=Reduction(),
+                    backends=lambda *_, **__: _RecordingBackend(waited))
+    for var_index in reversed(range(len(named))):  # as a backward pass makes them ready
+        router.mark_ready(var_index)
+    router.finish()
+    in_plan_order = [m.name for m in plan.messages]
+    assert waited == (in_plan_order[::-1] if algorithm == "ring" else in_plan_order)

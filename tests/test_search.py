@@ -12,6 +12,7 @@ from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import load_description, parse_description
 from hybridsync.model.encoding import HIER, PS, RING, StrategyBatch, from_strategies, model_arrays
 from hybridsync.router.plan import build_plan
+from hybridsync import strategy_space as space
 from hybridsync.search import operators
 from hybridsync.search.evolution import EvolutionarySearch, EvolutionSettings, auto_batch, bounds_for, run_search
 from hybridsync.strategy_space import SpaceBounds
@@ -31,10 +32,10 @@ def zoo(model: str):
 
 def random_children(arrays, bounds: SpaceBounds, rng: np.random.Generator, count: int) -> StrategyBatch:
     """Samples, crossed and mutated (several moves each), then repaired: what ``ask`` proposes."""
-    parents = operators.sample(arrays, bounds, rng, 64)
+    parents = space.sample(arrays, bounds, rng, 64)
     a, b = parents.take(rng.integers(64, size=count)), parents.take(rng.integers(64, size=count))
     children = operators.mutate(operators.crossover(a, b, rng), arrays, bounds, rng, max_mutations=4)
-    return operators.repair(children, arrays, bounds)
+    return space.repair(children, arrays, bounds)
 
 
 @pytest.mark.parametrize("model", ZOO)
@@ -76,27 +77,27 @@ def test_repaired_children_are_valid_strategies_within_bounds(model, cluster, bo
 
 def test_repair_splits_mixed_groups_dissolves_singletons_and_numbers_groups_by_first_member():
     _, arrays = zoo("ncf")
-    batch = operators.empty_batch(1, arrays.num_variables, 2)
+    batch = space.empty_batch(1, arrays.num_variables, 2)
     dense = np.nonzero(~arrays.sparse)[0]
     batch.group[0, dense] = 5
     batch.route[0, dense[:3]] = PS  # three on the PS, the rest ring: two groups
     batch.group[0, 0], batch.route[0, 0] = 7, HIER  # a sparse variable hierarchical in a group of its own
     batch.server_share[0, dense[0]] = [0.5, 0.5]  # one shard cannot be split in halves
-    repaired = operators.repair(batch, arrays, bounds_for(CLUSTER))
+    repaired = space.repair(batch, arrays, bounds_for(CLUSTER))
     assert repaired.group[0, dense[:3]].tolist() == [0, 0, 0] and (repaired.group[0, dense[3:]] == 1).all()
     assert (repaired.route[0, 0], repaired.group[0, 0]) == (RING, -1)
     assert not repaired.server_share.any()
-    keys = operators.row_keys(StrategyBatch.concatenate([repaired, operators.repair(repaired, arrays,
+    keys = operators.row_keys(StrategyBatch.concatenate([repaired, space.repair(repaired, arrays,
                                                                                    bounds_for(CLUSTER))]))
     assert keys[0] == keys[1]  # repair is idempotent
 
 
 def test_server_memory_bound_moves_the_largest_ps_variables_off():
     _, arrays = zoo("vgg")
-    batch = operators.empty_batch(1, arrays.num_variables, 2)
+    batch = space.empty_batch(1, arrays.num_variables, 2)
     batch.route[:] = PS
     capacity = int(arrays.nbytes.sum() / 4)
-    repaired = operators.repair(batch, arrays, bounds_for(CLUSTER, server_memory_bytes=capacity))
+    repaired = space.repair(batch, arrays, bounds_for(CLUSTER, server_memory_bytes=capacity))
     on_ps = repaired.route[0] == PS
     assert arrays.nbytes[on_ps].sum() <= 2 * capacity and on_ps.any()
     assert arrays.nbytes[~on_ps].min() >= arrays.nbytes[on_ps].max()
@@ -136,7 +137,7 @@ def test_ask_never_repeats_and_tell_keeps_the_latest_cost():
     search.tell(row, np.array([best_cost + 1.0]))  # a measurement replacing the prediction
     assert search.best[0] < best_cost + 1.0 and best.fingerprint() not in {s.fingerprint() for _, s in search.ranked(1)}
     fused = from_strategies(arrays, [baselines.horovod_hierarchical(description.variables)], CLUSTER)
-    mixed = operators.copy_batch(fused)
+    mixed = space.copy_batch(fused)
     mixed.group[:] = np.where(fused.group >= 0, 10 - fused.group, -1)  # other group numbers, same strategy
     search.tell(mixed, np.array([-1.0]))
     told = from_strategies(arrays, [search.best[1]], CLUSTER)
@@ -191,7 +192,7 @@ def test_search_beats_random_search_at_equal_budget():
     for seed in range(5):
         search = EvolutionarySearch(arrays, CLUSTER, bounds_for(CLUSTER), np.random.default_rng(seed))
         evolved, _ = run_search(search, cost, budget=1500, progress=False)
-        randomly = cost(operators.sample(arrays, bounds_for(CLUSTER), np.random.default_rng(seed), 1500)).min()
+        randomly = cost(space.sample(arrays, bounds_for(CLUSTER), np.random.default_rng(seed), 1500)).min()
         wins += evolved < randomly
     assert wins == 5
 

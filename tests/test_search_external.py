@@ -10,6 +10,7 @@ import pytest
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import load_description
 from hybridsync.model.encoding import PS, model_arrays
+from hybridsync import strategy_space as space
 from hybridsync.search import operators
 from hybridsync.search.evolution import EvolutionarySearch, bounds_for, run_search
 from hybridsync.search.external import make_search
@@ -41,7 +42,7 @@ def test_library_searchers_propose_repaired_distinct_candidates(ncf, name, budge
         keys = operators.row_keys(batch)
         assert not seen & set(keys) and len(set(keys)) == len(keys)
         seen.update(keys)
-        again = operators.repair(batch, arrays, bounds_for(CLUSTER))
+        again = space.repair(batch, arrays, bounds_for(CLUSTER))
         assert operators.row_keys(again) == keys  # already repaired
         return ps_share(batch)
     with warnings.catch_warnings():

@@ -8,7 +8,8 @@ import pytest
 from hybridsync import baselines
 from hybridsync.router.plan import build_plan, shard_bounds
 from hybridsync.strategy import Strategy, VarConfig, resolve_strategy
-from hybridsync.variables import VariableInfo, parse_model_description
+from hybridsync.description import parse_model_description
+from hybridsync.variables import VariableInfo
 
 pytestmark = pytest.mark.unit
 
@@ -187,7 +188,8 @@ def test_variables_from_model_marks_sparse_embeddings():
 
 
 def test_model_description_round_trip_keeps_sparsity(tmp_path):
-    from hybridsync.variables import load_model_description, save_model_description, variables_from_model
+    from hybridsync.description import load_model_description, save_model_description
+    from hybridsync.variables import variables_from_model
     save_model_description(variables_from_model(sparse_model()), tmp_path / "m.json")
     assert load_model_description(tmp_path / "m.json") == variables_from_model(sparse_model())
 

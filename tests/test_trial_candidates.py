@@ -27,7 +27,8 @@ def test_random_strategies_are_valid_varied_and_reproducible():
     assert draws[0] == draws[1]
     rng = np.random.default_rng(0)
     strategies = [random_strategy(VARIABLES, SpaceBounds(num_servers=2), rng) for _ in range(200)]
-    assert len({s.fingerprint() for s in strategies}) >= 180  # by-class draws repeat now and then
+    # by-class draws repeat now and then (equal strategies are equal: merge groups in canonical form)
+    assert len({s.fingerprint() for s in strategies}) >= 160
     by_class = [s for s in strategies if len({s.config_for(n).route_name for n in VARIABLES if n != "emb.weight"}) == 1
                 and s.config_for("emb.weight").route_name != s.config_for("layer0.weight").route_name]
     assert len(by_class) >= 10, "some strategies route the sparse embedding apart from the dense layers"

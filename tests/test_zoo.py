@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from conftest import BIN, launcher_argv, run_job  # noqa: E402
 from hybridsync import baselines, cli, zoo  # noqa: E402
 from hybridsync.strategy import Strategy  # noqa: E402
-from hybridsync.variables import load_model_description, save_model_description  # noqa: E402
+from hybridsync.description import load_model_description, save_model_description  # noqa: E402
 from hybridsync.zoo import train  # noqa: E402
 
 MB = 1e6

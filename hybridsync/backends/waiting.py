@@ -25,6 +25,7 @@ spin either (``wait_like_callbacks``).
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Callable
@@ -82,7 +83,7 @@ def wait_like_callbacks() -> None:
 def wait(hvd: Any, handle: Any) -> Any:
     """``hvd.synchronize(handle)``, waiting as the module docstring says."""
     if not hvd.poll(handle):  # most handles of a step are done by the time they are waited for
-        wait_until(lambda: hvd.poll(handle))
+        wait_until(functools.partial(hvd.poll, handle))
     try:
         return hvd.synchronize(handle)
     except Exception as e:
@@ -98,9 +99,12 @@ def wait_until(done: Callable[[], bool], *, spin: bool = True) -> None:
     backing off; a long wait is watched for ranks out of step (``stalls.RanksOutOfStepError``)."""
     start = time.perf_counter()
     spin_until = start + (SPIN_S if spin else 0.0)
+    # Every step's last messages are waited for here, where Horovod's own wait is a C++ loop of
+    # poll and yield: the loop keeps to local names and plain calls to stay close to it.
+    clock, yield_core = time.perf_counter, os.sched_yield
     while not done():
-        if time.perf_counter() < spin_until:
-            os.sched_yield()  # as Horovod does: a thread on this core that has work runs first
+        if clock() < spin_until:
+            yield_core()  # as Horovod does: a thread on this core that has work runs first
             continue
         _sleep_until(done, start)
         return

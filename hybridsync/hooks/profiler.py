@@ -36,9 +36,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hybridsync import envvars
-from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming, save_description
+from hybridsync.description import (ComputeTiming, ModelDescription, VariableTiming, save_description,
+                                    variables_from_parameters)
 from hybridsync.hooks.base import StepHook
-from hybridsync.variables import variables_from_parameters
 
 _SECONDS_DIGITS = 7  # 0.1 us: finer than a clock read costs, short enough to keep files readable
 

@@ -1,4 +1,4 @@
-"""The analytic model: the cost of every message on its path, composed into a step time.
+"""The runtime simulator's analytic model: the cost of every message on its path, composed into a step time.
 
 Each message is priced from two kinds of constants: the cluster's ``LinkConstants``
 (``links.py``: latency and seconds per byte of each path, measured by a calibration job or

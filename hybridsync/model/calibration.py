@@ -1,4 +1,4 @@
-"""Calibrate the simulator for a cluster: a seconds-long collective micro-benchmark on its ranks.
+"""Calibrate the runtime simulator for a cluster: a seconds-long collective micro-benchmark on its ranks.
 
     links = calibrate(target, cluster)                  # a job of hybridsync.trials.calibration_worker
     simulator = simulator.calibrated(cluster, links)    # prices this cluster's paths as measured

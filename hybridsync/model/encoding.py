@@ -1,9 +1,10 @@
-"""Strategies as arrays: many candidates of one (model description, cluster) at once.
+"""The runtime simulator's input: many candidates of one (model description, cluster) at once.
 
 The simulator scores thousands of candidate strategies per second, which per-strategy
 Python objects (``Strategy``, ``build_plan``) cannot do. This module turns a model
-description into per-variable arrays (``ModelArrays``) and candidate strategies into
-``StrategyBatch`` arrays (candidates x variables), then reduces a batch to *units*:
+description into per-variable arrays (``ModelArrays``) and candidate strategies into the
+strategy space's ``StrategyBatch`` arrays (candidates x variables, one per knob of
+``hybridsync.knobs``) for a cluster, then reduces a batch to *units*:
 the messages of each candidate as the router sends them, one unit per ungrouped variable
 (its shards) and one per merge group (the k-th shards of its members, as ``build_plan``
 fuses them), with bytes, message count, ready time and route (``Units``).
@@ -19,18 +20,20 @@ from typing import Sequence
 
 import numpy as np
 
+from hybridsync import knobs
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription
 from hybridsync.strategy import Strategy, VarConfig
+from hybridsync.strategy_space.batch import (FP16, HIER, PS, RING, ROUTE_VARIANTS, StrategyBatch,  # noqa: F401
+                                             empty_batch)
 from hybridsync.variables import FLOATING_DTYPES
 
-RING, HIER, PS, PS_ASYNC, GATHER = 0, 1, 2, 3, 4
-"""Unit routes: ring and hierarchical all-reduce, BSP and ASP/SSP parameter servers, and
-Horovod's all-gather of a whole sparse gradient's touched rows (ring route, not merged or split)."""
+PS_ASYNC, GATHER = 3, 4
+"""Unit routes beyond ``StrategyBatch``'s (``RING``, ``HIER``, ``PS``: BSP): ASP/SSP parameter servers,
+and Horovod's all-gather of a whole sparse gradient's touched rows (ring route, not merged or split)."""
 ROUTE_NAMES = ("ring", "hier", "ps", "ps_async", "gather")
 INDEX_BYTES = 8
 """Each touched row of a sparse gradient travels with an int64 index."""
-_PROTOCOL_CODES = {"bsp": 0, "asp": 1, "ssp": 2}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,75 +101,6 @@ def model_arrays(description: ModelDescription) -> ModelArrays:
                        backward_s=timing.backward_s, optimizer_s=timing.optimizer_s, other_s=other)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StrategyBatch:
-    """N candidate strategies of one model as (N, V) arrays, V = the model's variables in order."""
-
-    route: np.ndarray
-    """int8: 0 all-reduce ring, 1 all-reduce hierarchical, 2 parameter server."""
-    protocol: np.ndarray
-    """int8: 0 bsp, 1 asp, 2 ssp (parameter server only)."""
-    staleness: np.ndarray
-    """int: steps a worker may run ahead under ssp (else 0)."""
-    partitions: np.ndarray
-    """int: shards along dim 0 (>= 1)."""
-    group: np.ndarray
-    """int: merge group, numbered 0..G-1 within each candidate; -1 for none."""
-    fp16: np.ndarray
-    """bool: the variable travels as float16 (its compression, or the optimizer's default)."""
-    server_share: np.ndarray
-    """(N, V, S) float: fraction of the variable's bytes the strategy places on each server
-    explicitly (all zero: balanced by bytes). S = the cluster's servers (at least 1 column)."""
-
-    def __post_init__(self) -> None:
-        shape = self.route.shape
-        if len(shape) != 2 or any(getattr(self, f).shape != shape
-                                  for f in ("protocol", "staleness", "partitions", "group", "fp16")):
-            raise ValueError(f"StrategyBatch arrays must all have shape (candidates, variables), got route {shape}")
-        if self.server_share.shape[:2] != shape:
-            raise ValueError(f"server_share must have shape {shape + ('servers',)}, got {self.server_share.shape}")
-
-    def __len__(self) -> int:
-        return self.route.shape[0]
-
-    def take(self, indices: np.ndarray | Sequence[int]) -> "StrategyBatch":
-        """The candidates at ``indices`` (a search's survivors), as a new batch."""
-        return StrategyBatch(**{f.name: getattr(self, f.name)[np.asarray(indices)] for f in dataclasses.fields(self)})
-
-    @classmethod
-    def concatenate(cls, batches: Sequence["StrategyBatch"]) -> "StrategyBatch":
-        """One batch of the candidates of ``batches`` (of one model and cluster), in order."""
-        if not batches:
-            raise ValueError("StrategyBatch.concatenate: no batches")
-        return cls(**{f.name: np.concatenate([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(cls)})
-
-    def to_strategy(self, index: int, names: Sequence[str]) -> Strategy:
-        """Candidate ``index`` as a ``Strategy`` (explicit servers as the shards' shares say)."""
-        configs = {}
-        for v, name in enumerate(names):
-            parts, group = int(self.partitions[index, v]), int(self.group[index, v])
-            common = dict(partitions=parts, group=None if group < 0 else group,
-                          compression="fp16" if self.fp16[index, v] else None)
-            if self.route[index, v] == PS:
-                protocol = ("bsp", "asp", "ssp")[int(self.protocol[index, v])]
-                share = self.server_share[index, v]
-                servers = _shard_servers(share, parts) if share.sum() > 0 else None
-                staleness = int(self.staleness[index, v]) if protocol == "ssp" else None
-                configs[name] = VarConfig(route="ps", protocol=protocol, staleness=staleness, servers=servers, **common)
-            else:
-                algorithm = "hierarchical" if self.route[index, v] == HIER else "ring"
-                configs[name] = VarConfig(route="allreduce", algorithm=algorithm, **common)
-        return Strategy(variables=configs)
-
-
-def _shard_servers(share: np.ndarray, partitions: int) -> tuple[int, ...]:
-    """Servers of ``partitions`` shards whose bytes split as ``share`` says (largest remainders)."""
-    counts = np.floor(share * partitions).astype(int)
-    for s in np.argsort(-(share * partitions - counts), kind="stable")[:partitions - counts.sum()]:
-        counts[s] += 1
-    return tuple(int(s) for s, count in enumerate(counts) for _ in range(count))
-
-
 def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], cluster: ClusterSpec, *,
                     compression: str = "none") -> StrategyBatch:
     """Encode ``strategies`` (``None``: plain Horovod, every variable ring) for ``cluster``.
@@ -174,11 +108,7 @@ def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], 
     ``compression`` is the optimizer's default for configs that name none. ``ValueError``
     when a strategy routes a variable to parameter servers the cluster does not have.
     """
-    n, v, servers = len(strategies), arrays.num_variables, max(cluster.num_servers, 1)
-    batch = StrategyBatch(route=np.zeros((n, v), np.int8), protocol=np.zeros((n, v), np.int8),
-                          staleness=np.zeros((n, v), np.int64), partitions=np.ones((n, v), np.int64),
-                          group=np.full((n, v), -1, np.int64), fp16=np.zeros((n, v), bool),
-                          server_share=np.zeros((n, v, servers)))
+    batch = empty_batch(len(strategies), arrays.num_variables, cluster.num_servers)
     cache: dict[VarConfig, tuple] = {}
     known = set(arrays.names)
     for i, strategy in enumerate(strategies):
@@ -211,9 +141,9 @@ def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], 
 
 
 def _config_codes(config: VarConfig, cluster: ClusterSpec, compression: str, name: str) -> tuple:
-    fp16 = (config.compression or compression) == "fp16"
+    fp16 = knobs.COMPRESSION.code(config.compression or compression) == FP16
     if config.route != "ps":
-        return (HIER if config.algorithm == "hierarchical" else RING), 0, config.partitions, fp16, None
+        return ROUTE_VARIANTS.index(("allreduce", config.algorithm)), 0, config.partitions, fp16, None
     if cluster.num_servers == 0:
         raise ValueError(f"variable {name!r} is routed to the parameter servers, but the cluster has none "
                          f"(servers_per_node: 0); give the cluster servers or route it to all-reduce")
@@ -224,7 +154,7 @@ def _config_codes(config: VarConfig, cluster: ClusterSpec, compression: str, nam
             raise ValueError(f"variable {name!r} names server {bad[0]}, but the cluster has "
                              f"{cluster.num_servers} servers (0..{cluster.num_servers - 1})")
         share = np.bincount(config.servers, minlength=cluster.num_servers) / len(config.servers)
-    return PS, _PROTOCOL_CODES[config.protocol], config.partitions, fp16, share
+    return PS, knobs.PROTOCOL.code(config.protocol), config.partitions, fp16, share
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

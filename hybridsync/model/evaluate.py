@@ -1,8 +1,8 @@
-"""How good is a simulator: ranking and error metrics, held-out evaluation, transfer, a plot.
+"""How good is the runtime simulator: ranking and error metrics, held-out evaluation, transfer, a plot.
 
 Metrics are computed per query group, a trial job (model, cluster, job): a search only ever
 compares strategies of one model on one cluster, and step times of different jobs are not
-comparable (a job has a level of its own, up to 30% apart on these machines). They are
+comparable (a job has a level of its own: benchmarks/RESULTS.md, "Job-to-job variation"). They are
 then averaged over groups weighted by their trials:
 
 - pairwise ranking accuracy: of the pairs of trials with different measured times, the

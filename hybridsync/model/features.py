@@ -1,4 +1,5 @@
-"""Fixed-length, model-agnostic features of (model description, cluster, strategy) for the learned simulator.
+"""Fixed-length, model-agnostic features of (model description, cluster, strategy) for the runtime simulator's
+learned part (XGBoost).
 
 One row per candidate, the same columns for every model and cluster (``FEATURE_NAMES``),
 computed from a batch's ``Units`` and the analytic model's terms with whole-array numpy

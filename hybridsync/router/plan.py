@@ -27,9 +27,10 @@ import json
 import math
 from typing import Mapping, Sequence
 
+from hybridsync import knobs
+from hybridsync.description import FLOATING_DTYPES, VariableInfo, itemsize
 from hybridsync.placement import DEFAULT_PARTITION_BYTES, KeyTable, WireTensor, namespaced, part_key
-from hybridsync.strategy import COMPRESSIONS, Strategy, VarConfig
-from hybridsync.variables import FLOATING_DTYPES, VariableInfo, itemsize
+from hybridsync.strategy import Strategy, VarConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -197,8 +198,8 @@ def build_plan(variables: Mapping[str, VariableInfo], strategy: Strategy | None,
     ``compression`` is what a message whose config names none is sent with (the
     optimizer's ``compression=``): it sets the wire dtypes, nothing else.
     """
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression {compression!r} is not one of {', '.join(COMPRESSIONS)}")
+    if compression not in knobs.COMPRESSION.choices:
+        raise ValueError(f"compression {compression!r} is not one of {', '.join(knobs.COMPRESSION.choices)}")
     strategy = strategy or Strategy()
     strategy.validate_for(variables)
     buckets: dict[tuple, list[Piece]] = {}

@@ -31,6 +31,7 @@ when the router is built. Key names, servers and wire sizes come from the plan.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -119,6 +120,7 @@ class Router:
         self._sparse_as_dense = sparse_as_dense
         self._compressors = [compressor_named(m.config.compression, compression) for m in plan.messages]
         self._async = [m.exchanges_parameters for m in plan.messages]
+        self._exchanges_parameters = any(self._async)
         self._backends = self._make_backends(plan, self._async, self.namespace, process_set, backends)
         # What each message's backend can do beyond submit, asked once (base.py's protocols).
         self._sparse = [b if isinstance(b, SparseBackend) else None for b in self._backends]
@@ -126,7 +128,13 @@ class Router:
         self._declare_keys()
         self._make_parameter_sync = parameter_syncs
         self._parameter_syncs: list[ParameterSync] | None = None
-        self._waiting_on = [len(m.var_indices) for m in plan.messages]
+        self._sizes = tuple(len(m.var_indices) for m in plan.messages)
+        """Per message, how many variables feed it: ``_waiting_on``'s value at the start of a step."""
+        self._waiting_on = list(self._sizes)
+        self._in_plan_order = any(_backend_key(m) != _RING for m, skip in zip(plan.messages, self._async) if not skip)
+        """Whether ``finish()`` waits in plan order: a route whose wait blocks on a collective needs it
+        (every rank meets the others at the same message); Horovod's ring handles complete on
+        Horovod's own thread, so a ring-only plan waits in the order it submitted, as Horovod does."""
         self._ready: set[int] = set()
         self._all_vars = frozenset(range(len(self._params)))
         self._in_flight: list[_InFlight] = []
@@ -187,7 +195,7 @@ class Router:
         Deferred to the first step so that a ``broadcast_parameters`` or checkpoint load
         after the optimizer was built is what the servers start from (the first worker's wins).
         """
-        if self._parameter_syncs is not None or not any(self._async):
+        if self._parameter_syncs is not None or not self._exchanges_parameters:
             return
         self._parameter_syncs = [
             self._make_parameter_sync([(key, self._piece_of(piece, self._params[piece.var_index].data), server)
@@ -232,7 +240,7 @@ class Router:
         self._ready.clear()
         self._sparse_results.clear()
         self._densified.clear()
-        self._waiting_on = [len(m.var_indices) for m in self.plan.messages]
+        self._waiting_on = list(self._sizes)
         self.close()
 
     @property
@@ -274,9 +282,11 @@ class Router:
                 for m_index in sorted(held):
                     if self._waiting_on[m_index] == 0:  # not a frozen variable's own message
                         self._submit(m_index)
-            # Plan order, identical on every rank: a backend whose wait() blocks on a collective
-            # (hierarchical, parameter server) then meets the other ranks at the same message.
-            for flight in sorted(self._in_flight, key=lambda f: f.index):
+            # Plan order, identical on every rank, where a route needs it (``_in_plan_order``); else
+            # the order of submission, so that results are taken while later messages still travel.
+            if self._in_plan_order:
+                self._in_flight.sort(key=_plan_position)
+            for flight in self._in_flight:
                 stalls.where = ("step", self.instance, self._steps, flight.message.name)
                 self._complete(flight)
             self._write_back_sparse()
@@ -289,7 +299,7 @@ class Router:
             self._ready.clear()
             self._sparse_results.clear()
             self._densified.clear()
-            self._waiting_on = [len(m.var_indices) for m in self.plan.messages]
+            self._waiting_on = list(self._sizes)
 
     def _agree_on_kinds(self, held: frozenset[int], missing: list[int]) -> None:
         """Every rank says, per undecided variable of ``held``, whether it has a dense, a sparse or no
@@ -432,6 +442,12 @@ def _horovod_exchange(process_set: Any) -> KindsExchange:
         return [record["kinds"] for record in gather_records(
             hvd, {"kinds": states}, process_set if process_set is not None else hvd.global_process_set, name)]
     return exchange
+
+
+_RING = ("allreduce", "ring")
+
+
+_plan_position = operator.attrgetter("index")
 
 
 def _backend_key(message: Message) -> tuple[str, str]:

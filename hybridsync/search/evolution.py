@@ -14,7 +14,8 @@ server. Repair then enforces the constraints (``SpaceBounds``): partitions withi
 variable's rows and the bound, servers that exist (and their memory), sparse gradients
 never made dense unless allowed, merge groups only among variables that can share a message.
 
-Candidates live as ``StrategyBatch`` arrays from ask to tell (``search.operators``), so
+Candidates live as ``StrategyBatch`` arrays from ask to tell (drawn and repaired by the
+strategy space, ``hybridsync.strategy_space``; mutated and crossed by ``search.operators``), so
 the search keeps up with the simulator's batched predict: more than 10,000 candidates a
 second end to end (``benchmarks/search.py``). Only the winners become ``Strategy``
 objects (``best``, ``ranked``). Torch-free; all randomness from the ``numpy.random.Generator``
@@ -27,11 +28,12 @@ from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
 
 import numpy as np
 
+from hybridsync import strategy_space as space
 from hybridsync.cluster.spec import ClusterSpec
-from hybridsync.model.encoding import ModelArrays, StrategyBatch, from_strategies
+from hybridsync.model.encoding import ModelArrays, from_strategies
 from hybridsync.search import operators
-from hybridsync.strategy_space import SpaceBounds, bounds_for
 from hybridsync.strategy import Strategy
+from hybridsync.strategy_space import SpaceBounds, StrategyBatch, bounds_for
 
 if TYPE_CHECKING:
     from hybridsync.model.simulator import Simulator
@@ -95,7 +97,7 @@ class EvolutionarySearch:
         self._originals: dict[bytes, Strategy] = {}
         self._queue = self._encode_seeds(seeds)
         self._random_left = settings.initial
-        self._archive = operators.empty_batch(0, arrays.num_variables, bounds.num_servers)
+        self._archive = space.empty_batch(0, arrays.num_variables, bounds.num_servers)
         self._archive_costs = np.zeros(0)
         self._archive_keys: list[bytes] = []
         self._untold: StrategyBatch | None = None  # parents before the first costs arrive
@@ -112,9 +114,9 @@ class EvolutionarySearch:
         except ValueError as error:
             raise ValueError(f"EvolutionarySearch: a seed does not fit: {error}") from None
         raw = _with_width(raw, max(self.bounds.num_servers, 1))
-        repaired = operators.repair(raw, self.arrays, self.bounds)
+        repaired = space.repair(raw, self.arrays, self.bounds)
         canonical = raw.take(np.arange(len(raw)))
-        canonical.group[:] = operators.canonical_groups(raw)
+        canonical.group[:] = space.canonical_groups(raw)
         for key, seed, before, after in zip(operators.row_keys(repaired), seeds, operators.row_keys(canonical),
                                             operators.row_keys(repaired)):
             if seed is not None and before == after:
@@ -154,7 +156,7 @@ class EvolutionarySearch:
         if self._random_left > 0:
             count = min(count, self._random_left)
             self._random_left -= count
-            return operators.sample(self.arrays, self.bounds, self.rng, count), False
+            return space.sample(self.arrays, self.bounds, self.rng, count), False
         return self._children(int(count / self._fresh_share * 1.1) + 8), True
 
     def _fresh(self, batch: StrategyBatch, most: int) -> tuple[StrategyBatch, list[bytes], float]:
@@ -185,10 +187,10 @@ class EvolutionarySearch:
             for field in dataclasses.fields(StrategyBatch):
                 getattr(children, field.name)[crossed] = getattr(mixed, field.name)
         children = operators.mutate(children, self.arrays, self.bounds, rng, settings.mutations_per_child)
-        children = operators.repair(children, self.arrays, self.bounds)
+        children = space.repair(children, self.arrays, self.bounds)
         immigrants = int(rng.binomial(count, settings.immigrants))
         if immigrants:
-            fresh = operators.sample(self.arrays, self.bounds, rng, immigrants)
+            fresh = space.sample(self.arrays, self.bounds, rng, immigrants)
             children = StrategyBatch.concatenate([children.take(np.arange(count - immigrants)), fresh])
         return children
 
@@ -197,7 +199,7 @@ class EvolutionarySearch:
         if self._archive_costs.size:
             return self._archive.take(np.arange(min(self.settings.population, len(self._archive))))
         if self._untold is None or len(self._untold) == 0:  # nothing proposed yet and no random start
-            return operators.sample(self.arrays, self.bounds, self.rng, self.settings.population)
+            return space.sample(self.arrays, self.bounds, self.rng, self.settings.population)
         return self._untold
 
     def tell(self, batch: StrategyBatch, costs: np.ndarray) -> None:
@@ -212,8 +214,8 @@ class EvolutionarySearch:
         if self._asked is not None and self._asked[0] is batch:
             keys = self._asked[1]
         else:  # rows made elsewhere (e.g. measured strategies): this search's server columns and group numbers
-            batch = operators.copy_batch(_with_width(batch, self._archive.server_share.shape[2]))
-            batch.group[:] = operators.canonical_groups(batch)
+            batch = space.copy_batch(_with_width(batch, self._archive.server_share.shape[2]))
+            batch.group[:] = space.canonical_groups(batch)
             keys = operators.row_keys(batch)
         self._proposed.update(keys)
         if len(self._archive_costs) >= self.settings.archive:  # only what can enter the archive (or replace a cost)

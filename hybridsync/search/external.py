@@ -2,7 +2,7 @@
 
 Each has ``EvolutionarySearch``'s ask/tell shape, so ``run_search`` drives any of them:
 
-- ``random``: the space's sampler (``operators.sample``, the draw of ``space.random_strategy``);
+- ``random``: the strategy space's sampler (``strategy_space.sample``, which trials draw from too);
 - ``tpe``: Optuna's TPE sampler;
 - ``ngopt``: nevergrad's NGOpt (its own choice of algorithm for the parametrization).
 
@@ -23,18 +23,22 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from hybridsync.cluster.spec import ClusterSpec
-from hybridsync.model.encoding import ModelArrays, StrategyBatch
+from hybridsync import knobs
+from hybridsync import strategy_space as space
+from hybridsync.model.encoding import ModelArrays
 from hybridsync.search import operators
 from hybridsync.search.evolution import EvolutionarySearch, EvolutionSettings
-from hybridsync.strategy_space import SpaceBounds
 from hybridsync.strategy import Strategy
+from hybridsync.strategy_space import SpaceBounds, StrategyBatch
 
 SearcherName = Literal["evolution", "random", "tpe", "ngopt"]
 SEARCHERS: tuple[str, ...] = ("evolution", "random", "tpe", "ngopt")
 GROUP_IDS = 8
 """Merge group ids a library may give a variable (besides none)."""
-PROTOCOL_CHOICES: tuple[tuple[int, int], ...] = ((0, 0), (1, 0), (2, 1), (2, 2), (2, 3))
-"""(protocol code, staleness): bsp, asp, ssp with 1-3 steps."""
+PROTOCOL_CHOICES: tuple[tuple[int, int], ...] = (
+    *((knobs.PROTOCOL.code(p), 0) for p in knobs.PROTOCOL.choices if p != "ssp"),
+    *((knobs.PROTOCOL.code("ssp"), staleness) for staleness in knobs.STALENESS.draw))
+"""(protocol code, staleness): bsp, asp, and ssp with each staleness the sampler draws (1-3 steps)."""
 MAX_REPEATS_PER_ASK = 20
 """Library proposals per wanted candidate before ``ask`` returns fewer."""
 
@@ -73,7 +77,7 @@ class _LibrarySearch:
             if len(rows) == n:
                 break
             ticket, choice = self._propose()
-            row = operators.repair(self._decode([choice]), self.arrays, self.bounds)
+            row = space.repair(self._decode([choice]), self.arrays, self.bounds)
             key = operators.row_keys(row)[0]
             if key in self._known:
                 self.repeats += 1
@@ -87,7 +91,7 @@ class _LibrarySearch:
                 tickets.append(ticket)
         for key, ticket in zip(keys, tickets):
             self._pending.setdefault(key, []).insert(0, ticket)
-        return StrategyBatch.concatenate(rows) if rows else operators.empty_batch(0, self.arrays.num_variables,
+        return StrategyBatch.concatenate(rows) if rows else space.empty_batch(0, self.arrays.num_variables,
                                                                                    self.bounds.num_servers)
 
     def tell(self, batch: StrategyBatch, costs: np.ndarray) -> None:
@@ -110,7 +114,7 @@ class _LibrarySearch:
 
     def _decode(self, choices: Sequence[dict[str, Any]]) -> StrategyBatch:
         """Library choices (``route``, ``parts``, ``group``, ``fp16`` per variable; ``protocol``) as a batch."""
-        batch = operators.empty_batch(len(choices), self.arrays.num_variables, self.bounds.num_servers)
+        batch = space.empty_batch(len(choices), self.arrays.num_variables, self.bounds.num_servers)
         for i, choice in enumerate(choices):
             batch.route[i] = self.codes[np.asarray(choice["route"], dtype=np.int64)]
             batch.partitions[i] = 2 ** np.asarray(choice["parts"], dtype=np.int64)
@@ -130,7 +134,7 @@ class RandomSearch(_LibrarySearch):
     """Random search: the space's sampler, repaired; repeats skipped."""
 
     def ask(self, n: int) -> StrategyBatch:
-        rows = operators.sample(self.arrays, self.bounds, self.rng, n)
+        rows = space.sample(self.arrays, self.bounds, self.rng, n)
         keys = operators.row_keys(rows)
         fresh = [i for i, key in enumerate(keys) if key not in self._known and key not in keys[:i]]
         self.repeats += n - len(fresh)

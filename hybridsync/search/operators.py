@@ -1,114 +1,32 @@
-"""The search's operators on ``StrategyBatch`` arrays: sample, mutate, crossover, repair, keys.
+"""The search's operators on ``StrategyBatch`` arrays: mutate, crossover, keys.
 
 A search that scores 10,000 candidates a second cannot build ``Strategy`` objects for them,
 so every operator here works on whole batches (candidates x variables) with numpy:
 
-- ``sample``: random candidates drawn as ``space.random_strategy`` draws them (two levels:
-  strategy-level route weights or one route per class of variable, protocol, fp16 share,
-  partition size, merge group count; then each variable), without Python per variable;
-- ``mutate``: the moves of a person tuning by hand (route/algorithm, partitions x2 or /2,
-  regroup, fp16, the PS protocol of every PS variable, a shard to another server);
+- ``mutate``: the moves of a person tuning by hand, one per knob the search moves (``MUTATIONS``:
+  route/algorithm, partitions x2 or /2, regroup, fp16, the PS protocol of every PS variable, a
+  shard to another server) and ``spread`` (a variable's settings copied to its neighbours);
 - ``crossover``: each variable's settings from one parent or the other;
-- ``repair``: the nearest candidate within ``SpaceBounds`` (see its docstring), with merge
-  groups in a canonical form (numbered by first member, no group of one) so that equal
-  strategies have equal rows;
 - ``row_keys``: a digest of each row's bytes, to propose no strategy twice.
 
-Everything ``repair`` returns turns into a valid ``Strategy`` by ``StrategyBatch.to_strategy``.
-Torch-free; randomness only from the ``numpy.random.Generator`` given.
+The sampler and the repair, which trials share, are the strategy space's
+(``hybridsync.strategy_space``): what these operators make needs ``repair`` before it is a
+candidate. Torch-free; randomness only from the ``numpy.random.Generator`` given.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from hybridsync.model.encoding import HIER, PS, RING, ModelArrays, StrategyBatch
-from hybridsync.strategy_space import (BY_CLASS, GROUP_COUNT_CHOICES, LARGE_DENSE_BYTES, PARTITION_BYTES_CHOICES,
-                                      SpaceBounds)
-
-MUTATIONS = ("route", "partitions", "group", "compression", "protocol", "server", "spread")
-ROUTE_CODES = {"ring": RING, "hierarchical": HIER, "bsp": PS}
-SSP = 2
-MAX_STALENESS = 3
-"""SSP staleness drawn by the sampler and the protocol mutation: 1..3 steps."""
+from hybridsync import knobs
+from hybridsync.model.encoding import ModelArrays
+from hybridsync.strategy_space import PS, SpaceBounds, StrategyBatch
+from hybridsync.strategy_space.batch import SSP
+from hybridsync.strategy_space.sample import draw_protocols
 
 
 def route_codes(bounds: SpaceBounds) -> np.ndarray:
     """The ``StrategyBatch.route`` codes ``bounds`` allows (``SpaceBounds.routes``)."""
-    return np.array([ROUTE_CODES[variant] for _, variant in bounds.routes], dtype=np.int8)
-
-
-def empty_batch(n: int, num_variables: int, num_servers: int) -> StrategyBatch:
-    """``n`` plain-Horovod candidates (every variable ring, one message each)."""
-    return StrategyBatch(route=np.zeros((n, num_variables), np.int8), protocol=np.zeros((n, num_variables), np.int8),
-                         staleness=np.zeros((n, num_variables), np.int64),
-                         partitions=np.ones((n, num_variables), np.int64),
-                         group=np.full((n, num_variables), -1, np.int64), fp16=np.zeros((n, num_variables), bool),
-                         server_share=np.zeros((n, num_variables, max(num_servers, 1))))
-
-
-def copy_batch(batch: StrategyBatch) -> StrategyBatch:
-    """A batch whose arrays the operators may change in place."""
-    return batch.take(np.arange(len(batch)))
-
-
-# --- sampling -----------------------------------------------------------------------------------
-def sample(arrays: ModelArrays, bounds: SpaceBounds, rng: np.random.Generator, n: int) -> StrategyBatch:
-    """``n`` random candidates, repaired (the distribution of ``space.random_strategy``)."""
-    v, codes = arrays.num_variables, route_codes(bounds)
-    batch = empty_batch(n, v, bounds.num_servers)
-    weights = rng.standard_gamma(0.6, size=(n, len(codes))) + 1e-12  # Dirichlet(0.6, ...)
-    cdf = np.cumsum(weights / weights.sum(axis=1, keepdims=True), axis=1)
-    draws = (rng.random((n, v, 1)) > cdf[:, None, :]).sum(axis=2)
-    by_class = rng.random(n) < BY_CLASS
-    if by_class.any():  # one route per class of variable: sparse, large dense, small dense
-        klass = np.where(arrays.sparse, 0, np.where(arrays.nbytes >= LARGE_DENSE_BYTES, 1, 2))
-        class_draws = (rng.random((n, 3, 1)) > cdf[:, None, :]).sum(axis=2)
-        draws[by_class] = class_draws[by_class][:, klass]
-    batch.route[:] = codes[np.minimum(draws, len(codes) - 1)]
-    protocol, staleness = _protocols(rng, n)
-    batch.protocol[:], batch.staleness[:] = protocol[:, None], staleness[:, None]
-    fp16_share = rng.choice([0.0, 0.0, 0.5, 1.0], size=n)
-    batch.fp16[:] = rng.random((n, v)) < fp16_share[:, None]
-    sizes = np.array([np.inf if b is None else b for b in PARTITION_BYTES_CHOICES])
-    partition_bytes = sizes[rng.integers(len(sizes), size=n)]
-    parts = np.ceil(arrays.nbytes / partition_bytes[:, None])
-    batch.partitions[:] = np.where(arrays.nbytes > partition_bytes[:, None], parts, 1).astype(np.int64)
-    batch.partitions[:] = np.clip(batch.partitions, 1, np.minimum(arrays.rows, bounds.max_partitions))
-    if bounds.num_servers > 0:
-        explicit = (rng.random(n) < 0.3)[:, None] & (batch.route == PS)
-        rows, cols = np.nonzero(explicit)
-        parts = batch.partitions[rows, cols]
-        counts = rng.multinomial(parts, np.full(bounds.num_servers, 1.0 / bounds.num_servers))
-        batch.server_share[rows, cols] = counts / parts[:, None]
-    num_groups = rng.choice(GROUP_COUNT_CHOICES, size=n)
-    batch = repair(batch, arrays, bounds)  # message kinds settle first (sparse all-gather, routes)
-    batch.group[:] = _contiguous_groups(batch, num_groups)
-    return repair(batch, arrays, bounds)
-
-
-def _protocols(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mostly BSP; sometimes ASP, or SSP with a staleness of 1-3 steps (``space._protocol``)."""
-    draw = rng.random(n)
-    protocol = np.where(draw < 0.7, 0, np.where(draw < 0.85, 1, SSP)).astype(np.int8)
-    staleness = np.where(protocol == SSP, rng.integers(1, MAX_STALENESS + 1, size=n), 0)
-    return protocol, staleness
-
-
-def _contiguous_groups(batch: StrategyBatch, num_groups: np.ndarray) -> np.ndarray:
-    """Each message kind of each candidate split (backward order) into ``num_groups`` runs
-    (``space._with_groups``); 0 groups: none. Variables that must stay alone (sparse
-    all-gather) are grouped here and split off again by ``repair``."""
-    n, v = batch.route.shape
-    kind = _message_kind(batch)
-    _, kind = np.unique(kind, return_inverse=True)
-    kind = kind.reshape(n, v)
-    onehot = kind[:, :, None] == np.arange(kind.max() + 1)
-    behind = np.cumsum(onehot[:, ::-1], axis=1)[:, ::-1]  # members of the kind at or after each variable
-    position = np.take_along_axis(behind, kind[:, :, None], axis=2)[:, :, 0] - 1
-    count = np.take_along_axis(behind[:, 0, :], kind, axis=1)
-    run = np.ceil(count / np.maximum(num_groups, 1)[:, None])
-    group = kind * (v + 1) + position // run
-    return np.where(num_groups[:, None] > 0, group, -1).astype(np.int64)
+    return np.array(bounds.routes, dtype=np.int8)
 
 
 # --- mutation and crossover ---------------------------------------------------------------------
@@ -117,12 +35,11 @@ def mutate(batch: StrategyBatch, arrays: ModelArrays, bounds: SpaceBounds, rng: 
     """1..``max_mutations`` random moves per candidate, in place; the result needs ``repair``."""
     n, v = batch.route.shape
     rounds = rng.integers(1, max_mutations + 1, size=n)
-    operators = (_move_route, _split_or_join, _regroup, _toggle_fp16, _change_protocol, _move_shard, _spread)
     for r in range(max_mutations):
         rows = np.nonzero(rounds > r)[0]
         kinds = rng.integers(len(MUTATIONS), size=len(rows))
         cols = rng.integers(v, size=len(rows))
-        for k, operator in enumerate(operators):
+        for k, operator in enumerate(MUTATIONS.values()):
             chosen = kinds == k
             if chosen.any():
                 operator(batch, rows[chosen], cols[chosen], arrays, bounds, rng)
@@ -202,9 +119,10 @@ def _spread(batch, rows, cols, arrays, bounds, rng) -> None:
 
 
 def _change_protocol(batch, rows, cols, arrays, bounds, rng) -> None:
-    protocol, staleness = _protocols(rng, len(rows))
-    protocol = np.where(protocol == batch.protocol[rows, cols], (protocol + 1) % 3, protocol)  # a real change
-    staleness = np.where(protocol == SSP, np.maximum(staleness, 1), 0)
+    protocol, staleness = draw_protocols(rng, len(rows))
+    choices = len(knobs.PROTOCOL.choices)
+    protocol = np.where(protocol == batch.protocol[rows, cols], (protocol + 1) % choices, protocol)  # a real change
+    staleness = np.where(protocol == SSP, np.maximum(staleness, min(knobs.STALENESS.draw)), 0)
     if bounds.num_servers > 0:  # a candidate without PS variables: this one moves to the PS
         alone = ~(batch.route[rows] == PS).any(axis=1)
         batch.route[rows[alone], cols[alone]] = PS
@@ -235,6 +153,13 @@ def _move_shard(batch, rows, cols, arrays, bounds, rng) -> None:
     batch.server_share[rows, cols] = counts / parts[:, None]
 
 
+MUTATIONS = {"route": _move_route, "partitions": _split_or_join, "group": _regroup, "compression": _toggle_fp16,
+             "protocol": _change_protocol, "servers": _move_shard, "spread": _spread}
+"""The moves ``mutate`` picks from (evenly): one per knob the search moves (the algorithm moves with
+the route, the staleness with the protocol), and ``spread``."""
+assert set(MUTATIONS) >= {knob.name for knob in knobs.KNOBS} - {"algorithm", "staleness"}
+
+
 def crossover(a: StrategyBatch, b: StrategyBatch, rng: np.random.Generator) -> StrategyBatch:
     """Each variable's settings from ``a`` or ``b`` (even odds); ``b``'s merge groups are
     renumbered past ``a``'s so groups of different parents stay apart. Needs ``repair``."""
@@ -246,106 +171,6 @@ def crossover(a: StrategyBatch, b: StrategyBatch, rng: np.random.Generator) -> S
     share = np.where(take_a[:, :, None], a.server_share, b.server_share)
     return StrategyBatch(group=group, server_share=share, **fields)
 
-
-# --- repair -------------------------------------------------------------------------------------
-def repair(batch: StrategyBatch, arrays: ModelArrays, bounds: SpaceBounds) -> StrategyBatch:
-    """The nearest candidates within ``bounds`` (a new batch):
-
-    routes the cluster lacks become ring; partitions within the variable's rows and
-    ``max_partitions``; fp16 only for floating variables; protocol and staleness only on the
-    PS (SSP staleness >= 0); sparse gradients all-reduced as Horovod's all-gather (ring, one
-    message, no group, no fp16) unless ``densify_sparse``; explicit server shares that are
-    not whole shards, or name servers that do not exist, become balanced; the server-memory
-    bound; ``exact``: no fp16 and BSP only; then merge groups split into one group per message
-    kind, groups of one dissolved and groups numbered by their first member.
-    """
-    route = batch.route.astype(np.int8, copy=True)
-    if not bounds.hierarchical:
-        route[route == HIER] = RING
-    if bounds.num_servers == 0:
-        route[route == PS] = RING
-    partitions = np.clip(batch.partitions, 1, np.minimum(arrays.rows, bounds.max_partitions))
-    fp16 = batch.fp16 & arrays.floating & (not bounds.exact)
-    group = batch.group.copy()
-    share = _repair_shares(batch.server_share, route, partitions, bounds)
-    if bounds.server_memory_bytes is not None:
-        _fit_server_memory(route, share, arrays, bounds)
-    if not bounds.densify_sparse:
-        gather = arrays.sparse & (route != PS)
-        route[gather], partitions[gather], fp16[gather], group[gather] = RING, 1, False, -1
-    on_ps = route == PS
-    protocol = np.where(on_ps & (not bounds.exact), batch.protocol, 0).astype(np.int8)
-    staleness = np.where(on_ps & (protocol == SSP), np.maximum(batch.staleness, 0), 0)
-    repaired = StrategyBatch(route=route, protocol=protocol, staleness=staleness, partitions=partitions,
-                             group=group, fp16=fp16, server_share=share)
-    repaired.group[:] = canonical_groups(repaired)
-    return repaired
-
-
-def _repair_shares(share: np.ndarray, route: np.ndarray, partitions: np.ndarray, bounds: SpaceBounds) -> np.ndarray:
-    width = max(bounds.num_servers, 1)
-    out = np.zeros(route.shape + (width,))
-    kept = min(width, share.shape[2])
-    rows, cols = np.nonzero((route == PS) & share.any(axis=2))  # explicit placements only
-    if len(rows) == 0:
-        return out
-    parts = partitions[rows, cols][:, None]
-    counts = share[rows, cols] * parts
-    whole = np.rint(counts[:, :kept])
-    valid = ((np.abs(counts[:, :kept] - whole) < 1e-6).all(axis=1) & (whole.sum(axis=1) == parts[:, 0])
-             & (counts[:, kept:].sum(axis=1) == 0))
-    out[rows[valid], cols[valid]] = whole[valid] / parts[valid]
-    return out
-
-
-def _fit_server_memory(route: np.ndarray, share: np.ndarray, arrays: ModelArrays, bounds: SpaceBounds) -> None:
-    """In place: candidates whose servers would hold more than ``server_memory_bytes`` each get a
-    balanced placement, then lose their largest PS variables to ring all-reduce until the
-    servers' total capacity holds the rest (balancing spreads bytes within a shard of even)."""
-    capacity = float(bounds.server_memory_bytes)
-    on_ps = route == PS
-    ps_bytes = np.where(on_ps, arrays.nbytes, 0.0)
-    explicit = share.sum(axis=2) > 0
-    load = (np.einsum("nv,nvs->ns", np.where(explicit, ps_bytes, 0.0), share)
-            + np.where(explicit, 0.0, ps_bytes).sum(axis=1, keepdims=True) / bounds.num_servers)
-    over = load.max(axis=1) > capacity
-    share[over] = 0.0
-    largest_first = np.argsort(-arrays.nbytes, kind="stable")
-    ordered = ps_bytes[:, largest_first]
-    before = np.cumsum(ordered, axis=1) - ordered  # PS bytes of larger variables
-    total = ordered.sum(axis=1, keepdims=True)
-    evict = np.zeros_like(on_ps)
-    evict[:, largest_first] = (ordered > 0) & (total - before > capacity * bounds.num_servers) & over[:, None]
-    route[evict] = RING
-    share[evict] = 0.0
-
-
-def _message_kind(batch: StrategyBatch) -> np.ndarray:
-    """An integer per (candidate, variable): equal exactly when two variables may share a message
-    (route, algorithm or protocol, compression, staleness: ``VarConfig.message_key``)."""
-    staleness = np.minimum(batch.staleness, 1023)
-    return ((batch.route.astype(np.int64) * 3 + batch.protocol) * 2 + batch.fp16) * 1024 + staleness
-
-
-def canonical_groups(batch: StrategyBatch) -> np.ndarray:
-    """The batch's merge groups split by message kind, without groups of one member, numbered
-    0, 1, ... by their first member in variable order within each candidate (as
-    ``from_strategies`` numbers a strategy's groups)."""
-    n, v = batch.group.shape
-    out = np.full((n, v), -1, np.int64)
-    rows, cols = np.nonzero(batch.group >= 0)
-    if len(rows) == 0:
-        return out
-    labels = int(batch.group.max()) + 1
-    key = (rows * labels + batch.group[rows, cols]) * (18 * 1024) + _message_kind(batch)[rows, cols]
-    unique, first, inverse, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
-    shared = counts > 1
-    order = np.argsort(np.where(shared, first, np.iinfo(np.int64).max), kind="stable")[:shared.sum()]
-    group_rows = rows[first[order]]  # non-decreasing: ``first`` follows the row-major nonzero order
-    label = np.full(len(unique), -1, np.int64)
-    label[order] = np.arange(len(order)) - np.searchsorted(group_rows, group_rows, side="left")
-    out[rows, cols] = label[inverse]
-    return out
 
 
 # --- keys ---------------------------------------------------------------------------------------

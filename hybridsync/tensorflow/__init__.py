@@ -27,29 +27,20 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       f"see the README's TensorFlow section.") from error
 
 from hybridsync.backends import waiting
-from hybridsync.frameworks import horovod_torch
+from hybridsync.frameworks import (HOROVOD_PROCESS_FUNCTIONS, Adasum, Average, Sum,  # noqa: F401 (hst.Adasum)
+                                   check_op, horovod_torch)
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.tensorflow.tape import DistributedGradientTape
 
-Average = 0
-Sum = 1
-Adasum = 2
-
-_HOROVOD_FUNCTIONS = frozenset({
-    "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "broadcast_object", "allgather_object", "join", "barrier", "mpi_enabled", "gloo_enabled", "mpi_built",
-    "gloo_built", "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
-    "HorovodInternalError",
-})
 _NAMES = itertools.count()
 """Numbers the collectives these helpers start: every rank calls them in the same order."""
 
 __all__ = ["Strategy", "VarConfig", "DistributedGradientTape", "Compression", "Average", "Sum", "init",
-           "allreduce", "allgather", "broadcast", "broadcast_variables", *sorted(_HOROVOD_FUNCTIONS)]
+           "allreduce", "allgather", "broadcast", "broadcast_variables", *sorted(HOROVOD_PROCESS_FUNCTIONS)]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _HOROVOD_FUNCTIONS:
+    if name in HOROVOD_PROCESS_FUNCTIONS:
         return getattr(horovod_torch(f"hybridsync.tensorflow.{name}"), name)
     if name == "Compression":
         from hybridsync.compression import Compression
@@ -72,8 +63,7 @@ def init(*args: Any, **kwargs: Any) -> None:
 
 def allreduce(tensor: Any, op: int = Average, name: str | None = None) -> tf.Tensor:
     """``tensor`` averaged (``op=Average``) or summed (``Sum``) over every rank."""
-    if op not in (Average, Sum):
-        raise ValueError(f"op {op!r} is not supported by hybridsync (use Average or Sum)")
+    check_op(op)
     hvd = horovod_torch("hybridsync.tensorflow.allreduce")
     return _through_torch(lambda t: hvd.allreduce(t, op=hvd.Average if op == Average else hvd.Sum,
                                                   name=name or f"hybridsync.tf.allreduce.{next(_NAMES)}"), tensor)

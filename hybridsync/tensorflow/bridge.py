@@ -19,12 +19,13 @@ optimizer push and pull, and assigns the servers' values back.
 Inside ``tf.function`` (and Keras' ``fit``) both calls run as ``tf.numpy_function``: the
 synchronization is real Python at run time, not a traced graph, which is also why
 XLA-compiled steps (``jit_compile=True``) are refused. ``numpy_function`` rather than
-``py_function``: it hands over NumPy arrays without wrapping each in an eager tensor, which
-saved about 0.65 ms per step on 16 gradients; a step's conversions run on a core that the other
+``py_function``: it hands over NumPy arrays without wrapping each in an eager tensor (what that
+saves: benchmarks/RESULTS.md, "tensorflow.py"); a step's conversions run on a core that the other
 ranks of a CPU job may be waiting for.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,7 +35,8 @@ import torch
 
 from hybridsync.hooks import end_run
 from hybridsync.tensorflow.names import variable_names
-from hybridsync.tensorflow.options import SyncOptions, refuse_dynamic_sync
+from hybridsync.horovod_options import SyncOptions
+from hybridsync.tensorflow.options import refuse_dynamic_sync
 
 TORCH_DTYPES = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32,
                 tf.float64: torch.float64}
@@ -69,12 +71,8 @@ class GradientBridge:
                         for v in self.variables]
         mirror_of = {id(v): m for v, m in zip(self.variables, self.mirrors)}
         self.optimizer = wrap(_ExternalUpdate(self.mirrors), list(zip(self.names, self.mirrors)),
-                              compression=options.compression,
-                              backward_passes_per_step=options.backward_passes_per_step, op=options.op,
-                              gradient_predivide_factor=options.gradient_predivide_factor, num_groups=0,
-                              groups=_groups_of_mirrors(options.groups, mirror_of),
-                              sparse_as_dense=options.sparse_as_dense, process_set=options.process_set,
-                              strategy=options.strategy, frontend="tensorflow")
+                              dataclasses.replace(options, groups=_groups_of_mirrors(options.groups, mirror_of)),
+                              frontend="tensorflow")
         self._owner = owner
         self._allow_parameter_exchange = allow_parameter_exchange
         self.check_plan()

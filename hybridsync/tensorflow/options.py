@@ -1,57 +1,26 @@
-"""The synchronization options a tape or a Keras optimizer was given, checked once."""
+"""The synchronization options of a tape or a Keras optimizer, checked once: Horovod's arguments
+as ``SyncOptions`` (``hybridsync.horovod_options``), with what TensorFlow adds and refuses."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from hybridsync.frameworks import horovod_torch
-from hybridsync.strategy import resolve_strategy
+from hybridsync.horovod_options import SyncOptions
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SyncOptions:
-    """Horovod's arguments of ``DistributedGradientTape`` / ``DistributedOptimizer``, plus the strategy."""
+def checked_options(*, compression: Any, **horovod_arguments: Any) -> SyncOptions:
+    """``SyncOptions.checked`` of a TensorFlow front end's arguments: Horovod TensorFlow's compressors
+    become hybridsync's, lists of variables in ``groups`` are checked once mirrored, and a strategy
+    whose ``sync`` policy switches protocols in flight is refused."""
+    options = SyncOptions.checked(compression=_compression(compression), check_members=False, **horovod_arguments)
+    refuse_dynamic_sync(options.strategy)
+    return options
 
-    compression: Any
-    """``hybridsync.tensorflow.Compression.none``/``fp16`` (Horovod's TensorFlow classes are accepted by name)."""
-    sparse_as_dense: bool
-    op: int
-    gradient_predivide_factor: float
-    groups: Any
-    """Horovod's ``groups``: a count, lists of variables, or ``None``."""
-    process_set: Any
-    scale_local_gradients: bool
-    backward_passes_per_step: int
-    strategy: Any
-    """The resolved ``Strategy`` (from ``strategy=`` or ``HYBRIDSYNC_STRATEGY``), or ``None``."""
 
-    @classmethod
-    def checked(cls, *, compression: Any, sparse_as_dense: bool, op: int, gradient_predivide_factor: float,
-                num_groups: int, groups: Any, process_set: Any, scale_local_gradients: bool,
-                backward_passes_per_step: int, strategy: Any) -> "SyncOptions":
-        """The options, with the mistakes Horovod refuses (and a bad strategy) refused now, not at the first step."""
-        from hybridsync.horovod_options import normalize_groups
-        from hybridsync.optimizer import check_arguments
-        check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
-        groups = groups if isinstance(groups, list) else normalize_groups(groups, num_groups)
-        strategy = resolve_strategy(strategy)
-        refuse_dynamic_sync(strategy)
-        return cls(compression=_compression(compression), sparse_as_dense=sparse_as_dense, op=op,
-                   gradient_predivide_factor=gradient_predivide_factor, groups=groups, process_set=process_set,
-                   scale_local_gradients=scale_local_gradients, backward_passes_per_step=backward_passes_per_step,
-                   strategy=strategy)
-
-    def with_strategy(self, strategy: Any) -> "SyncOptions":
-        """The same options under another strategy (resolved as ``strategy=`` is)."""
-        strategy = resolve_strategy(strategy)
-        refuse_dynamic_sync(strategy)
-        return dataclasses.replace(self, strategy=strategy)
-
-    def size(self) -> int:
-        """Ranks that synchronize: the process set's, else the job's."""
-        if self.process_set is not None:
-            return self.process_set.size()
-        return horovod_torch("hybridsync.tensorflow").size()
+def with_strategy(options: SyncOptions, strategy: Any) -> SyncOptions:
+    """``options`` under another strategy (resolved as ``strategy=`` is), refused as ``checked_options`` does."""
+    options = options.with_strategy(strategy)
+    refuse_dynamic_sync(options.strategy)
+    return options
 
 
 def refuse_dynamic_sync(strategy: Any) -> None:

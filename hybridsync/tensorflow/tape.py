@@ -6,7 +6,8 @@ from typing import Any
 import tensorflow as tf
 
 from hybridsync.tensorflow.bridge import Bridges
-from hybridsync.tensorflow.options import SyncOptions
+from hybridsync.horovod_options import SyncOptions
+from hybridsync.tensorflow.options import checked_options
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -80,10 +81,10 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     ``hybridsync.tensorflow.keras.DistributedOptimizer``, whose ``apply_gradients`` also
     serves custom training loops.
     """
-    options = SyncOptions.checked(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                                  gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-                                  groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
-                                  backward_passes_per_step=backward_passes_per_step, strategy=strategy)
+    options = checked_options(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                              gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, groups=groups,
+                              process_set=process_set, scale_local_gradients=scale_local_gradients,
+                              backward_passes_per_step=backward_passes_per_step, strategy=strategy)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,), dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, options, gradtape._persistent, gradtape._watch_accessed_variables)
 

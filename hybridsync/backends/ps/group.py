@@ -194,9 +194,9 @@ def _transport_options(env) -> dict[str, list[str]]:
     memory transport and CMA channel. Two reasons for the default: on the emulated cluster,
     whose hosts share one kernel, ``auto`` moved tensors between "hosts" with CMA
     (``process_vm_readv``), so not a byte crossed the shaped links; and with ``auto`` a process
-    that had joined the servers kept paying for it on a 2-core machine: ring steps after a
-    switch away from the PS took 2-2.8x as long as in a fresh job, and BSP push-pulls 3.5-6x
-    as long as on TCP (benchmarks/switching.py, benchmarks/RESULTS.md).
+    that had joined the servers kept paying for it where ranks share cores: ring steps after a
+    switch away from the PS, and BSP push-pulls, were several times slower than on TCP
+    (benchmarks/switching.py; benchmarks/RESULTS.md, "switching.py").
     """
     choice = env.get(TRANSPORT_VAR, "tcp").strip().lower() or "tcp"
     if choice == "auto":

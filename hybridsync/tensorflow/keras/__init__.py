@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hybridsync.tensorflow.bridge import Bridges, GradientBridge
 from hybridsync.tensorflow.keras import callbacks
-from hybridsync.tensorflow.options import SyncOptions
+from hybridsync.tensorflow.options import checked_options, with_strategy
 
 
 class _DistributedOptimizer:
@@ -44,7 +44,7 @@ class _DistributedOptimizer:
 
     def set_strategy(self, strategy: Any) -> None:
         """Route gradients by ``strategy`` from the next step on, on every rank (collective, between steps)."""
-        options = self._hybridsync.options.with_strategy(strategy)  # refuses what TensorFlow cannot run, first
+        options = with_strategy(self._hybridsync.options, strategy)  # refuses what TensorFlow cannot run, first
         for bridge in self._hybridsync:
             bridge.optimizer.set_strategy(options.strategy)
         self._hybridsync.options = options
@@ -67,10 +67,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: the Keras optimizer of "
                          f"hybridsync.tensorflow synchronizes every step; accumulate gradients with "
                          f"hybridsync.tensorflow.DistributedGradientTape(backward_passes_per_step=...) instead")
-    options = SyncOptions.checked(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                                  gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-                                  groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
-                                  backward_passes_per_step=1, strategy=strategy)
+    options = checked_options(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                              gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, groups=groups,
+                              process_set=process_set, scale_local_gradients=scale_local_gradients,
+                              backward_passes_per_step=1, strategy=strategy)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     config = optimizer.get_config()
     if name is not None:
