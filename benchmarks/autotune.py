@@ -5,7 +5,7 @@
 
 For each model, on one emulated cluster that lives for the model's whole run:
 
-1. a simulator that has never seen the model: fit on the shipped dataset (``data/trials.jsonl.gz``)
+1. a simulator that has never seen the model: fit on the shipped dataset (``data/trials.jsonl[.gz]``)
    without that model's trials (leave-one-model-out), as a user's new model would meet it;
 2. the autotune loop (``hybridsync.autotune``) with the zoo worker, ``--trial-budget`` distinct
    strategies (baselines and plain Horovod included), ending in its confirmation job, which
@@ -51,7 +51,9 @@ from hybridsync.trials.jobs import EmulatedTarget  # noqa: E402
 from hybridsync.trials.runner import EnvWorkload, TrialProtocol, TrialRunner, ZooWorkload  # noqa: E402
 from hybridsync.trials.store import HOROVOD_KIND, TrialStore, cluster_label  # noqa: E402
 
-DATASET = os.path.join(REPO, "data", "trials.jsonl.gz")
+DATASET = next((path for path in (os.path.join(REPO, "data", name) for name in ("trials.jsonl.gz", "trials.jsonl"))
+                if os.path.exists(path)), os.path.join(REPO, "data", "trials.jsonl.gz"))
+"""The shipped dataset (gzipped once the dataset is regenerated, plain text before)."""
 DESCRIPTIONS = os.path.join(REPO, "data", "descriptions")
 HOROVOD_TUNED = "horovod-autotuned"
 COMPARE_PROTOCOL = AutotuneSettings().confirm_protocol
@@ -142,22 +144,25 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
                           store_url=os.path.join(out, "trials.db"), report_dir=out, simulator=simulator,
                           workdir=out)
         autotune_s = time.monotonic() - started
-        tuned = horovod_autotune(target, model, args.horovod_autotune_steps, out)
-        best_kind, _ = result.best_rival
-        contenders = [Candidate(kind="winner", strategy=result.winner)]
-        if best_kind != HOROVOD_KIND and best_kind != result.winner_kind:
-            references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact)
-            contenders.append(next(c for c in references if c.kind == best_kind))
-        compared = compare_with_tuned_horovod(target, model, description, tuned, contenders, out)
+        tuned, compared = {}, {}
+        if args.horovod_autotune_steps > 0:
+            tuned = horovod_autotune(target, model, args.horovod_autotune_steps, out)
+            best_kind, _ = result.best_rival
+            contenders = [Candidate(kind="winner", strategy=result.winner)]
+            if best_kind != HOROVOD_KIND and best_kind != result.winner_kind:
+                references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact)
+                contenders.append(next(c for c in references if c.kind == best_kind))
+            compared = compare_with_tuned_horovod(target, model, description, tuned, contenders, out)
     best_kind, best_s = result.best_rival
     over_rivals = best_s / result.confirmed_s[result.winner_kind]
-    over_tuned = compared[HOROVOD_TUNED] / compared["winner"]
+    over_tuned = compared[HOROVOD_TUNED] / compared["winner"] if compared else None
     return {"model": model, "mode": "exact" if args.exact else "default", "winner": result.winner_kind,
             "winner_levers": sorted(result.winner_levers), "best_rival": best_kind,
             "speedup_over_best_rival": over_rivals, "speedup_over_horovod_autotune": over_tuned,
-            "speedup": min(over_rivals, over_tuned), "horovod_autotune_env": tuned,
+            "speedup": min(over_rivals, over_tuned or over_rivals), "horovod_autotune_env": tuned,
             "not_runnable": result.not_runnable, "tau": result.kendall_tau,
             "trials": len({t.fingerprint for t in result.trials}), "autotune_s": autotune_s,
+            "phases_s": dict(result.seconds), "load": os.getloadavg()[0],
             "space": dataset_headroom(model, cluster, dataset), "sim_pairwise": simulator_pairwise(result.trials),
             "best_so_far_ms": [b * 1e3 for b in result.best_so_far()], "compare_ms": {k: v * 1e3 for k, v in compared.items()},
             "confirm_ms": {k: v * 1e3 for k, v in result.confirmed_s.items()}}
@@ -165,16 +170,17 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | mode | winner (levers) | best fair rival (confirm job) | x rival | x Horovod autotune | x (min) | "
-             "tau | trials | autotune s | space | sim pairwise |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "tau | trials | autotune s | load | space | sim pairwise |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         space = "-" if r["space"] is None else f"{r['space']:.2f}x"
         pairwise = "-" if r["sim_pairwise"] is None else f"{r['sim_pairwise']:.2f}"
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        tuned = "-" if r["speedup_over_horovod_autotune"] is None else f"{r['speedup_over_horovod_autotune']:.2f}x"
         lines.append(f"| {r['model']} | {r['mode']} | {r['winner']} ({', '.join(r['winner_levers']) or 'none'}) | "
                      f"{r['best_rival']} | {r['speedup_over_best_rival']:.2f}x | "
-                     f"{r['speedup_over_horovod_autotune']:.2f}x | {r['speedup']:.2f}x | {tau} | {r['trials']} | "
-                     f"{r['autotune_s']:.0f} | {space} | {pairwise} |")
+                     f"{tuned} | {r['speedup']:.2f}x | {tau} | {r['trials']} | "
+                     f"{r['autotune_s']:.0f} | {r.get('load', 0):.0f} | {space} | {pairwise} |")
     reached = sum(r["speedup"] >= TARGET_SPEEDUP for r in rows)
     never_slower = all(r["speedup"] >= TOLERANCE for r in rows)
     taus = [r["tau"] for r in rows if r["tau"] is not None]
@@ -206,7 +212,8 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=["ncf", "bert", "vgg", "resnet"])
     parser.add_argument("--cluster", default=os.path.join(REPO, "horovodrun_configs", "cluster_2x2_250mbit.yaml"))
     parser.add_argument("--trial-budget", type=int, default=50)
-    parser.add_argument("--horovod-autotune-steps", type=int, default=200)
+    parser.add_argument("--horovod-autotune-steps", type=int, default=200,
+                        help="steps of Horovod's own autotuner and then its side-by-side job (0: skip both)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exact", action="store_true", help="autotune in exact mode (no fp16, BSP only): the "
                         "rivals are then plain Horovod and the baselines")

@@ -25,7 +25,7 @@ def test_autotune_picks_measures_and_trains_with_a_winner(tmp_path):
     from hybridsync.trials.store import TrialStore
     before = cluster_tags(leftovers(NAMESPACE_PREFIX))
     autotune, report, store = small_autotune(tmp_path, trial_budget=13)  # 9 rivals (fp16 twins included) + 4
-    # 500 steps per run: every trial job (up to 16 trials of 13 steps) and the confirmation (36) end in one run
+    # 500 steps per run: every trial job (up to 20 trials of 13 steps) and the confirmation (24) end in one run
     argv = autotune + [sys.executable, str(REPO / "tests" / "workers" / "tiny_train.py"), "--steps", "500"]
     proc = run_job(argv, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:]

@@ -190,6 +190,35 @@ def test_set_strategy_switches_a_keras_job_onto_asp_in_flight(tmp_path, tmp_path
     assert ranks[0]["_summary"]["loss"] < 0.5 * untrained["_summary"]["loss"]
 
 
+def test_keras_backward_passes_per_step_accumulates_as_horovods(tmp_path, tmp_path_factory):
+    """Three passes per update, averaged, with Adam (whose bias correction counts ``iterations``): the
+    passes in between apply nothing but advance ``iterations``, as in Horovod's Keras optimizer. In
+    ``fit`` (a tf.function) and in an eager custom loop."""
+    flags = ("--passes", "3", "--average-aggregated", "--optimizer", "adam", "--sparse-as-dense")
+    horovod = _reference(tmp_path_factory, "horovod", "keras-fit", *flags)
+    assert horovod["_summary"]["iterations"] == 6
+    for api in ("keras-fit", "keras-loop"):
+        ranks = _train(launcher_argv("horovodrun"), tmp_path / api, "hybridsync", api, *flags)
+        _assert_close(ranks, horovod, EXACT, f"horovod's Keras optimizer ({api})")
+        assert [r["_summary"]["iterations"] for r in ranks] == [6, 6]
+
+
+def test_sync_switch_policy_with_the_keras_optimizer(tmp_path, tmp_path_factory):
+    """``switch``: BSP for 4 steps, then ASP with the learning rate scaled by 1/2 (two workers); the
+    loss keeps falling, the ranks agree after the final pull, and ``set_strategy`` gives the user's
+    learning rate back."""
+    doc = {**PS_BSP, "sync": {"policy": "switch", "switch_at": 4}}
+    ranks = _train(_hybridsync_run(_strategy(tmp_path, doc)), tmp_path / "hs", "hybridsync", "keras-fit",
+                   "--steps", "12", "--sync-switch-report")
+    for rank in ranks:
+        summary = rank["_summary"]
+        assert summary["switches"] == [[4, "asp"]], summary
+        assert summary["lr_at_end"] == pytest.approx(0.025) and summary["lr_after_set_strategy"] == pytest.approx(0.05)
+    _assert_close(ranks[1:], ranks[0], 0.0, "rank 0 after the final pull")
+    untrained = _reference(tmp_path_factory, "single", "keras-fit", "--steps", "0")
+    assert ranks[0]["_summary"]["loss"] < 0.5 * untrained["_summary"]["loss"]
+
+
 def test_keras_3_works_too(tmp_path, tmp_path_factory):
     keras3 = {"TF_USE_LEGACY_KERAS": "0"}
     for api in ("keras-fit", "tape-function"):
@@ -212,12 +241,16 @@ def test_bad_inputs_get_clear_errors(tmp_path):
         "op_adasum": "Average or Sum",
         "predivide_with_sum": "gradient_predivide_factor",
         "passes_zero": "backward_passes_per_step must be > 0",
-        "keras_passes": "DistributedGradientTape(backward_passes_per_step",
+        "keras_passes_zero": "backward_passes_per_step must be > 0",
+        "keras_switch_with_schedule": "ExponentialDecay",
+        "keras_switch_momentum_scale": "momentum_scale",
         "integer_variable": "counter",
         "missing_strategy_file": "/nonexistent/strategy.json",
     }
     for case, words in expected.items():
         assert errors[case].startswith("ValueError") and words in errors[case], (case, errors[case])
+    # One rank: Horovod skips its collectives, and so does the bridge; the weights are plain Keras'.
+    assert errors["size_one"] == {"passthrough": [True], "max_difference": 0.0}, errors["size_one"]
 
 
 def test_ranks_that_disagree_on_the_strategy_fail_at_once(tmp_path):

@@ -1,14 +1,16 @@
 """The autotune loop: search with the simulator, measure the most promising, refit, repeat.
 
 One round: the evolutionary search (``hybridsync.search``) spends ``search_budget``
-simulator evaluations, seeded with every baseline and the best strategies measured so
-far; the ``per_round`` best predicted strategies not yet measured are run as real trials
-in one job (switching in flight, ``hybridsync.trials``) and stored; the simulator is then
+simulator evaluations, seeded with every baseline, the hand-made mixes of
+``hybridsync.search.seeds`` and the best strategies measured so far; the ``per_round`` best
+predicted strategies not yet measured are run as real trials in one job (switching in flight, ``hybridsync.trials``) and stored; the simulator is then
 refit, warm-started from the shipped one with every trial of this model and cluster
 (AutoSync's transfer: a few trials of a new model correct what it learned elsewhere).
 The first round's job also measures the rivals (``hybridsync.trials.candidates.rivals``:
 every baseline, unless ``exact`` their fp16 twins, and where the workload can, plain
-Horovod and Horovod with fp16), so the simulator and the verdict see them from the start.
+Horovod and Horovod with fp16) and the hand-made mixes (``search:seed-<recipe>``: embeddings
+on the PS, dense layers merged, fp16 on the dense class...), so the simulator and the verdict
+see them from the start, measured in the same jobs.
 
 Step times of different jobs are not comparable on shared cores, so every trial job
 re-measures controls between blocks of ``block_size`` candidates: the best rival so far and
@@ -70,9 +72,11 @@ class AutotuneSettings:
     """Per search trial: the dataset's protocol, which ranks like 10 + 40 up to the noise floor."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Candidates between two passes over the controls in a trial job."""
-    confirm_top: int = 3
+    confirm_top: int = 2
     """Best measured search strategies measured again in the confirmation job; as many of the
-    fastest baselines, and of their fp16 twins (by the trials), join them, and the reference rows."""
+    fastest baselines, and of their fp16 twins (by the trials), join them, and the reference rows.
+    Each costs ``confirm_repeats`` trials: at 3 the confirmation job held about a third of an
+    autotune's trials, while the third-fastest of a kind by the trials never won it."""
     confirm_protocol: TrialProtocol = TrialProtocol(warmup_steps=3, timed_steps=10)
     confirm_repeats: int = 4
     """Times each confirmation candidate is measured, interleaved (A B C A B C ...): on shared cores
@@ -119,6 +123,11 @@ class Autotuner:
         self.references, self.not_runnable = rivals(description.variables, cluster, horovod=with_horovod,
                                                     fp16=not settings.exact)
         """The rivals: measured first, controls of every job after the first, seeds of every search."""
+        self.seeds = seed_candidates(description, cluster, exact=settings.exact,
+                                     exclude={c.fingerprint for c in self.references})
+        """The hand-made mixes (``search.seeds``), in the recipes' order: seeds of every search; the first
+        round measures them beside the rivals, as many as half the budget the rivals leave, and as
+        many fewer search proposals."""
         self.levels = JobLevels(strategy_s={}, jobs={})
 
     def run(self) -> AutotuneResult:
@@ -131,8 +140,11 @@ class Autotuner:
         while True:
             left = self.settings.trial_budget - len(self._measured())
             first = round_index == 0
-            picks = self._propose(min(self.settings.per_round, left - (len(references) if first else 0)), round_index)
-            batch = (references if first else []) + picks
+            seeds = self.seeds[:max(0, (self.settings.trial_budget - len(references)) // 2)] if first else []
+            first_batch = references + seeds if first else []
+            wanted = self.settings.per_round - len(seeds)  # the hand mixes are the first round's proposals
+            picks = self._propose(min(wanted, left - len(first_batch)), round_index)
+            batch = first_batch + picks
             batch = [c for c in batch if c.fingerprint not in self._measured()]
             if not batch:
                 break
@@ -164,7 +176,7 @@ class Autotuner:
         if count <= 0:
             return []
         started = time.monotonic()
-        seeds = [c.strategy for c in self.references if c.strategy is not None]
+        seeds = [c.strategy for c in self.references + self.seeds if c.strategy is not None]
         seeds += [s for _, s in self._best_measured(self.settings.confirm_top * 2)]
         exclude = self._measured() | {c.fingerprint for c in self.references}  # those are measured anyway
         ranked = propose(self.simulator, self.description, self.cluster, seeds=seeds, exclude=exclude,
@@ -251,7 +263,9 @@ class Autotuner:
     def _confirm(self) -> tuple[Candidate, dict[str, float], list[Candidate]]:
         """Measures the best search strategies, the fastest rivals and the reference rows again in one
         job; returns the fastest of them, every kind's median step time there, and the lineup."""
-        contenders = [Candidate(kind=f"{SEARCH_KIND}:top{i + 1}", strategy=s)
+        seeds = {c.fingerprint: c.kind.removeprefix(SEARCH_KIND + ":") for c in self.seeds}
+        contenders = [Candidate(kind=f"{SEARCH_KIND}:top{i + 1}" + (f":{seeds[s.fingerprint()]}"
+                                                                    if s.fingerprint() in seeds else ""), strategy=s)
                       for i, (_, s) in enumerate(self._best_measured(self.settings.confirm_top))]
         lineup = self._fastest_references() + contenders
         schedule = lineup * self.settings.confirm_repeats
@@ -294,6 +308,17 @@ class Autotuner:
         if winner.kind == HOROVOD_FP16_KIND:
             return baselines.fp16_twin("allreduce", self.description.variables, self.cluster.num_servers)
         return Strategy(variables={})
+
+
+def seed_candidates(description: ModelDescription, cluster: ClusterSpec, *, exact: bool,
+                    exclude: set[str]) -> list[Candidate]:
+    """The structured seeds (``search.seeds``) for this model and cluster as first-round candidates
+    (``search:seed-<recipe>``), less those equal to a rival (``exclude``: fingerprints)."""
+    from hybridsync.search.seeds import structured_seeds
+    from hybridsync.strategy_space import bounds_for
+    return [Candidate(kind=f"{SEARCH_KIND}:seed-{name}", strategy=strategy)
+            for name, strategy in structured_seeds(description.variables, bounds_for(cluster, exact=exact))
+            if strategy.fingerprint() not in exclude]
 
 
 def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec, *, seeds: Sequence[Strategy],

@@ -10,7 +10,8 @@ mutation, each child repaired into a valid strategy.
 Mutations are the moves a person tuning by hand would make: move a variable to another
 route or algorithm, split it finer or coarser, move it into or out of a merge group, toggle
 its fp16 compression, change the PS protocol of every PS variable, move a shard to another
-server. Repair then enforces the constraints (``SpaceBounds``): partitions within the
+server; and for a whole class of variable at once (sparse, large dense, small dense), move it
+to another route, turn its fp16 on or off, fuse it or split it up. Repair then enforces the constraints (``SpaceBounds``): partitions within the
 variable's rows and the bound, servers that exist (and their memory), sparse gradients
 never made dense unless allowed, merge groups only among variables that can share a message.
 

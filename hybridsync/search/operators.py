@@ -5,7 +5,9 @@ so every operator here works on whole batches (candidates x variables) with nump
 
 - ``mutate``: the moves of a person tuning by hand, one per knob the search moves (``MUTATIONS``:
   route/algorithm, partitions x2 or /2, regroup, fp16, the PS protocol of every PS variable, a
-  shard to another server) and ``spread`` (a variable's settings copied to its neighbours);
+  shard to another server), ``spread`` (a variable's settings copied to its neighbours), and
+  the same for a whole class of variable at once (sparse, large dense, small dense: another
+  route, fp16 on or off, fused or split);
 - ``crossover``: each variable's settings from one parent or the other;
 - ``row_keys``: a digest of each row's bytes, to propose no strategy twice.
 
@@ -19,7 +21,7 @@ import numpy as np
 
 from hybridsync import knobs
 from hybridsync.model.encoding import ModelArrays
-from hybridsync.strategy_space import PS, SpaceBounds, StrategyBatch
+from hybridsync.strategy_space import PS, SpaceBounds, StrategyBatch, variable_classes
 from hybridsync.strategy_space.batch import SSP
 from hybridsync.strategy_space.sample import draw_protocols
 
@@ -153,10 +155,47 @@ def _move_shard(batch, rows, cols, arrays, bounds, rng) -> None:
     batch.server_share[rows, cols] = counts / parts[:, None]
 
 
+def _same_class(rows, cols, arrays) -> np.ndarray:
+    """(len(rows), variables): whether each variable is of the class of the row's chosen variable."""
+    klass = variable_classes(arrays)
+    return klass[None, :] == klass[cols][:, None]
+
+
+def _class_route(batch, rows, cols, arrays, bounds, rng) -> None:
+    """Every variable of the chosen variable's class (sparse, large or small dense) moves to one other
+    route: how a hand tuner tries "embeddings on the PS" or "large layers hierarchical" at once."""
+    codes = route_codes(bounds)
+    if len(codes) < 2:
+        return
+    current = np.argmax(batch.route[rows, cols, None] == codes, axis=1)
+    new = codes[(current + rng.integers(1, len(codes), size=len(rows))) % len(codes)]
+    first_ps = np.argmax(batch.route[rows] == PS, axis=1)  # the PS variables' protocol, as in _move_route
+    members = _same_class(rows, cols, arrays)
+    batch.route[rows] = np.where(members, new[:, None], batch.route[rows])
+    for name in ("protocol", "staleness"):
+        field = getattr(batch, name)
+        field[rows] = np.where(members, field[rows, first_ps][:, None], field[rows])
+
+
+def _class_fp16(batch, rows, cols, arrays, bounds, rng) -> None:
+    """fp16 on (or off) for every variable of the chosen variable's class."""
+    batch.fp16[rows] = np.where(_same_class(rows, cols, arrays), ~batch.fp16[rows, cols][:, None], batch.fp16[rows])
+
+
+def _class_group(batch, rows, cols, arrays, bounds, rng) -> None:
+    """The chosen variable's class fused into one new merge group, or (if the variable is grouped)
+    every member of the class out of its group; repair splits a group by message kind."""
+    members = _same_class(rows, cols, arrays)
+    fresh = batch.group[rows].max(axis=1) + 1
+    target = np.where(batch.group[rows, cols] >= 0, -1, fresh)
+    batch.group[rows] = np.where(members, target[:, None], batch.group[rows])
+
+
 MUTATIONS = {"route": _move_route, "partitions": _split_or_join, "group": _regroup, "compression": _toggle_fp16,
-             "protocol": _change_protocol, "servers": _move_shard, "spread": _spread}
+             "protocol": _change_protocol, "servers": _move_shard, "spread": _spread,
+             "class-route": _class_route, "class-compression": _class_fp16, "class-group": _class_group}
 """The moves ``mutate`` picks from (evenly): one per knob the search moves (the algorithm moves with
-the route, the staleness with the protocol), and ``spread``."""
+the route, the staleness with the protocol), ``spread``, and the class-wide moves."""
 assert set(MUTATIONS) >= {knob.name for knob in knobs.KNOBS} - {"algorithm", "staleness"}
 
 

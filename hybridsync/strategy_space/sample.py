@@ -36,6 +36,21 @@ than variable by variable: the hand-made mixes that work (Parallax; embeddings o
 dense layers hierarchical and fused) are of that kind, and a per-variable draw almost never
 produces one."""
 LARGE_DENSE_BYTES = 1024 * 1024
+CLASSES = ("sparse", "large", "small")
+"""The classes of variable that hand-made mixes treat alike (``BY_CLASS``, ``search.seeds``, the
+search's class-wide moves): sparse, large dense (>= ``LARGE_DENSE_BYTES``), small dense."""
+
+
+def variable_class(info: VariableInfo) -> str:
+    """``info``'s class, one of ``CLASSES``."""
+    if info.sparse:
+        return "sparse"
+    return "large" if info.nbytes >= LARGE_DENSE_BYTES else "small"
+
+
+def variable_classes(arrays: VariableArrays) -> np.ndarray:
+    """Each variable's class as its index in ``CLASSES``."""
+    return np.where(arrays.sparse, 0, np.where(arrays.nbytes >= LARGE_DENSE_BYTES, 1, 2))
 
 
 def random_strategy(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
@@ -54,7 +69,7 @@ def sample(arrays: VariableArrays, bounds: SpaceBounds, rng: np.random.Generator
     draws = (rng.random((n, v, 1)) > cdf[:, None, :]).sum(axis=2)
     by_class = rng.random(n) < BY_CLASS
     if by_class.any():  # one route per class of variable: sparse, large dense, small dense
-        klass = np.where(arrays.sparse, 0, np.where(arrays.nbytes >= LARGE_DENSE_BYTES, 1, 2))
+        klass = variable_classes(arrays)
         class_draws = (rng.random((n, 3, 1)) > cdf[:, None, :]).sum(axis=2)
         draws[by_class] = class_draws[by_class][:, klass]
     batch.route[:] = codes[np.minimum(draws, len(codes) - 1)]

@@ -16,6 +16,11 @@ Variables on the parameter server under ASP/SSP exchange parameters, not gradien
 after TensorFlow's update, ``after_update`` copies them into their mirrors, lets the
 optimizer push and pull, and assigns the servers' values back.
 
+Where Horovod's TensorFlow ops skip their collectives (one rank, or a rank outside the process
+set) and nothing else rides along (no profiler, no elastic job that may grow, one backward pass
+per step), the bridge is a *passthrough*: ``synchronize`` returns the gradients as they are and
+``after_update`` does nothing, without a ``numpy_function`` or a torch conversion.
+
 Inside ``tf.function`` (and Keras' ``fit``) both calls run as ``tf.numpy_function``: the
 synchronization is real Python at run time, not a traced graph, which is also why
 XLA-compiled steps (``jit_compile=True``) are refused. ``numpy_function`` rather than
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -37,16 +42,30 @@ from hybridsync.hooks import end_run
 from hybridsync.tensorflow.names import variable_names
 from hybridsync.horovod_options import SyncOptions
 from hybridsync.tensorflow.options import refuse_dynamic_sync
+from hybridsync.world import elastic_job
 
 TORCH_DTYPES = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32,
                 tf.float64: torch.float64}
 
 
+class StepFollower(Protocol):
+    """What the Keras optimizer does after each update the bridge ended (``after_update``)."""
+
+    def follow(self, optimizer: Any) -> None:
+        """``optimizer`` (the bridge's torch ``DistributedOptimizer``) just ended a step: carry what
+        its step hooks changed (Sync-Switch's learning-rate scale, a switch) over to TensorFlow."""
+
+
 class _ExternalUpdate(torch.optim.Optimizer):
-    """The optimizer under the mirrors: TensorFlow applies the update, so ``step()`` does nothing."""
+    """The optimizer under the mirrors: TensorFlow applies the update, so ``step()`` does nothing.
+
+    Its ``lr`` is 1.0: a factor, not a value. Sync-Switch's controller scales it as it scales a
+    torch optimizer's; a ``StepFollower`` applies it to the Keras optimizer. It has no ``momentum``,
+    so the controller leaves momentum alone (the Keras optimizer refuses a ``momentum_scale`` it
+    could not apply)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
-        super().__init__(params, {})
+        super().__init__(params, {"lr": 1.0})
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         return None
@@ -56,9 +75,10 @@ class GradientBridge:
     """Synchronizes the gradients of one fixed list of TensorFlow variables by a strategy."""
 
     def __init__(self, variables: Sequence[tf.Variable], options: SyncOptions, *, allow_parameter_exchange: bool,
-                 owner: str) -> None:
+                 owner: str, follower: StepFollower | None = None) -> None:
         """``allow_parameter_exchange``: whether the caller runs ``after_update`` after each update
-        (the Keras optimizer does; a gradient tape never sees the update, so ASP/SSP are refused)."""
+        (the Keras optimizer does; a gradient tape never sees the update, so ASP/SSP and the
+        dynamic ``sync`` policies are refused). ``follower``: told after each update (Keras)."""
         from hybridsync.optimizer import wrap
         self.variables = list(variables)
         unknown = [v.name for v in self.variables
@@ -75,9 +95,16 @@ class GradientBridge:
                               frontend="tensorflow")
         self._owner = owner
         self._allow_parameter_exchange = allow_parameter_exchange
+        self._follower = follower
+        self._sparse_as_dense = options.sparse_as_dense
         self.check_plan()
         self._backward_start: float | None = None
         self._passes = 0
+        process_set = self.optimizer.process_set
+        self.passthrough = (options.backward_passes_per_step == 1 and self.optimizer.profiler is None
+                            and not elastic_job() and not (process_set.included() and process_set.size() > 1))
+        """Nothing to synchronize and nothing riding along: gradients pass as they are (Horovod's
+        ``tf.cond`` on the size). Decided once, as Horovod decides when the step is traced."""
 
     # --- the two calls of a step -------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -89,6 +116,10 @@ class GradientBridge:
         gradients = list(gradients)
         if len(gradients) != len(self.mirrors):
             raise ValueError(f"{self._owner}: {len(gradients)} gradients for {len(self.mirrors)} variables")
+        if self.passthrough:
+            if self._sparse_as_dense:  # as Horovod, which densifies before its size test
+                return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+            return gradients
         if tf.executing_eagerly():
             synced = self._synchronize_now(gradients)
             self._end_if_run_finished()
@@ -104,15 +135,22 @@ class GradientBridge:
         return layout.rebuild(synced)
 
     @tf.autograph.experimental.do_not_convert
-    def after_update(self) -> tf.Operation | None:
+    def after_update(self, after: Sequence[Any] = ()) -> tf.Tensor | None:
         """After TensorFlow applied this step's update: the ASP/SSP variables push their update and take
-        the servers' values; then the optimizer's end-of-step work (Sync-Switch, profiling, trials)."""
+        the servers' values; then the optimizer's end-of-step work (Sync-Switch, profiling, trials).
+
+        In a graph, ``after``: tensors it must run after. Inside a ``tf.cond`` branch (the Keras
+        optimizer's accumulation) they are needed: there, automatic control dependencies did not
+        order it after the step's ``synchronize``, and it ran first."""
+        if self.passthrough:
+            return None
         if tf.executing_eagerly():
             self._after_update_now()
             self._end_if_run_finished()
             return None
-        return tf.numpy_function(self._graph_body(lambda: self._after_update_now() or []), [], [], stateful=True,
-                                 name="hybridsync_after_update")
+        with tf.control_dependencies(list(after)):
+            return tf.numpy_function(self._graph_body(lambda: self._after_update_now() or np.True_), [], tf.bool,
+                                     stateful=True, name="hybridsync_after_update")
 
     def pull_parameters(self) -> None:
         """The ASP/SSP variables take the servers' current values, pushing nothing (eagerly). Called on
@@ -170,6 +208,12 @@ class GradientBridge:
         # next step, from the values copied above then; its mirrors hold nothing yet.
         for index in exchanged:
             self.variables[index].assign(self.mirrors[index].detach().numpy())
+        self.follow()
+
+    def follow(self) -> None:
+        """Let the follower carry the torch optimizer's step hooks' changes over (also after ``set_strategy``)."""
+        if self._follower is not None:
+            self._follower.follow(self.optimizer)
 
     def _end_step(self) -> None:
         """The optimizer's ``step()`` without synchronizing again, then clear the mirrors' gradients."""
@@ -199,10 +243,12 @@ class GradientBridge:
                 for piece in message.pieces}
 
     def check_plan(self) -> None:
-        """``ValueError`` for a plan this caller cannot run: a dynamic ``sync`` policy, or ASP/SSP
-        variables when nothing calls ``after_update`` (a tape)."""
+        """``ValueError`` for a plan this caller cannot run: when nothing calls ``after_update`` (a
+        tape), a dynamic ``sync`` policy or ASP/SSP variables."""
+        if self._allow_parameter_exchange:
+            return
         refuse_dynamic_sync(self.optimizer.strategy)  # a strategy switched in by set_strategy (trials)
-        exchanging = set() if self._allow_parameter_exchange else self._parameter_exchanging()
+        exchanging = self._parameter_exchanging()
         if exchanging:
             names = sorted(self.names[i] for i in exchanging)
             raise ValueError(f"{self._owner}: variables {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} "
@@ -216,21 +262,34 @@ class Bridges:
     """One ``GradientBridge`` per distinct list of variables (a GAN's two lists get one each), built
     on first use under the caller's options: what a tape and a Keras optimizer both keep."""
 
-    def __init__(self, options: SyncOptions, *, allow_parameter_exchange: bool, owner: str) -> None:
+    def __init__(self, options: SyncOptions, *, allow_parameter_exchange: bool, owner: str,
+                 follower: Callable[[], StepFollower] | None = None) -> None:
+        """``follower``: makes each bridge's ``StepFollower`` (the Keras optimizer's)."""
         self.options = options
         self._allow_parameter_exchange = allow_parameter_exchange
         self._owner = owner
+        self._follower = follower
         self._built: dict[tuple[int, ...], GradientBridge] = {}
 
     def for_variables(self, variables: Sequence[tf.Variable]) -> GradientBridge:
         key = tuple(id(v) for v in variables)
         if key not in self._built:
             self._built[key] = GradientBridge(variables, self.options, owner=self._owner,
-                                              allow_parameter_exchange=self._allow_parameter_exchange)
+                                              allow_parameter_exchange=self._allow_parameter_exchange,
+                                              follower=None if self._follower is None else self._follower())
         return self._built[key]
 
     def __iter__(self) -> Iterator[GradientBridge]:
         return iter(list(self._built.values()))
+
+
+def scaled(gradient: Any, factor: float) -> Any:
+    """``gradient`` (dense, ``tf.IndexedSlices`` or ``None``) times ``factor``."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return gradient * factor
 
 
 def _groups_of_mirrors(groups: Any, mirror_of: dict[int, torch.nn.Parameter]) -> Any:

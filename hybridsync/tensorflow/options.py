@@ -9,29 +9,23 @@ from hybridsync.horovod_options import SyncOptions
 
 def checked_options(*, compression: Any, **horovod_arguments: Any) -> SyncOptions:
     """``SyncOptions.checked`` of a TensorFlow front end's arguments: Horovod TensorFlow's compressors
-    become hybridsync's, lists of variables in ``groups`` are checked once mirrored, and a strategy
-    whose ``sync`` policy switches protocols in flight is refused."""
-    options = SyncOptions.checked(compression=_compression(compression), check_members=False, **horovod_arguments)
-    refuse_dynamic_sync(options.strategy)
-    return options
-
-
-def with_strategy(options: SyncOptions, strategy: Any) -> SyncOptions:
-    """``options`` under another strategy (resolved as ``strategy=`` is), refused as ``checked_options`` does."""
-    options = options.with_strategy(strategy)
-    refuse_dynamic_sync(options.strategy)
-    return options
+    become hybridsync's, and lists of variables in ``groups`` are checked once mirrored. (What a
+    front end cannot run is refused by it: the tape, ``refuse_dynamic_sync``; the Keras optimizer,
+    ``keras.syncswitch.check_sync_policy``.)"""
+    return SyncOptions.checked(compression=_compression(compression), check_members=False, **horovod_arguments)
 
 
 def refuse_dynamic_sync(strategy: Any) -> None:
     """``ValueError`` for a strategy whose ``sync`` policy switches protocols in flight (``switch``,
-    ``elastic``): Sync-Switch scales the optimizer's learning rate and momentum at each switch,
-    which hybridsync can do only for torch optimizers."""
+    ``elastic``) given to a gradient tape: Sync-Switch runs ASP and scales the optimizer's learning
+    rate at each switch, and a tape sees neither the update nor the optimizer."""
     sync = getattr(strategy, "sync", None)
     if sync is not None and sync.dynamic:
-        raise ValueError(f"the strategy's `sync` policy {sync.policy!r} switches protocols in flight and scales the "
-                         f"optimizer's learning rate and momentum, which hybridsync can only do for torch "
-                         f"optimizers; use a static protocol (bsp, asp, ssp) with TensorFlow")
+        raise ValueError(f"DistributedGradientTape: the strategy's `sync` policy {sync.policy!r} switches the "
+                         f"parameter server's variables to ASP in flight and scales the optimizer's learning rate, "
+                         f"and a gradient tape sees neither the update nor the optimizer. Use "
+                         f"hybridsync.tensorflow.keras.DistributedOptimizer (it also serves custom loops through "
+                         f"apply_gradients), or a static protocol (bsp, asp, ssp) with the tape")
 
 
 def _compression(compression: Any) -> Any:

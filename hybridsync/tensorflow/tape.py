@@ -5,9 +5,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from hybridsync.tensorflow.bridge import Bridges
+from hybridsync.tensorflow.bridge import Bridges, scaled
 from hybridsync.horovod_options import SyncOptions
-from hybridsync.tensorflow.options import checked_options
+from hybridsync.tensorflow.options import checked_options, refuse_dynamic_sync
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -49,16 +49,8 @@ class _DistributedGradientTape(tf.GradientTape):
         if self._hybridsync.scale_local_gradients and self._local_sources:
             size = self._hybridsync.size()
             for ref in self._local_sources & set(by_source):
-                by_source[ref] = _scaled(by_source[ref], 1.0 / size)
+                by_source[ref] = scaled(by_source[ref], 1.0 / size)
         return tf.nest.pack_sequence_as(sources, [by_source[id(s)] for s in flat_sources])
-
-
-def _scaled(gradient: Any, factor: float) -> Any:
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
-    return gradient * factor
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
@@ -77,7 +69,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     the local sums (Horovod's local aggregation). Works eagerly and inside ``tf.function``.
 
     The parameter server's ASP/SSP protocols exchange parameters after the update, which a
-    tape never sees: a strategy that uses them is refused here; use
+    tape never sees: a strategy that uses them, or a dynamic ``sync`` policy, is refused here; use
     ``hybridsync.tensorflow.keras.DistributedOptimizer``, whose ``apply_gradients`` also
     serves custom training loops.
     """
@@ -85,6 +77,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
                               gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, groups=groups,
                               process_set=process_set, scale_local_gradients=scale_local_gradients,
                               backward_passes_per_step=backward_passes_per_step, strategy=strategy)
+    refuse_dynamic_sync(options.strategy)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,), dict(_DistributedGradientTape.__dict__))
     return cls(gradtape._tape, options, gradtape._persistent, gradtape._watch_accessed_variables)
 

@@ -1,7 +1,9 @@
 """Bad inputs to hybridsync.tensorflow, each caught and reported: ``python tf_errors.py OUT.json``.
 
 One process (``hvd.init()`` alone makes a job of one rank); writes ``{case: message}``, the
-message of the exception each case raised (or ``"no error"``). With ``--disagree``, under a
+message of the exception each case raised (or ``"no error"``), and under ``"size_one"`` what
+a Keras job of one rank did: whether its bridge passed the gradients through, and how far its
+weights ended from plain Keras'. With ``--disagree``, under a
 2-rank launcher: each rank builds a tape with another strategy, and writes
 ``OUT.rank<r>.json`` with the error and how long it took to come.
 """
@@ -43,17 +45,43 @@ def cases(net: tf.keras.Model) -> dict:
         "op_adasum": lambda: gradient(net, op=hst.Adasum),
         "predivide_with_sum": lambda: gradient(net, op=hst.Sum, gradient_predivide_factor=2.0),
         "passes_zero": lambda: gradient(net, backward_passes_per_step=0),
-        "keras_passes": lambda: hst_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+        "keras_passes_zero": lambda: hst_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+                                                                    backward_passes_per_step=0),
+        "keras_switch_with_schedule": lambda: hst_keras.DistributedOptimizer(
+            tf.keras.optimizers.SGD(tf.keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)),
+            strategy={"default": {"route": "ps"}, "sync": {"policy": "switch", "switch_at": 10}}),
+        "keras_switch_momentum_scale": lambda: hst_keras.DistributedOptimizer(
+            tf.keras.optimizers.SGD(0.1, momentum=0.9),
+            strategy={"default": {"route": "ps"}, "sync": {"policy": "switch", "switch_at": 10,
+                                                           "momentum_scale": 0.5}}),
         "integer_variable": lambda: gradient(net, variables=[*net.trainable_variables, counter]),
         "missing_strategy_file": lambda: gradient(net, strategy="/nonexistent/strategy.json"),
     }
+
+
+def size_one() -> dict:
+    """The same 3 ``fit`` steps with plain Keras and with hybridsync's Keras optimizer, on one rank."""
+    weights, bridges = [], []
+    for wrap in (False, True):
+        tf.keras.utils.set_random_seed(5)
+        net = model()
+        optimizer = tf.keras.optimizers.SGD(0.1)
+        if wrap:
+            optimizer = hst_keras.DistributedOptimizer(optimizer)
+        net.compile(optimizer=optimizer, loss="mse")
+        for step in range(3):
+            net.fit(tf.ones((3, 4)) * step, tf.ones((3, 2)), batch_size=3, epochs=1, verbose=0)
+        weights.append([v.numpy() for v in net.trainable_variables])
+        bridges = optimizer.strategy_bridges if wrap else bridges
+    return {"passthrough": [b.passthrough for b in bridges],
+            "max_difference": max(float(abs(a - b).max()) for a, b in zip(*weights))}
 
 
 def main(out: str) -> None:
     hst.init()
     net = model()
     net(tf.ones((1, 4)))
-    report = {}
+    report: dict = {"size_one": size_one()}
     for name, case in cases(net).items():
         try:
             case()

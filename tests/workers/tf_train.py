@@ -4,6 +4,7 @@ final variables.
 
     python tf_train.py OUT_PREFIX --impl hybridsync|horovod|single --api tape|tape-function|keras-fit|keras-loop
                        [--steps N] [--compression none|fp16] [--sparse-as-dense] [--optimizer sgd|adam]
+                       [--passes N [--average-aggregated]] [--sync-switch-report]
 
 ``OUT_PREFIX.rank<r>.npz`` gets the variables by name (and ``OUT_PREFIX.rank<r>.json`` a
 summary). ``--impl single`` runs one process on the whole batch (every rank's shard at once):
@@ -63,6 +64,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=2, help="--impl single: how many ranks' shards per batch")
     parser.add_argument("--switch-to", help="keras APIs: optimizer.set_strategy(this file) at --switch-at")
     parser.add_argument("--switch-at", type=int, default=0)
+    parser.add_argument("--passes", type=int, default=1, help="keras APIs: backward_passes_per_step")
+    parser.add_argument("--average-aggregated", action="store_true", help="keras APIs: average_aggregated_gradients")
+    parser.add_argument("--sync-switch-report", action="store_true",
+                        help="hybridsync keras: report the Sync-Switch switches and the learning rate in ASP "
+                             "and after a final set_strategy to the ring")
     args = parser.parse_args()
 
     if args.impl == "hybridsync":
@@ -86,6 +92,9 @@ def main() -> None:
 
     if args.api.startswith("keras"):
         if args.impl != "single":
+            if args.passes > 1:
+                extra.update(backward_passes_per_step=args.passes,
+                             average_aggregated_gradients=args.average_aggregated)
             optimizer = hvd_keras.DistributedOptimizer(optimizer, compression=compression, **extra)
     model((np.zeros((1, 2), np.int32), np.zeros((1, FEATURES), np.float32)))  # create the variables
 
@@ -126,7 +135,14 @@ def main() -> None:
     names = [getattr(v, "path", None) or v.name for v in model.trainable_variables]
     np.savez(f"{args.prefix}.rank{rank}.npz", **{n.replace("/", "|"): v.numpy() for n, v in
                                                  zip(names, model.trainable_variables)})
-    summary = {"rank": rank, "size": size, "names": names, "tensorflow": tf.__version__, "loss": final_loss}
+    summary = {"rank": rank, "size": size, "names": names, "tensorflow": tf.__version__, "loss": final_loss,
+               "iterations": int(optimizer.iterations.numpy())}
+    if args.sync_switch_report:
+        controller = optimizer.strategy_bridges[0].optimizer.sync_controller
+        summary["switches"] = [[event.step, event.protocol] for event in controller.switches]
+        summary["lr_at_end"] = float(optimizer.learning_rate.numpy())
+        optimizer.set_strategy({"version": 1})  # every variable ring all-reduced: the user's rate again
+        summary["lr_after_set_strategy"] = float(optimizer.learning_rate.numpy())
     if args.impl == "hybridsync":  # how each message really travelled: the strategy is in force
         bridges = optimizer.strategy_bridges if args.api.startswith("keras") else list(tapes[-1]._bridges)
         summary["messages"] = sorted(f"{m.config.route_name}:{','.join(p.var_name for p in m.pieces)}"

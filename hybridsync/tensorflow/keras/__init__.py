@@ -5,6 +5,8 @@ as ``horovod.tensorflow.keras`` does: ``apply_gradients`` synchronizes the gradi
 then applies them, then lets the variables on the parameter server under ASP/SSP exchange
 their parameters. ``model.fit`` and custom loops (``tape.gradient`` then
 ``optimizer.apply_gradients``) both go through it, eagerly or inside ``tf.function``.
+``backward_passes_per_step`` > 1 accumulates locally as Horovod's does (``aggregation.py``);
+a dynamic ``sync`` policy scales this optimizer's learning rate (``syncswitch.py``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import tensorflow as tf
 
 from hybridsync.tensorflow.bridge import Bridges, GradientBridge
 from hybridsync.tensorflow.keras import callbacks
-from hybridsync.tensorflow.options import checked_options, with_strategy
+from hybridsync.tensorflow.keras.aggregation import LocalAggregation
+from hybridsync.tensorflow.keras.syncswitch import SyncSwitchFollower, check_sync_policy
+from hybridsync.tensorflow.options import checked_options
 
 
 class _DistributedOptimizer:
@@ -26,7 +30,13 @@ class _DistributedOptimizer:
         variables = [v for _, v in grads_and_vars]
         bridge = self._hybridsync.for_variables(variables)
         synced = bridge.synchronize([g for g, _ in grads_and_vars])
-        result = super(self.__class__, self).apply_gradients(list(zip(synced, variables)), *args, **kwargs)
+
+        def apply(gradients: list) -> Any:
+            return super(self.__class__, self).apply_gradients(list(zip(gradients, variables)), *args, **kwargs)
+
+        if self._hybridsync_aggregation is not None:
+            return self._hybridsync_aggregation.apply_every_nth(self, bridge, synced, apply)
+        result = apply(synced)
         bridge.after_update()  # in a tf.function, ordered after the update by its automatic control dependencies
         return result
 
@@ -44,9 +54,11 @@ class _DistributedOptimizer:
 
     def set_strategy(self, strategy: Any) -> None:
         """Route gradients by ``strategy`` from the next step on, on every rank (collective, between steps)."""
-        options = with_strategy(self._hybridsync.options, strategy)  # refuses what TensorFlow cannot run, first
+        options = self._hybridsync.options.with_strategy(strategy)
+        check_sync_policy(self, options.strategy)  # refuses what Keras cannot run, first
         for bridge in self._hybridsync:
             bridge.optimizer.set_strategy(options.strategy)
+            bridge.follow()  # a policy that left the learning rate scaled for ASP restores it now
         self._hybridsync.options = options
 
 
@@ -60,17 +72,19 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     Same arguments as ``horovod.tensorflow.keras.DistributedOptimizer`` (v0.28.1; ``device_*``
     are accepted and ignored), plus ``strategy`` (a ``Strategy``, a dict or a JSON/YAML path;
     ``None``: ``HYBRIDSYNC_STRATEGY``, else every variable ring all-reduced). Every strategy
-    route works here, ASP/SSP on the parameter server included. ``backward_passes_per_step``
-    must be 1 (local aggregation is ``DistributedGradientTape``'s).
+    route works here, ASP/SSP on the parameter server and the dynamic ``sync`` policies
+    (``switch``, ``elastic``: the learning rate is scaled while in ASP) included.
+
+    ``backward_passes_per_step`` > 1: as Horovod's, each call of ``apply_gradients`` adds the
+    gradients to local sums; every N-th synchronizes the sums (divided by N if
+    ``average_aggregated_gradients``) and applies them, the calls in between apply nothing and
+    only advance ``iterations``.
     """
-    if backward_passes_per_step != 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: the Keras optimizer of "
-                         f"hybridsync.tensorflow synchronizes every step; accumulate gradients with "
-                         f"hybridsync.tensorflow.DistributedGradientTape(backward_passes_per_step=...) instead")
     options = checked_options(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                               gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, groups=groups,
                               process_set=process_set, scale_local_gradients=scale_local_gradients,
-                              backward_passes_per_step=1, strategy=strategy)
+                              backward_passes_per_step=backward_passes_per_step, strategy=strategy)
+    check_sync_policy(optimizer, options.strategy)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     config = optimizer.get_config()
     if name is not None:
@@ -78,7 +92,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     wrapped = cls.from_config(config)
     # One plain object holding the bridges (Keras tracks the attributes it is given).
     wrapped._hybridsync = Bridges(options, allow_parameter_exchange=True,
-                                  owner="hybridsync.tensorflow.keras.DistributedOptimizer")
+                                  owner="hybridsync.tensorflow.keras.DistributedOptimizer",
+                                  follower=lambda: SyncSwitchFollower(wrapped))
+    wrapped._hybridsync_aggregation = (None if backward_passes_per_step == 1 else
+                                       LocalAggregation(backward_passes_per_step, average_aggregated_gradients))
     return wrapped
 
 

@@ -6,7 +6,8 @@ from typing import Any
 import tensorflow as tf
 
 
-def _variables_of(optimizer: Any) -> list:
+def variables_of(optimizer: Any) -> list:
+    """A Keras optimizer's variables (a property in Keras 3 and in Keras 2's new optimizers, a method in older ones)."""
     variables = getattr(optimizer, "variables", [])
     return list(variables() if callable(variables) else variables)
 
@@ -25,7 +26,7 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
             return
         from hybridsync.tensorflow import broadcast_variables
         broadcast_variables(self.model.variables, root_rank=self.root_rank)
-        broadcast_variables(_variables_of(self.model.optimizer), root_rank=self.root_rank)
+        broadcast_variables(variables_of(self.model.optimizer), root_rank=self.root_rank)
         self.broadcast_done = True
 
 

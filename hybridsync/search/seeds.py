@@ -1,0 +1,166 @@
+"""Structured seeds: the strategies a careful engineer tries first, derived from the model description.
+
+The baselines (``hybridsync.baselines``) are global recipes: one route for every variable.
+Someone tuning by hand does better by treating each *class* of variable on its own (the
+classes of ``strategy_space.variable_class``: sparse, large dense, small dense):
+
+- sparse (embedding) gradients whole on the parameter servers, where only the touched rows
+  travel (or the alternatives: Horovod's sparse all-gather, or sharded over the servers);
+- dense gradients hierarchically all-reduced in one merged message, the largest layer in a
+  message of its own so that it starts as soon as it is ready;
+- the same with fp16 on the dense gradients, and the dense ring all-reduce fused with fp16;
+- per-class mixes: small dense fused on one route, large dense on another (or on the PS).
+
+``structured_seeds`` builds these from the variables' classes only (never from a model's
+name), within the cluster's ``SpaceBounds``: the hierarchical route becomes ring with one
+rank per node, the PS route the all-gather without servers, and ``exact`` drops the fp16
+seeds. They enter the autotune's first round beside the baselines and their fp16 twins, and
+seed every search. Torch-free.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Mapping
+
+from hybridsync.description import FLOATING_DTYPES, VariableInfo
+from hybridsync.strategy import Strategy, VarConfig
+from hybridsync.strategy_space import SpaceBounds, variable_class
+
+ClassRoute = Literal["ps", "ps-sharded", "ring", "hierarchical", "gather"]
+SPARSE_ALLGATHER = VarConfig(route="allreduce")
+"""A sparse gradient all-reduced without being made dense: Horovod's all-gather, a message of its own."""
+SHARD_BYTES = 1024 * 1024
+"""Shard size of the ``ps-sharded`` class route (the sampler's middle partition size)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClassPlan:
+    """How every variable of one class is synchronized."""
+
+    route: ClassRoute
+    """``ps`` (whole, servers balanced by bytes), ``ps-sharded`` (shards of ``SHARD_BYTES``),
+    ``ring`` / ``hierarchical`` all-reduce, ``gather`` (Horovod's sparse all-gather)."""
+    fp16: bool = False
+    """fp16 compression on the class's floating-point gradients (never on sparse ones)."""
+    fused: bool = False
+    """The class's variables merged into one message (all-reduce routes)."""
+    largest_alone: bool = False
+    """With ``fused``: the class's largest variable stays in a message of its own."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Seed:
+    """A named hand-made strategy: ``plans`` per class (``sparse``, ``large``, ``small``)."""
+
+    name: str
+    plans: Mapping[str, ClassPlan]
+    why: str
+
+
+def _dense(route: ClassRoute, **plan: bool) -> dict[str, ClassPlan]:
+    """Both dense classes on ``route`` as one fused class (``large`` and ``small`` share the group)."""
+    return {"large": ClassPlan(route=route, **plan), "small": ClassPlan(route=route, **plan)}
+
+
+def seed_recipes(hierarchical: bool) -> list[Seed]:
+    """The recipes, before they meet a model (a recipe whose classes are empty collapses onto another)."""
+    best = "hierarchical" if hierarchical else "ring"
+    ps = ClassPlan(route="ps")
+    merged = dict(fused=True, largest_alone=True)
+    return [
+        Seed(name="sparse-ps-dense-merged", plans={"sparse": ps, **_dense(best, **merged)},
+             why="embeddings whole on the PS; dense layers in one merged message, the largest alone"),
+        Seed(name="sparse-ps-dense-merged-fp16", plans={"sparse": ps, **_dense(best, fp16=True, **merged)},
+             why="the same with fp16 on the dense gradients"),
+        Seed(name="sparse-ps-dense-ring-fused-fp16", plans={"sparse": ps, **_dense("ring", fp16=True, fused=True)},
+             why="embeddings on the PS; dense ring all-reduce fused, fp16"),
+        Seed(name="sparse-gather-dense-merged-fp16",
+             plans={"sparse": ClassPlan(route="gather"), **_dense(best, fp16=True, **merged)},
+             why="embeddings by Horovod's sparse all-gather instead of the PS"),
+        Seed(name="sparse-sharded-dense-merged-fp16",
+             plans={"sparse": ClassPlan(route="ps-sharded"), **_dense(best, fp16=True, **merged)},
+             why="embeddings sharded over every server instead of whole"),
+        Seed(name="small-fused-large-alone-fp16",
+             plans={"sparse": ps, "small": ClassPlan(route="ring", fp16=True, fused=True),
+                    "large": ClassPlan(route=best, fp16=True)},
+             why="per class: small dense fused on the ring, large dense on their own messages"),
+        Seed(name="large-ps-sharded-small-fused",
+             plans={"sparse": ps, "small": ClassPlan(route=best, fused=True),
+                    "large": ClassPlan(route="ps-sharded")},
+             why="per class: large dense sharded over the servers, small dense merged"),
+    ]
+
+
+def structured_seeds(variables: Mapping[str, VariableInfo], bounds: SpaceBounds) -> list[tuple[str, Strategy]]:
+    """(name, strategy) of every recipe for ``variables`` within ``bounds``, validated; recipes
+    that give the same strategy on this model (no sparse variable, no server...) appear once."""
+    out: dict[str, tuple[str, Strategy]] = {}
+    for seed in seed_recipes(bounds.hierarchical):
+        if bounds.exact and any(plan.fp16 for plan in seed.plans.values()):
+            continue
+        strategy = build_seed(seed, variables, bounds)
+        out.setdefault(strategy.fingerprint(), (seed.name, strategy))
+    return list(out.values())
+
+
+def build_seed(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceBounds) -> Strategy:
+    """``seed``'s strategy for ``variables``: each class's plan, fused classes in one merge group
+    per (route, compression), a fused class's largest variable alone when asked."""
+    configs = {name: _config(_plan(seed, info, bounds), info, bounds) for name, info in variables.items()}
+    groups: dict[tuple, int] = {}
+    alone = _largest_alone(seed, variables, bounds)
+    for name, info in variables.items():
+        config = configs[name]
+        if _plan(seed, info, bounds).fused and name not in alone and not (info.sparse and config == SPARSE_ALLGATHER):
+            group = groups.setdefault(config.message_key, len(groups))
+            configs[name] = dataclasses.replace(config, group=group)
+    strategy = Strategy(variables=_without_lone_groups(configs))
+    strategy.validate_for(variables)
+    return strategy
+
+
+def _plan(seed: Seed, info: VariableInfo, bounds: SpaceBounds) -> ClassPlan:
+    plan = seed.plans[variable_class(info)]
+    route = plan.route
+    if route == "hierarchical" and not bounds.hierarchical:
+        route = "ring"
+    if route.startswith("ps") and bounds.num_servers == 0:
+        route = "gather" if info.sparse else "ring"
+    return dataclasses.replace(plan, route=route, fp16=plan.fp16 and not bounds.exact)
+
+
+def _config(plan: ClassPlan, info: VariableInfo, bounds: SpaceBounds) -> VarConfig:
+    compression = "fp16" if plan.fp16 and not info.sparse and info.dtype in FLOATING_DTYPES else None
+    if plan.route == "gather" or (info.sparse and plan.route in ("ring", "hierarchical")
+                                  and not bounds.densify_sparse):
+        return SPARSE_ALLGATHER
+    if plan.route.startswith("ps"):
+        rows = info.shape[0] if info.shape else 1
+        shards = min(rows, bounds.max_partitions, math.ceil(info.nbytes / SHARD_BYTES))
+        partitions = max(1, shards) if plan.route == "ps-sharded" else 1
+        return VarConfig(route="ps", partitions=partitions, compression=compression)
+    return VarConfig(route="allreduce", algorithm=plan.route, compression=compression)
+
+
+def _largest_alone(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceBounds) -> set[str]:
+    """The largest variable of each fused group that asks for it (classes sharing a plan share one)."""
+    sizes: dict[tuple, tuple[int, str]] = {}
+    for name, info in variables.items():
+        plan = _plan(seed, info, bounds)
+        if plan.fused and plan.largest_alone:
+            key = _config(plan, info, bounds).message_key
+            sizes[key] = max(sizes.get(key, (-1, "")), (info.nbytes, name))
+    return {name for _, name in sizes.values()}
+
+
+def _without_lone_groups(configs: dict[str, VarConfig]) -> dict[str, VarConfig]:
+    """Groups of one member dissolved (a merge group of one is only a name), the rest numbered 0, 1, ..."""
+    members: dict[int, list[str]] = {}
+    for name, config in configs.items():
+        if config.group is not None:
+            members.setdefault(config.group, []).append(name)
+    shared = [g for g, names in members.items() if len(names) > 1]
+    number = {g: i for i, g in enumerate(shared)}
+    return {name: dataclasses.replace(config, group=number.get(config.group)) if config.group is not None else config
+            for name, config in configs.items()}

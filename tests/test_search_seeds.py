@@ -1,0 +1,114 @@
+"""Structured seeds (hand-made per-class mixes) and the class-wide mutations (unit tier)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.description import load_description
+from hybridsync import strategy_space as space
+from hybridsync.model.encoding import PS, from_strategies, model_arrays
+from hybridsync.router.plan import build_plan
+from hybridsync.search import operators
+from hybridsync.search.evolution import EvolutionarySearch, bounds_for
+from hybridsync.search.seeds import structured_seeds
+from hybridsync.strategy_space import LARGE_DENSE_BYTES, variable_classes
+from hybridsync.trials.candidates import baseline_candidates
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="1gbit", servers_per_node=1)
+ONE_PER_NODE = ClusterSpec(nodes=4, workers_per_node=1, inter_node_bandwidth="500mbit", servers_per_node=1)
+NO_SERVERS = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="1gbit")
+
+
+def zoo(model: str):
+    return load_description(ROOT / "data" / "descriptions" / f"{model}.json")
+
+
+@pytest.mark.parametrize("model", ["ncf", "vgg", "bert", "resnet"])
+@pytest.mark.parametrize("cluster", [CLUSTER, ONE_PER_NODE, NO_SERVERS], ids=["2x2", "4x1", "2x2-no-servers"])
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_seeds_validate_are_distinct_and_stay_within_bounds(model, cluster, exact):
+    description = zoo(model)
+    bounds = bounds_for(cluster, exact=exact)
+    seeds = structured_seeds(description.variables, bounds)
+    assert seeds, "every model gets hand-made mixes"
+    fingerprints = [s.fingerprint() for _, s in seeds]
+    assert len(set(fingerprints)) == len(seeds) and len({n for n, _ in seeds}) == len(seeds)
+    for _, strategy in seeds:
+        strategy.validate_for(description.variables)
+        build_plan(description.variables, strategy)
+        configs = [strategy.config_for(n) for n in description.variables]
+        assert bounds.hierarchical or all(c.algorithm == "ring" for c in configs)
+        assert cluster.num_servers or all(c.route == "allreduce" for c in configs)
+        assert not exact or all(c.compression is None for c in configs)
+    # the search keeps them as given: repair has nothing to change
+    arrays = model_arrays(description)
+    search = EvolutionarySearch(arrays, cluster, bounds, np.random.default_rng(0), seeds=[s for _, s in seeds])
+    asked = search.ask(len(seeds))
+    search.tell(asked, np.arange(len(seeds), dtype=float))
+    assert [s.fingerprint() for _, s in search.ranked(len(seeds))] == fingerprints
+
+
+def test_the_hand_mix_puts_embeddings_whole_on_the_ps_and_merges_dense_layers_but_the_largest():
+    description = zoo("ncf")
+    variables = description.variables
+    seeds = dict(structured_seeds(variables, bounds_for(CLUSTER)))
+    mix, mix_fp16 = seeds["sparse-ps-dense-merged"], seeds["sparse-ps-dense-merged-fp16"]
+    dense = [n for n, info in variables.items() if not info.sparse]
+    largest = max(dense, key=lambda n: variables[n].nbytes)
+    for name, info in variables.items():
+        config = mix.config_for(name)
+        if info.sparse:
+            assert config.route == "ps" and config.partitions == 1 and config.compression is None
+            assert mix_fp16.config_for(name).compression is None  # fp16 never on a sparse gradient
+        else:
+            assert (config.route, config.algorithm) == ("allreduce", "hierarchical")
+            assert (config.group is None) == (name == largest)
+            assert mix_fp16.config_for(name).compression == "fp16"
+    assert len({mix.config_for(n).group for n in dense if n != largest}) == 1
+
+
+def test_seeds_of_a_model_without_sparse_variables_are_dense_mixes_and_not_the_baselines():
+    description = zoo("vgg")
+    assert not any(info.sparse for info in description.variables.values())
+    seeds = structured_seeds(description.variables, bounds_for(CLUSTER))
+    baselines = {c.fingerprint for c in baseline_candidates(description.variables, CLUSTER, fp16_twins=True)}
+    assert len({s.fingerprint() for _, s in seeds} - baselines) >= 3  # the loop drops those equal to a baseline
+    routes = {(c.route, c.algorithm) for _, s in seeds for c in (s.config_for(n) for n in description.variables)}
+    assert ("allreduce", "hierarchical") in routes  # dense layers: not only sent to the servers
+
+
+@pytest.mark.parametrize("model", ["ncf", "bert"])
+def test_class_wide_mutations_move_a_whole_class_and_stay_valid(model):
+    description = zoo(model)
+    arrays = model_arrays(description)
+    bounds = bounds_for(CLUSTER)
+    rng = np.random.default_rng(1)
+    seeds = [s for _, s in structured_seeds(description.variables, bounds)]
+    base = space.repair(from_strategies(arrays, seeds * 40, CLUSTER), arrays, bounds)
+    klass = variable_classes(arrays)
+    assert (klass == np.where(arrays.sparse, 0, np.where(arrays.nbytes >= LARGE_DENSE_BYTES, 1, 2))).all()
+    rows = np.arange(len(base))
+    cols = rng.integers(arrays.num_variables, size=len(base))
+    members = klass[None, :] == klass[cols][:, None]
+    for move in (operators._class_route, operators._class_fp16, operators._class_group):
+        batch = space.copy_batch(base)
+        move(batch, rows, cols, arrays, bounds, rng)
+        if move is operators._class_route:  # one new route for the whole class, different from the chosen one's
+            new = batch.route[rows, cols]
+            assert (new != base.route[rows, cols]).all()
+            assert (np.where(members, batch.route == new[:, None], True)).all()
+        if move is operators._class_fp16:
+            flipped = ~base.fp16[rows, cols]
+            assert (np.where(members, batch.fp16 == flipped[:, None], batch.fp16 == base.fp16)).all()
+        repaired = space.repair(batch, arrays, bounds)
+        for i in range(0, len(repaired), 7):
+            repaired.to_strategy(i, arrays.names).validate_for(description.variables)
+        if move is not operators._class_group:
+            assert (repaired.route != base.route).any() or (repaired.fp16 != base.fp16).any()
+    assert (base.route == PS).any()
