@@ -4,8 +4,8 @@
         [--save hybridsync/model/simulator.json] [--png sim.png] [--splits model,family,cluster]
 
 The one command that refits the shipped simulator: reads the successful trials of the shipped
-dataset (default: ``data/trials.jsonl.gz``, else ``data/trials.jsonl``, loaded into a temporary
-store; or a store URL, read only) and the calibrations of its clusters
+dataset (default: ``data/trials.jsonl.gz``, loaded into a temporary store; or a store URL,
+read only) and the calibrations of its clusters
 (``data/calibrations.json``, ``python -m hybridsync.model.calibration``: the reference an
 autotune's calibration of a new cluster is read against; the training clusters themselves are
 priced by their spec), then prints, for the analytic model alone, XGBoost alone and
@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATASETS = [os.path.join(REPO, "data", name) for name in ("trials.jsonl.gz", "trials.jsonl")]
+DATASET = os.path.join(REPO, "data", "trials.jsonl.gz")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", help="write the predicted-vs-measured plot (first split) here")
     parser.add_argument("--save", help="fit on every trial and save the simulator here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes fitting the held-out sets at once (default 1; each fit uses one thread)")
     parser.add_argument("--no-transfer", action="store_true", help="skip the warm-start rows")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         url = args.store or os.path.join(tmp, "trials.db")
         with TrialStore(url, create=not args.store) as store:
             if not args.store:
-                path = args.jsonl or next((p for p in DATASETS if os.path.exists(p)), DATASETS[-1])
+                path = args.jsonl or DATASET
                 store.import_jsonl(path)
                 print(f"dataset {path}")
             samples = load_samples(store)
@@ -100,7 +102,7 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
             continue
         try:
             rows += cross_validate(samples, split=split, kinds=args.kinds.split(","), constants=constants,
-                                   params=params, links=links)
+                                   params=params, links=links, workers=args.workers)
         except ValueError as error:
             print(f"leave-one-{split}-out skipped: {error}")
     print(format_table(rows))

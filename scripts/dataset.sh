@@ -17,7 +17,9 @@
 # The store (data/trials.db, not in git) keeps every finished trial: rerun to resume. To extend
 # the shipped dataset rather than measure it all again, import it into the store first:
 #   hybridsync dataset import data/trials.jsonl.gz --store sqlite:///data/trials.db
-# Needs root (emulated clusters). STORE, SAMPLE, ZOO_SAMPLE and CALIBRATION may be overridden.
+# Needs root (emulated clusters). STORE, SAMPLE, ZOO_SAMPLE, CALIBRATION and STEPS (timed steps of
+# the sweeps, default 10; the shipped dataset's last jobs used 7 to finish on a loaded machine,
+# benchmarks/RESULTS.md) may be overridden.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
@@ -26,6 +28,7 @@ store=${STORE:-sqlite:///data/trials.db}
 sample=${SAMPLE:-12}
 zoo_sample=${ZOO_SAMPLE:-40}
 calibration=${CALIBRATION:-12}
+steps=${STEPS:-10}
 zoo_models=(ncf bert vgg resnet)
 read -r -a generated <<< "$("$py" -c "from hybridsync.zoo import GENERATED_MODELS; print(*GENERATED_MODELS)")"
 clusters=(horovodrun_configs/cluster_2x2_1gbit.yaml horovodrun_configs/cluster_2x2_500mbit_2ps.yaml
@@ -40,7 +43,7 @@ for model in "${zoo_models[@]}" "${generated[@]}"; do
 done
 "$hs" trials sweep --models "${zoo_models[@]}" --clusters "${clusters[0]}" --sample "$calibration" \
   --warmup 10 --steps 40 --store "$store" --descriptions data/descriptions
-sweep=("$hs" trials sweep --warmup 3 --steps 10 --trial-timeout 300 --store "$store" --descriptions data/descriptions)
+sweep=("$hs" trials sweep --warmup 3 --steps "$steps" --trial-timeout 300 --store "$store" --descriptions data/descriptions)
 for cluster in "${clusters[@]}"; do
   "${sweep[@]}" --clusters "$cluster" --models "${generated[@]}" --sample "$sample"
   "${sweep[@]}" --clusters "$cluster" --models "${zoo_models[@]}" --sample "$zoo_sample"

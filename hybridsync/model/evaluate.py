@@ -25,6 +25,7 @@ before its trials ran. Randomness only from explicit seeds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
@@ -220,25 +221,59 @@ def held_out_name(sample: Sample, split: Split) -> str:
 
 def cross_validate(samples: Sequence[Sample], *, split: Split = "model", kinds: Sequence[str] = ("analytic",
                    "xgboost", "both"), constants: CostConstants | None = None,
-                   params: BoosterParams | None = None, links: Mapping[str, LinkConstants] | None = None) -> list[Row]:
+                   params: BoosterParams | None = None, links: Mapping[str, LinkConstants] | None = None,
+                   workers: int = 1) -> list[Row]:
     """Leave-one-model-out (``split="model"``), leave-one-family-out or leave-one-cluster-out
-    evaluation of each kind (``links``: calibrated clusters, ``Simulator.fit(calibrations=)``)."""
+    evaluation of each kind (``links``: calibrated clusters, ``Simulator.fit(calibrations=)``).
+    ``workers`` > 1 fits the held-out sets in that many processes (the samples are sent once to
+    each); the rows are the same, in the same order."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if workers < 1:
+        raise ValueError(f"cross_validate: workers must be >= 1, got {workers}")
     names = sorted({held_out_name(s, split) for s in samples})
     if len(names) < 2:
         raise ValueError(f"cross_validate: need trials of at least two {split}s, got {names}")
-    rows = []
-    for name in names:
-        train = [s for s in samples if held_out_name(s, split) != name]
-        test = [s for s in samples if held_out_name(s, split) == name]
-        fitted_constants = None
-        for kind in kinds:
-            simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params)
-            simulator.fit(train, refit_constants=fitted_constants is None, calibrations=links)
-            if kind != "xgboost":
-                fitted_constants = simulator.constants  # analytic and both share one least-squares fit
-            rows.append(_row(simulator, kind, split, name, len(train), test))
+    fold = functools.partial(_held_out_rows, samples, split=split, kinds=tuple(kinds), constants=constants,
+                             params=params, links=links)
+    if workers == 1 or len(names) == 1:
+        return [row for name in names for row in fold(name)]
+    import concurrent.futures
+    import multiprocessing
+    # spawned, not forked: a fork after XGBoost's OpenMP threads ran can hang the child
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(names)),
+                                                mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_set_fold, initargs=(fold,)) as pool:
+        return [row for rows in pool.map(_worker_fold, names) for row in rows]
+
+
+_FOLD: Callable[[str], list[Row]] | None = None
+"""In a ``cross_validate`` worker process: its held-out set function (sent once per worker)."""
+
+
+def _set_fold(fold: Callable[[str], list[Row]]) -> None:
+    global _FOLD
+    _FOLD = fold
+
+
+def _worker_fold(name: str) -> list[Row]:
+    assert _FOLD is not None, "a cross_validate worker started without its fold"
+    return _FOLD(name)
+
+
+def _held_out_rows(samples: Sequence[Sample], name: str, *, split: Split, kinds: Sequence[str],
+                   constants: CostConstants | None, params: BoosterParams | None,
+                   links: Mapping[str, LinkConstants] | None) -> list[Row]:
+    """One held-out set of ``cross_validate``: fit each kind on the rest, score on ``name``'s trials."""
+    train = [s for s in samples if held_out_name(s, split) != name]
+    test = [s for s in samples if held_out_name(s, split) == name]
+    rows, fitted_constants = [], None
+    for kind in kinds:
+        simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params)
+        simulator.fit(train, refit_constants=fitted_constants is None, calibrations=links)
+        if kind != "xgboost":
+            fitted_constants = simulator.constants  # analytic and both share one least-squares fit
+        rows.append(_row(simulator, kind, split, name, len(train), test))
     return rows
 
 
