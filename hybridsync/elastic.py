@@ -1,6 +1,6 @@
 """Elastic Horovod with hybridsync's optimizer: ``hs.elastic.run`` and ``hs.elastic.TorchState``.
 
-Used as Horovod's own (``horovod.torch.elastic``)::
+Used as Horovod's own (``horovod.torch.elastic``):
 
     import hybridsync as hs
     hs.init()

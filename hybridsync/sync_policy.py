@@ -1,6 +1,6 @@
 """Sync-Switch policies: when the parameter-server variables run BSP and when ASP.
 
-A strategy may carry a ``sync`` section (see ``hybridsync/strategy.py``)::
+A strategy may carry a ``sync`` section (see ``hybridsync/strategy.py``):
 
     "sync": {"policy": "switch", "switch_at": 0.25, "total_steps": 400}
     "sync": {"policy": "elastic", "enter_slowdown": 2.0, "exit_slowdown": 1.3}

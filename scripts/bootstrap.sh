@@ -32,7 +32,7 @@ if ! "$py" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2
   log "installing torch==2.13.0 (CPU)"
   pip install torch==2.13.0
 fi
-if ! "$py" -c 'import numpy, yaml, mpi4py, xgboost, pytest, psutil, cloudpickle, tqdm, matplotlib, optuna, nevergrad, sklearn, tensorflow' 2>/dev/null; then
+if ! "$py" -c 'import numpy, yaml, mpi4py, xgboost, pytest, psutil, cloudpickle, tqdm, matplotlib, optuna, nevergrad, sklearn, tensorflow, mkdocs, material, mkdocstrings, mkdocstrings_handlers.python' 2>/dev/null; then
   log "installing pinned Python requirements"
   pip install -r "$repo/requirements.txt"
 fi

@@ -1,0 +1,218 @@
+"""The docs: the site builds in strict mode, every program or command they show is run (or says
+why not), the README stays short, and the MPI guide's mpi4py communicator works.
+
+A fenced block is a program or a command when its language is one of ``PROGRAMS``; ``json``,
+``yaml`` and ``text`` blocks are data or output. A program block is run unless the line right
+before it is ``<!-- not-run: REASON -->``.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, WORKERS, launcher_argv, run_job
+from hybridsync.run.procs import run_bounded
+
+DOC_FILES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
+PROGRAMS = {"bash": "bash", "sh": "bash", "python": "python"}
+"""Languages of blocks that are programs or commands, and what runs them."""
+DATA = {"json", "yaml", "text"}
+"""Languages of blocks that are data or output: never run."""
+NOT_RUN = re.compile(r"^<!-- not-run: (?P<reason>\S.*?) -->$")
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>[\w-]*)\s*$")
+README_MAX_LINES = 250
+BLOCK_TIMEOUT_S = 240
+"""One block's bound: the longest runnable ones import torch and Horovod on a loaded machine."""
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int
+    """1-based line of the opening fence."""
+    language: str
+    code: str
+    not_run: str | None
+    """The reason given in a ``not-run`` comment right before the block, else None."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}"
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    """Every fenced block of a Markdown file, with the ``not-run`` reason that precedes it."""
+    lines = path.read_text().splitlines()
+    blocks, index = [], 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if opening is None:
+            index += 1
+            continue
+        end = next((i for i in range(index + 1, len(lines)) if lines[i].strip() == "```"), None)
+        assert end is not None, f"{path}:{index + 1}: a fenced block is never closed"
+        indent = len(opening["indent"])
+        previous = lines[index - 1].strip() if index else ""
+        reason = match["reason"] if (match := NOT_RUN.match(previous)) else None
+        code = "\n".join(line[indent:] for line in lines[index + 1:end]) + "\n"
+        blocks.append(Block(path, index + 1, opening["language"], code, reason))
+        index = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [block for path in DOC_FILES for block in fenced_blocks(path)]
+RUNNABLE = list({(block.language, block.code): block for block in reversed(ALL_BLOCKS)
+                 if block.language in PROGRAMS and block.not_run is None}.values())[::-1]
+"""Program blocks to run, each distinct one once (the README repeats the getting-started program)."""
+
+
+def _message_texts() -> str:
+    """Every string literal of the package, f-strings with their fields as NUL (module constants
+    such as environment variable names resolved), backticks dropped: what messages can say."""
+    trees = [ast.parse(path.read_text()) for path in (REPO / "hybridsync").rglob("*.py")]
+    assigned = [(node.targets[0].id, node.value) for tree in trees for node in tree.body
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)]
+    constants = {name: value.value for name, value in assigned
+                 if isinstance(value, ast.Constant) and isinstance(value.value, str)}
+    constants |= {name: constants[value.attr] for name, value in assigned  # NAME = envvars.OTHER
+                  if isinstance(value, ast.Attribute) and value.attr in constants and name not in constants}
+
+    def field(value: ast.FormattedValue) -> str:
+        name = getattr(value.value, "id", None) or getattr(value.value, "attr", None)
+        return constants.get(name, "\0") if name and name.isupper() else "\0"
+
+    texts = []
+    for node in (node for tree in trees for node in ast.walk(tree)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            texts.append(node.value)
+        elif isinstance(node, ast.JoinedStr):
+            texts.append("".join(part.value if isinstance(part, ast.Constant) else field(part) for part in node.values))
+    return "\n".join(texts).replace("`", "")
+
+
+@pytest.mark.unit
+def test_troubleshooting_quotes_messages_the_code_can_print() -> None:
+    """Each message the troubleshooting page's tables quote (first column, ``...`` and ``N``, ``M``,
+    ``K``, ``<key>`` standing for what varies) is made of text the package's strings hold, so the
+    page cannot keep an error the code no longer raises, or misquote one."""
+    texts = _message_texts()
+    page = (REPO / "docs" / "guides" / "troubleshooting.md").read_text()
+    quoted = [message for row in page.splitlines() if row.startswith("| `")
+              for message in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+    assert len(quoted) > 50
+    misquoted = []
+    for message in quoted:
+        message = re.sub(r"^[\w.]+(?:Error|Warning): ", "", message)
+        message = re.sub(r"'\.\.\.'|\b[NMK]\b|<key>", "...", message)
+        for fragment in message.split("..."):
+            fragment = fragment.strip(" ,:;(.").rstrip(" (")
+            if len(fragment) >= 14 and fragment not in texts:
+                misquoted.append(fragment)
+    assert not misquoted, f"docs/guides/troubleshooting.md quotes text no message holds: {misquoted}"
+
+
+@pytest.mark.multiprocess
+def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: a broken link or anchor, a page left out of the nav, an API
+    reference that does not resolve, or a command whose help fails aborts the build. (A process,
+    not an in-process build: mkdocstrings asks git where the sources live.)"""
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_MKDOCS_2_WARNING": "1"}
+    proc = run_bounded([str(BIN / "mkdocs"), "build", "--strict", "--site-dir", str(site)],
+                       timeout=BLOCK_TIMEOUT_S, env=env, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    cli = (site / "reference" / "cli" / "index.html").read_text()
+    assert "$ hybridsync-run --help" in cli and "--num-servers" in cli  # the hook ran
+    api = (site / "reference" / "torch" / "index.html").read_text()
+    assert "set_strategy" in api and "HYBRIDSYNC_STRATEGY" in api  # mkdocstrings rendered docstrings
+
+
+@pytest.mark.unit
+def test_every_block_is_data_a_run_program_or_says_why_not() -> None:
+    """Every fence names its language; a ``not-run`` comment stands right before a program block
+    (a stray one would excuse nothing); some blocks do run, in the README too."""
+    unlabeled = [block.name for block in ALL_BLOCKS if block.language not in {*PROGRAMS, *DATA}]
+    assert not unlabeled, f"blocks without a known language ({sorted({*PROGRAMS, *DATA})}): {unlabeled}"
+    stray = [block.name for block in ALL_BLOCKS if block.not_run and block.language not in PROGRAMS]
+    assert not stray, f"not-run comments before blocks that are not programs: {stray}"
+    for path in DOC_FILES:
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
+            if line.startswith("<!-- not-run"):
+                assert NOT_RUN.match(line), f"{path}:{number}: write <!-- not-run: REASON -->"
+                assert number < len(lines) and FENCE.match(lines[number]), \
+                    f"{path}:{number}: a not-run comment must be the line right before its block"
+    assert any(block.path.name == "README.md" for block in RUNNABLE)
+    assert {"bash", "python"} <= {PROGRAMS[block.language] for block in RUNNABLE}
+
+
+@pytest.mark.unit
+def test_the_readme_stays_short() -> None:
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, \
+        f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move the detail into docs/"
+
+
+@pytest.mark.unit
+def test_the_readme_links_resolve() -> None:
+    """The README is read on GitHub, outside the site's strict build: every relative link names an
+    existing file, and every anchor into a Markdown file names one of its headings."""
+    from markdown.extensions.toc import slugify
+
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text()):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        if not (REPO / path).exists():
+            broken.append(target)
+        elif anchor:
+            headings = re.findall(r"^#+ (.+)$", (REPO / path).read_text(), flags=re.MULTILINE)
+            if anchor not in {slugify(heading, "-") for heading in headings}:
+                broken.append(target)
+    assert not broken, f"README.md links to what does not exist: {broken}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("block", RUNNABLE, ids=[block.name for block in RUNNABLE])
+def test_the_block_runs(block: Block, tmp_path: Path) -> None:
+    """The block, as a user would paste it: in a fresh directory that holds the repository's
+    ``examples/``, ``horovodrun_configs/`` and ``data/``, with the environment's commands first on PATH;
+    a python block runs as one process."""
+    for name in ("examples", "horovodrun_configs", "data"):
+        (tmp_path / name).symlink_to(REPO / name)
+    script = tmp_path / ("block.py" if PROGRAMS[block.language] == "python" else "block.sh")
+    script.write_text(block.code)
+    argv = [sys.executable, str(script)] if script.suffix == ".py" else ["bash", "-euo", "pipefail", str(script)]
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+           "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = run_bounded(argv, timeout=BLOCK_TIMEOUT_S, env=env, cwd=str(tmp_path))
+    except Exception as error:  # a timeout: the output so far says where it stopped
+        pytest.fail(f"{block.name} did not finish within {BLOCK_TIMEOUT_S} s: {error}\n{getattr(error, 'output', '')}")
+    assert proc.returncode == 0, f"{block.name} failed (exit {proc.returncode}):\n{block.code}\n{proc.stdout[-4000:]}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_hs_init_takes_an_mpi4py_communicator(tmp_path: Path) -> None:
+    """``hs.init(comm=...)`` (docs/guides/mpi.md): under ``mpirun -np 2``, a communicator holding
+    the world in reverse order becomes the Horovod job, and a step with a partitioning and merging
+    strategy averages over it exactly."""
+    prefix = tmp_path / "results"
+    proc = run_job(launcher_argv("mpirun") + [sys.executable, str(WORKERS / "mpi_subcomm.py"), str(prefix)],
+                   timeout=180)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    results = [json.loads(Path(f"{prefix}.rank{rank}.json").read_text()) for rank in range(2)]
+    for world_rank, result in enumerate(results):
+        assert result["world_rank"] == world_rank
+        assert (result["rank"], result["size"]) == (1 - world_rank, 2)
+        assert result["max_error"] < 1e-6, result
