@@ -98,7 +98,7 @@ def run_main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not argv or launcher.asks_for_help(argv):
-            print(launcher.usage())
+            _print_help(launcher.usage())
             return 0
         options, rest = launcher.split_argv(argv)
         if _autotune_requested(options, rest):
@@ -108,6 +108,15 @@ def run_main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"hybridsync-run: error: {e}", file=sys.stderr)
         return 2
+
+
+def _print_help(text: str) -> None:
+    """Print ``text``; a reader that closed the pipe early (``hybridsync-run --help | head``) is no error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit: point it at /dev/null so that flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _autotune_requested(options: launcher.LaunchOptions, horovodrun_argv: Sequence[str]) -> bool:

@@ -98,6 +98,22 @@ def test_help_among_the_flags_shows_ours_then_horovodruns(argv, capsys):
     assert ours < out.index("--strategy PATH") < theirs < out.index("usage: horovodrun") < out.index("--gloo")
 
 
+@pytest.mark.multiprocess
+def test_help_read_in_part_through_a_pipe_is_no_error():
+    """``hybridsync-run --help | head -1`` exits 0 and prints no traceback (BrokenPipeError)."""
+    import subprocess
+    proc = subprocess.Popen([str(BIN / "hybridsync-run"), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"hybridsync-run")
+        proc.stdout.close()  # the reader is gone before the rest of the help is written
+        assert proc.wait(timeout=60) == 0
+        assert b"Error" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 @pytest.mark.unit
 def test_help_after_the_command_is_the_commands():
     assert asks_for_help(["-np", "2", "--strategy", "s.json", "-h"])

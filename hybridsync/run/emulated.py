@@ -289,7 +289,7 @@ def launch_horovodrun_elastic(
     ``--network-interface`` is the hosts' uplink, so horovodrun needs no second host to look
     for a common interface. When the job starts the script must list a host other than host 0:
     with only its own host, horovodrun 0.28.1 looks for an interface holding 127.0.0.1 among the
-    ones given and fails (README, "Elastic training").
+    ones given and fails (docs/guides/elastic.md).
     """
     argv = [
         _horovodrun(), "-np", str(num_proc), "--min-np", str(min_proc), "--max-np", str(max_proc or num_proc),

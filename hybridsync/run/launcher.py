@@ -340,7 +340,7 @@ def elastic_notes(job: JobShape, num_servers: int) -> list[str]:
                      f"host: pass --gloo-timeout-seconds 120 (it also bounds a survivor's wait on a dead rank)")
     if num_servers:
         notes.append("no parameter servers are started for an elastic job: the strategy's PS variables go by "
-                     "ring all-reduce (README, \"Elastic training\")")
+                     "ring all-reduce (docs/guides/elastic.md)")
     return notes
 
 

@@ -24,7 +24,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(f"hybridsync.tensorflow needs TensorFlow, which does not import here ({error}). "
                       f"`make test` (scripts/bootstrap.sh) installs the version hybridsync is tested with; "
-                      f"see the README's TensorFlow section.") from error
+                      f"see docs/guides/tensorflow.md.") from error
 
 from hybridsync.backends import waiting
 from hybridsync.frameworks import (HOROVOD_PROCESS_FUNCTIONS, Adasum, Average, Sum,  # noqa: F401 (hst.Adasum)
