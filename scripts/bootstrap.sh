@@ -68,7 +68,7 @@ fi
 
 # Reinstall (editable, so only metadata and console scripts) whenever setup.py changed.
 stamp="$venv/.hybridsync-setup.sha256"
-if ! "$py" -c 'import hybridsync' 2>/dev/null || ! sha256sum --quiet -c "$stamp" 2>/dev/null; then
+if ! "$py" -c 'import hybridsync' 2>/dev/null || ! sha256sum --quiet -c "$stamp" >/dev/null 2>&1; then
   log "installing hybridsync (editable)"
   pip install --no-deps --no-build-isolation -e "$repo"
   sha256sum "$repo/setup.py" > "$stamp"
