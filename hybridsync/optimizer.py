@@ -109,6 +109,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return None
         return BUILDER.sync_controller(self, strategy, job=f"opt{self._router.instance}")
 
+    def _use_controller(self, controller: Any) -> None:
+        """Make ``controller`` the Sync-Switch hook: ``step()`` calls the hooks listed in ``_hooks``, so
+        the list follows every change of controller (``set_strategy``, an elastic job's re-plan)."""
+        self._sync_controller = controller
+        self._hooks = self._step_hooks()
+
     def _step_hooks(self) -> tuple[StepHook, ...]:
         """The hooks ``step()`` calls, in order: the controller before the trials, which may switch plans."""
         return tuple(hook for hook in (self._profiler, self._sync_controller, self._trials) if hook is not None)
@@ -148,8 +154,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requested_strategy = resolved
         if self._sync_controller is not None:
             self._sync_controller.restore_hyperparameters()  # a policy that left them scaled for ASP
-        self._sync_controller = self._controller_for(running)
-        self._hooks = self._step_hooks()
+        self._use_controller(self._controller_for(running))
 
     # --- what hybridsync's own packages use: step hooks, the TensorFlow front end, experiments ---------
     def replace_plan(self, strategy: Strategy | None) -> Strategy | None:
@@ -197,7 +202,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the elastic state's ``sync()`` makes them identical on every rank.
         """
         self._drop_router()
-        self._sync_controller = None
+        self._use_controller(None)
         self._kinds = GradientKinds()  # a worker that joined has agreed on none: every rank agrees anew
         self._fired.clear()
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._params}
@@ -226,7 +231,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._router = Router(self.plan, self._params, compression=self._compression, reduction=self._reduction,
                               process_set=self.process_set, sparse_as_dense=self.sparse_as_dense, kinds=self._kinds,
                               instance=instance)
-        self._sync_controller = self._controller_for(running)
+        self._use_controller(self._controller_for(running))
         return self._router
 
     def _fail_step(self, error: RuntimeError) -> None:
