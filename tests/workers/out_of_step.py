@@ -141,11 +141,14 @@ def main() -> None:
     with open(f"{prefix}.rank{hs.rank()}.json", "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
-    # mpirun ends every rank once one exits without MPI_Finalize: leave only when each rank's record
-    # is written (one host), so that a slower rank is not killed before it writes its own (bounded).
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(os.path.exists(f"{prefix}.rank{r}.json") for r in range(hs.size())):
-        time.sleep(0.1)
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        # mpirun ends every rank once one exits without MPI_Finalize: leave only when each rank's record
+        # is written (one host), so that a slower rank is not killed before it writes its own (bounded).
+        # Not under horovodrun: there a rank may be waiting for this one to leave (skip_step).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                os.path.exists(f"{prefix}.rank{r}.json") for r in range(hs.size())):
+            time.sleep(0.1)
     os._exit(0)  # out of step, Horovod's shutdown would wait for collectives that never complete
 
 
