@@ -18,6 +18,14 @@ per-step time of each and the ratio hybridsync / Horovod (both Horovod copies po
 the CPU time of rank 0's training thread per step: on a loaded machine a step's wall time
 mostly measures the other jobs, while the thread's CPU time is the work the step itself did
 (the model's, the optimizer's and, while a wait spins, the wait's).
+
+``OVERHEAD_FRAMEWORK=tensorflow``: the same comparison for TensorFlow, on a Keras model of
+the same 50 tensors trained by a ``tf.function`` step: Horovod's
+``horovod.tensorflow.DistributedGradientTape`` (built first and last) against
+``hybridsync.tensorflow.DistributedGradientTape`` (``OVERHEAD_TF_API=keras``: the two Keras
+``DistributedOptimizer`` wrappers), under ``TF_USE_LEGACY_KERAS=1``. Both cores run in each
+process (``hybridsync.tensorflow.horovod_core``). TensorFlow runs a step on its executor's
+threads, so the CPU column is the process's CPU time per step (both Horovod cores included).
 """
 from __future__ import annotations
 
@@ -34,6 +42,11 @@ MODEL = os.environ.get("OVERHEAD_MODEL", "mlp")
 """``mlp`` (below), or ``sparse`` / ``dense``: the wide & deep model of ``dropin_cluster.py``."""
 CLUSTER = os.environ.get("OVERHEAD_CLUSTER", "")
 """A cluster config (YAML): run on that emulated cluster instead of 2 local ranks."""
+FRAMEWORK = os.environ.get("OVERHEAD_FRAMEWORK", "torch")
+"""``torch`` or ``tensorflow``."""
+TF_API = os.environ.get("OVERHEAD_TF_API", "tape")
+"""TensorFlow only: ``tape`` (``DistributedGradientTape``) or ``keras`` (the Keras ``DistributedOptimizer``)."""
+NAMES = ("horovod", "hybridsync", "horovod-2")
 
 
 def build_model():
@@ -61,41 +74,115 @@ def worker() -> None:
     else:
         data = [(torch.randint(0, 100_000, (64, 26)), torch.randn(64)) for _ in range(ROUND_STEPS)]
     runs = {}
-    builders = (("horovod", hvd.DistributedOptimizer), ("hybridsync", hs.DistributedOptimizer),
-                ("horovod-2", hvd.DistributedOptimizer))
-    for name, make_optimizer in builders:
+    makers = {"horovod": hvd.DistributedOptimizer, "hybridsync": hs.DistributedOptimizer,
+              "horovod-2": hvd.DistributedOptimizer}
+    for name in NAMES:
         torch.manual_seed(0)
         model = build_model()  # one model per optimizer: each optimizer's hooks stay on its own model
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = make_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4), named_parameters=model.named_parameters())
-        runs[name] = (opt, model)
-        timed_steps(opt, model, data)  # warm-up: threads, caches, fusion buffers
-    names = [name for name, _ in builders]
-    per_step: dict[str, list[float]] = {name: [] for name in names}
-    cpu_per_step: dict[str, list[float]] = {name: [] for name in names}
+        opt = makers[name](torch.optim.SGD(model.parameters(), lr=1e-4), named_parameters=model.named_parameters())
+        runs[name] = (lambda opt=opt, model=model: timed_steps(opt, model, data))
+        runs[name]()  # warm-up: threads, caches, fusion buffers
+    tensors = len(list(model.parameters()))
+    report(rotate(runs, time.thread_time), hvd.rank(), f"model: {MODEL} ({tensors} parameter tensors)",
+           f"{hvd.size()} ranks (Gloo)", "thread CPU")
+
+
+def tensorflow_worker() -> None:
+    """The comparison for TensorFlow: three Keras copies of the 50-tensor MLP, one ``tf.function`` step each."""
+    import tensorflow as tf
+    import horovod.torch as hvd_torch
+    import hybridsync.tensorflow as hst
+    from hybridsync.tensorflow.horovod_core import horovod_tensorflow
+    hst.init()
+    hvd = horovod_tensorflow(hvd_torch)  # Horovod's TensorFlow core, beside hybridsync's
+    tf.random.set_seed(0)
+    data = [(tf.random.normal((32, 256)), tf.random.normal((32, 256))) for _ in range(ROUND_STEPS)]
+    runs = {}
+    for name in NAMES:
+        frontend = hst if name == "hybridsync" else hvd
+        runs[name] = _tensorflow_run(frontend, data)
+        runs[name]()  # warm-up: traces, threads, fusion buffers
+    report(rotate(runs, time.process_time), hvd.rank(),
+           f"model: keras mlp (50 variables), {TF_API} API, TensorFlow {tf.__version__}",
+           f"{hvd.size()} ranks (Gloo)", "process CPU", wait="sleep (hybridsync.tensorflow's default)")
+    hvd_torch.barrier()  # no rank leaves while another still waits in a collective
+
+
+def _tensorflow_run(frontend, data):
+    """A function timing one round of steps of a fresh Keras MLP synchronized by ``frontend``'s
+    tape (``horovod.tensorflow`` or ``hybridsync.tensorflow``) or Keras optimizer (``TF_API``)."""
+    import tensorflow as tf
+    tf.random.set_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((256,))] + [tf.keras.layers.Dense(256, activation="relu")
+                                                            for _ in range(25)])
+    optimizer = tf.keras.optimizers.SGD(1e-4)
+    if TF_API == "keras":
+        keras = __import__(f"{frontend.__name__}.keras", fromlist=["DistributedOptimizer"])
+        optimizer = keras.DistributedOptimizer(optimizer)
+    frontend.broadcast_variables(model.variables, root_rank=0)
+
+    @tf.function
+    def step(inputs, target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(inputs) - target))
+        if TF_API == "tape":
+            tape = frontend.DistributedGradientTape(tape)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    def timed() -> list[float]:
+        times = []
+        for inputs, target in data:
+            start = time.perf_counter()
+            step(inputs, target).numpy()
+            times.append(time.perf_counter() - start)
+        return times
+    return timed
+
+
+def rotate(runs, cpu_clock):
+    """Per run: the median step of each round and its CPU time per step (``cpu_clock``), the runs
+    taking turns in rotating order, round by round."""
+    per_step: dict[str, list[float]] = {name: [] for name in NAMES}
+    cpu_per_step: dict[str, list[float]] = {name: [] for name in NAMES}
     for r in range(ROUNDS):
-        for name in names[r % 3:] + names[:r % 3]:
-            cpu = time.thread_time()
-            per_step[name].append(statistics.median(timed_steps(*runs[name], data)))
-            cpu_per_step[name].append((time.thread_time() - cpu) / len(data))
-    if hvd.rank() == 0:
-        median = {name: statistics.median(times) for name, times in per_step.items()}
-        cpu = {name: statistics.median(times) for name, times in cpu_per_step.items()}
-        hv = statistics.median(per_step["horovod"] + per_step["horovod-2"])
-        hv_cpu = statistics.median(cpu_per_step["horovod"] + cpu_per_step["horovod-2"])
-        print(f"model: {MODEL} ({len(list(runs['horovod'][1].parameters()))} parameter tensors), {ROUNDS} rotating rounds x {ROUND_STEPS} steps, {hvd.size()} ranks (Gloo), "
-              f"HYBRIDSYNC_WAIT={os.environ.get('HYBRIDSYNC_WAIT', 'spin')}")
-        for name in names:
-            print(f"{name:<10} median step {median[name] * 1e3:8.2f} ms   thread CPU {cpu[name] * 1e3:7.2f} ms")
-        print(f"A/A ratio horovod-2/horovod = {median['horovod-2'] / median['horovod']:.3f}  (noise floor)"
-              f"   CPU {cpu['horovod-2'] / cpu['horovod']:.3f}")
-        print(f"ratio hybridsync/horovod = {median['hybridsync'] / hv:.3f}  (target <= 1.03)"
-              f"   CPU {cpu['hybridsync'] / hv_cpu:.3f}")
+        for name in NAMES[r % 3:] + NAMES[:r % 3]:
+            cpu = cpu_clock()
+            times = runs[name]()
+            per_step[name].append(statistics.median(times))
+            cpu_per_step[name].append((cpu_clock() - cpu) / len(times))
+    return per_step, cpu_per_step
+
+
+def report(measured, rank: int, model: str, world: str, cpu_label: str, wait: str = "spin") -> None:
+    """Rank 0 prints each run's median step and CPU, the A/A ratio and hybridsync / Horovod (pooled)."""
+    if rank != 0:
+        return
+    per_step, cpu_per_step = measured
+    median = {name: statistics.median(times) for name, times in per_step.items()}
+    cpu = {name: statistics.median(times) for name, times in cpu_per_step.items()}
+    hv = statistics.median(per_step["horovod"] + per_step["horovod-2"])
+    hv_cpu = statistics.median(cpu_per_step["horovod"] + cpu_per_step["horovod-2"])
+    print(f"{model}, {ROUNDS} rotating rounds x {ROUND_STEPS} steps, {world}, "
+          f"HYBRIDSYNC_WAIT={os.environ.get('HYBRIDSYNC_WAIT', wait)}")
+    for name in NAMES:
+        print(f"{name:<10} median step {median[name] * 1e3:8.2f} ms   {cpu_label} {cpu[name] * 1e3:7.2f} ms")
+    print(f"A/A ratio horovod-2/horovod = {median['horovod-2'] / median['horovod']:.3f}  (noise floor)"
+          f"   CPU {cpu['horovod-2'] / cpu['horovod']:.3f}")
+    print(f"ratio hybridsync/horovod = {median['hybridsync'] / hv:.3f}  (target <= 1.03)"
+          f"   CPU {cpu['hybridsync'] / hv_cpu:.3f}")
 
 
 def main() -> None:
+    if FRAMEWORK == "tensorflow":
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # benchmarks/tensorflow.py is not TensorFlow
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"  # Horovod 0.28.1's tape and Keras optimizer need Keras 2
     if os.environ.get("HOROVOD_RANK") is not None or os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
-        worker()
+        tensorflow_worker() if FRAMEWORK == "tensorflow" else worker()
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if CLUSTER:
@@ -117,7 +204,9 @@ def on_emulated_cluster(config: str) -> int:
     from hybridsync.run.emulated import launch_gloo
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = ClusterSpec.from_yaml(config)
-    env = {"PYTHONPATH": repo, "OMP_NUM_THREADS": "1", "HYBRIDSYNC_WAIT": os.environ.get("HYBRIDSYNC_WAIT", "spin")}
+    env = {"PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
+    if FRAMEWORK == "torch" or "HYBRIDSYNC_WAIT" in os.environ:  # TensorFlow: the front end's own default
+        env["HYBRIDSYNC_WAIT"] = os.environ.get("HYBRIDSYNC_WAIT", "spin")
     with EmulatedCluster(spec) as cluster, tempfile.TemporaryFile("w+") as log:
         print(f"cluster: {spec.nodes} hosts x {spec.workers_per_node} ranks, {spec.inter_node_bandwidth} uplinks")
         job = launch_gloo(cluster, [sys.executable, os.path.abspath(__file__)], env=env, stdout=log,
