@@ -126,8 +126,12 @@ def _tensorflow_run(frontend, data):
     def step(inputs, target):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(inputs) - target))
-        if TF_API == "tape":
-            tape = frontend.DistributedGradientTape(tape)
+        if TF_API == "keras":
+            # minimize, as Keras' fit does: Horovod 0.28.1's Keras optimizer all-reduces in compute_gradients,
+            # and its apply_gradients alone (a custom loop) does not all-reduce under tf_keras 2.21's optimizers.
+            optimizer.minimize(loss, model.trainable_variables, tape=tape)
+            return loss
+        tape = frontend.DistributedGradientTape(tape)
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
