@@ -4,8 +4,12 @@
     OVERHEAD_MODEL=sparse .venv/bin/python benchmarks/overhead.py   # dropin_cluster.py's wide & deep model
     sudo OVERHEAD_CLUSTER=horovodrun_configs/cluster_2x2_1gbit.yaml .venv/bin/python benchmarks/overhead.py
         # the same job on the emulated cluster of that config (all its slots, Gloo launcher)
+    OVERHEAD_FRAMEWORK=tensorflow [OVERHEAD_TF_API=keras] .venv/bin/python benchmarks/overhead.py
+    sudo OVERHEAD_FRAMEWORK=tensorflow OVERHEAD_MODEL=deep OVERHEAD_CLUSTER=... \
+        OVERHEAD_TF_STRATEGY='{"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}' \
+        .venv/bin/python benchmarks/overhead.py     # a 28 MB Keras model, a fourth copy under that strategy
 
-On the emulated cluster ``HYBRIDSYNC_WAIT`` is ``spin`` unless set (a user's default, where
+On the emulated cluster a PyTorch job's ``HYBRIDSYNC_WAIT`` is ``spin`` unless set (a user's default, where
 the cluster's launchers default to ``sleep``); with ``sleep`` Horovod's optimizer waits through
 ``hybridsync.backends.waiting.wait`` too, as in ``dropin_cluster.py``.
 
@@ -46,7 +50,10 @@ FRAMEWORK = os.environ.get("OVERHEAD_FRAMEWORK", "torch")
 """``torch`` or ``tensorflow``."""
 TF_API = os.environ.get("OVERHEAD_TF_API", "tape")
 """TensorFlow only: ``tape`` (``DistributedGradientTape``) or ``keras`` (the Keras ``DistributedOptimizer``)."""
-NAMES = ("horovod", "hybridsync", "horovod-2")
+TF_STRATEGY = os.environ.get("OVERHEAD_TF_STRATEGY", "")
+"""TensorFlow only: a strategy (JSON text or file) for a fourth copy, ``strategy``, trained after
+hybridsync's: e.g. one that keeps the bridge, to see what its missing overlap costs."""
+NAMES = ("horovod", "hybridsync", *(("strategy",) if FRAMEWORK == "tensorflow" and TF_STRATEGY else ()), "horovod-2")
 
 
 def build_model():
@@ -96,30 +103,41 @@ def tensorflow_worker() -> None:
     from hybridsync.tensorflow.horovod_core import horovod_tensorflow
     hst.init()
     hvd = horovod_tensorflow(hvd_torch)  # Horovod's TensorFlow core, beside hybridsync's
+    width, _ = TF_MODELS[MODEL]
     tf.random.set_seed(0)
-    data = [(tf.random.normal((32, 256)), tf.random.normal((32, 256))) for _ in range(ROUND_STEPS)]
+    data = [(tf.random.normal((32, width)), tf.random.normal((32, width))) for _ in range(ROUND_STEPS)]
     runs = {}
     for name in NAMES:
-        frontend = hst if name == "hybridsync" else hvd
-        runs[name] = _tensorflow_run(frontend, data)
+        frontend = hvd if name.startswith("horovod") else hst
+        runs[name] = _tensorflow_run(frontend, data, TF_STRATEGY if name == "strategy" else None)
         runs[name]()  # warm-up: traces, threads, fusion buffers
+    width, layers = TF_MODELS[MODEL]
     report(rotate(runs, time.process_time), hvd.rank(),
-           f"model: keras mlp (50 variables), {TF_API} API, TensorFlow {tf.__version__}",
+           f"model: keras {MODEL} ({2 * layers} variables, {4 * layers * (width + 1) * width / 1e6:.1f} MB), "
+           f"{TF_API} API, TensorFlow {tf.__version__}",
            f"{hvd.size()} ranks (Gloo)", "process CPU", wait="sleep (hybridsync.tensorflow's default)")
     hvd_torch.barrier()  # no rank leaves while another still waits in a collective
 
 
-def _tensorflow_run(frontend, data):
+TF_MODELS = {"mlp": (256, 25), "deep": (768, 12)}
+"""TensorFlow's ``OVERHEAD_MODEL``: (width, Dense layers). ``deep``: 28 MB of gradients (issue 24 §4)."""
+
+
+def _tensorflow_run(frontend, data, strategy):
     """A function timing one round of steps of a fresh Keras MLP synchronized by ``frontend``'s
-    tape (``horovod.tensorflow`` or ``hybridsync.tensorflow``) or Keras optimizer (``TF_API``)."""
+    tape (``horovod.tensorflow`` or ``hybridsync.tensorflow``, with ``strategy``) or Keras optimizer (``TF_API``)."""
+    import json
+
     import tensorflow as tf
+    width, layers = TF_MODELS[MODEL]
     tf.random.set_seed(0)
-    model = tf.keras.Sequential([tf.keras.Input((256,))] + [tf.keras.layers.Dense(256, activation="relu")
-                                                            for _ in range(25)])
+    model = tf.keras.Sequential([tf.keras.Input((width,))] + [tf.keras.layers.Dense(width, activation="relu")
+                                                              for _ in range(layers)])
     optimizer = tf.keras.optimizers.SGD(1e-4)
+    extra = {} if strategy is None else {"strategy": json.loads(strategy) if strategy.startswith("{") else strategy}
     if TF_API == "keras":
         keras = __import__(f"{frontend.__name__}.keras", fromlist=["DistributedOptimizer"])
-        optimizer = keras.DistributedOptimizer(optimizer)
+        optimizer = keras.DistributedOptimizer(optimizer, **extra)
     frontend.broadcast_variables(model.variables, root_rank=0)
 
     @tf.function
@@ -131,7 +149,7 @@ def _tensorflow_run(frontend, data):
             # and its apply_gradients alone (a custom loop) does not all-reduce under tf_keras 2.21's optimizers.
             optimizer.minimize(loss, model.trainable_variables, tape=tape)
             return loss
-        tape = frontend.DistributedGradientTape(tape)
+        tape = frontend.DistributedGradientTape(tape, **extra)
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
@@ -152,7 +170,7 @@ def rotate(runs, cpu_clock):
     per_step: dict[str, list[float]] = {name: [] for name in NAMES}
     cpu_per_step: dict[str, list[float]] = {name: [] for name in NAMES}
     for r in range(ROUNDS):
-        for name in NAMES[r % 3:] + NAMES[:r % 3]:
+        for name in NAMES[r % len(NAMES):] + NAMES[:r % len(NAMES)]:
             cpu = cpu_clock()
             times = runs[name]()
             per_step[name].append(statistics.median(times))
@@ -177,6 +195,8 @@ def report(measured, rank: int, model: str, world: str, cpu_label: str, wait: st
           f"   CPU {cpu['horovod-2'] / cpu['horovod']:.3f}")
     print(f"ratio hybridsync/horovod = {median['hybridsync'] / hv:.3f}  (target <= 1.03)"
           f"   CPU {cpu['hybridsync'] / hv_cpu:.3f}")
+    if "strategy" in median:
+        print(f"ratio strategy/horovod = {median['strategy'] / hv:.3f}   CPU {cpu['strategy'] / hv_cpu:.3f}")
 
 
 def main() -> None:

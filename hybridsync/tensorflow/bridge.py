@@ -21,7 +21,12 @@ set) and nothing else rides along (no profiler, no elastic job that may grow, on
 per step), the bridge is a *passthrough*: ``synchronize`` returns the gradients as they are and
 ``after_update`` does nothing, without a ``numpy_function`` or a torch conversion.
 
-Inside ``tf.function`` (and Keras' ``fit``) both calls run as ``tf.numpy_function``: the
+Inside ``tf.function`` (and Keras' ``fit``), a plan that Horovod's TensorFlow ops express exactly
+syncs with those ops, in the graph (``horovod_ops.py``): ranks vote on it when the bridge is built
+and at each Keras ``set_strategy``; a Keras optimizer's traced step reads the vote's outcome from a
+variable at each run, a tape's is fixed when traced (nothing can change its plan).
+
+Otherwise, inside ``tf.function`` (and Keras' ``fit``) both calls run as ``tf.numpy_function``: the
 synchronization is real Python at run time, not a traced graph, which is also why
 XLA-compiled steps (``jit_compile=True``) are refused. ``numpy_function`` rather than
 ``py_function``: it hands over NumPy arrays without wrapping each in an eager tensor (what that
@@ -119,7 +124,9 @@ class GradientBridge:
         may change (``set_strategy``) after its step is traced. A tape's is decided when traced."""
         self.horovod_ring = False
         """The current plan syncs by Horovod's ops in a graph (every rank agreed)."""
-        if not self.passthrough and agreed(options_allow(options, self.optimizer)):
+        # An eager tape's bridge lives one step and never runs in a graph: no vote (two collectives) for it.
+        graph_possible = allow_parameter_exchange or not tf.executing_eagerly()
+        if not self.passthrough and graph_possible and agreed(options_allow(options, self.optimizer)):
             self._horovod = HorovodRing(options, prefix=f"hybridsync.tf.{next(_BRIDGE_NUMBERS)}")
             self.horovod_ring = agreed(plan_expressed(self.optimizer))
             if allow_parameter_exchange:
