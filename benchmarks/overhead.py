@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 
+from provenance import print_header
 from steps import timed_steps
 
 ROUNDS = int(os.environ.get("OVERHEAD_ROUNDS", "15"))
@@ -209,6 +210,8 @@ def main() -> None:
         tensorflow_worker() if FRAMEWORK == "tensorflow" else worker()
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print_header()
+    print("settings:", " ".join(f"{k}={v!r}" for k, v in sorted(os.environ.items()) if k.startswith("OVERHEAD_")))
     if CLUSTER:
         sys.exit(on_emulated_cluster(CLUSTER))
     from hybridsync.run.procs import run_bounded
