@@ -127,8 +127,11 @@ class GradientBridge:
         # An eager tape's bridge lives one step and never runs in a graph: no vote (two collectives) for it.
         graph_possible = allow_parameter_exchange or not tf.executing_eagerly()
         if not self.passthrough and graph_possible and agreed(options_allow(options, self.optimizer)):
-            self._horovod = HorovodRing(options, prefix=f"hybridsync.tf.{next(_BRIDGE_NUMBERS)}")
-            self.horovod_ring = agreed(plan_expressed(self.optimizer))
+            expressed = agreed(plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
+            # A tape's plan never changes: Horovod's TensorFlow core starts only if its ops will run.
+            if expressed or allow_parameter_exchange:
+                self._horovod = HorovodRing(options, prefix=f"hybridsync.tf.{next(_BRIDGE_NUMBERS)}")
+                self.horovod_ring = expressed
             if allow_parameter_exchange:
                 with tf.init_scope():
                     self._switch = tf.Variable(self.horovod_ring, trainable=False, name="hybridsync_horovod_ring")
@@ -179,7 +182,7 @@ class GradientBridge:
         Horovod's ops: a traced step reads the decision at its next run."""
         if self._horovod is None:
             return
-        self.horovod_ring = agreed(plan_expressed(self.optimizer))
+        self.horovod_ring = agreed(plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
         if self._switch is not None:
             self._switch.assign(self.horovod_ring)
 

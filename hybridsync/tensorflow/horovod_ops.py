@@ -34,12 +34,12 @@ def options_allow(options: SyncOptions, optimizer: Any) -> bool:
             and optimizer.profiler is None and not optimizer.step_hooks and not elastic_job())
 
 
-def plan_expressed(optimizer: Any) -> bool:
-    """Whether every message of ``optimizer``'s plan is one whole variable ring all-reduced with the
-    optimizer's compression, and no step hook (a Sync-Switch controller) runs."""
-    if optimizer.step_hooks:
+def plan_expressed(plan: Any, step_hooks: Sequence[Any] = ()) -> bool:
+    """Whether every message of ``plan`` (a ``RoutingPlan``) is one whole variable ring all-reduced with
+    the optimizer's compression, and no step hook (e.g. a Sync-Switch controller) runs."""
+    if step_hooks:
         return False
-    for message in optimizer.plan.messages:
+    for message in plan.messages:
         config = message.config
         piece = message.pieces[0]
         if (len(message.pieces) != 1 or not piece.whole or config.route != "allreduce"
