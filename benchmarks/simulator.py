@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"dataset {path}")
             samples = load_samples(store)
             print(_repeatability(store))
+    print(_noise_ceiling(samples, args.seed))
     evaluate(samples, args)
     print(f"took {time.perf_counter() - started:.1f} s")
     return 0
@@ -149,6 +150,29 @@ def _repeatability(store: object) -> str:
         lines.append(f"measurement repeatability, {label} ({len(kept)}; odd vs even timed steps of each trial): "
                      f"pairwise {m.pairwise:.3f} (pairs the noise resolves: {m.pairwise_resolved:.3f}), "
                      f"tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
+    return "\n".join(lines)
+
+
+def _noise_ceiling(samples: list, seed: int) -> str:
+    """Trial-to-trial noise (``evaluate.repeatability``: trials of one job the simulator cannot tell
+    apart) and about what a perfect simulator would score under it (``evaluate.noise_ceiling``)."""
+    from collections import Counter
+
+    from hybridsync.model.evaluate import noise_ceiling, repeat_pairs, repeatability
+
+    repeats = repeatability(samples)
+    if repeats is None:
+        return "trial-to-trial repeatability: no job measured two trials of one encoded strategy"
+    kinds = Counter(" = ".join(sorted((samples[i].kind, samples[j].kind))) for i, j in repeat_pairs(samples))
+    lines = [f"trial-to-trial repeatability ({repeats.pairs} pairs of trials of one job the simulator cannot tell "
+             f"apart: {', '.join(f'{k} ({n})' for k, n in kinds.most_common(3))}): sigma of one trial's log step time "
+             f"{repeats.sigma_robust:.3f} (MAD), {repeats.sigma:.3f} (sd, with the tail); worst pair "
+             f"{repeats.worst_ratio:.2f}x"]
+    for label, sigma in (("MAD", repeats.sigma_robust), ("sd", repeats.sigma)):
+        m = noise_ceiling(samples, sigma, seed=seed)
+        lines.append(f"a perfect simulator under that noise ({label} sigma): pairwise {m.pairwise:.3f} "
+                     f"(pw>noise {m.pairwise_resolved:.3f}), tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%} "
+                     f"({m.mape_job:.1%} within a job), top-1 regret {m.top1_regret:.1%}")
     return "\n".join(lines)
 
 

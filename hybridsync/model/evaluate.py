@@ -149,6 +149,73 @@ def split_half(step_times: Sequence[Sequence[float]], groups: Sequence[object]) 
     return score(odd, even, [groups[i] for i in kept], noise)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Repeats:
+    """Trial-to-trial noise, from pairs of trials of one job that the simulator cannot tell apart."""
+
+    pairs: int
+    """Pairs of trials of one job with the same encoded strategy (``repeat_pairs``)."""
+    sigma_robust: float
+    """Standard deviation of one trial's log step time, from the median absolute deviation of
+    the pairs' log ratios (1.4826 MAD / sqrt 2): the typical trial's noise."""
+    sigma: float
+    """The same from the plain standard deviation (sd / sqrt 2): with the heavy tail of disturbed trials."""
+    worst_ratio: float
+    """The largest ratio of step times within one pair."""
+
+
+def repeat_pairs(samples: Sequence[Sample]) -> list[tuple[int, int]]:
+    """Index pairs of trials of one job (``group_key``) whose strategies encode alike
+    (``encoding.from_strategies``: plain Horovod and a strategy that all-reduces every variable
+    on the ring, or one strategy measured twice). No simulator can order such a pair: whatever
+    separates its step times is noise of the measurement, or something no input describes."""
+    from hybridsync.model.encoding import from_strategies, model_arrays
+
+    by_group: dict[tuple, list[int]] = defaultdict(list)
+    for i, sample in enumerate(samples):
+        by_group[group_key(sample)].append(i)
+    pairs = []
+    for members in by_group.values():
+        first = samples[members[0]]
+        batch = from_strategies(model_arrays(first.description), [samples[i].strategy for i in members], first.cluster)
+        rows = np.concatenate([getattr(batch, name).reshape(len(members), -1).astype(float) for name in
+                               ("route", "protocol", "staleness", "partitions", "group", "fp16", "server_share")], axis=1)
+        seen: dict[bytes, list[int]] = defaultdict(list)
+        for i, row in zip(members, rows):
+            seen[row.tobytes()].append(i)
+        pairs += [(same[a], same[b]) for same in seen.values() for a in range(len(same)) for b in range(a + 1, len(same))]
+    return pairs
+
+
+def repeatability(samples: Sequence[Sample]) -> Repeats | None:
+    """The trial-to-trial noise of ``samples`` (``Repeats``); ``None`` without a repeated strategy."""
+    pairs = repeat_pairs(samples)
+    if not pairs:
+        return None
+    ratios = np.array([np.log(samples[i].step_s / samples[j].step_s) for i, j in pairs])
+    mad = float(np.median(np.abs(ratios - np.median(ratios))))
+    return Repeats(pairs=len(pairs), sigma_robust=float(1.4826 * mad / np.sqrt(2)), sigma=float(ratios.std() / np.sqrt(2)),
+                   worst_ratio=float(np.exp(np.abs(ratios).max())))
+
+
+def noise_ceiling(samples: Sequence[Sample], sigma: float, *, seed: int = 0, draws: int = 5) -> Metrics:
+    """About what a perfect simulator would score on ``samples`` if each trial's log step time
+    carries independent noise of standard deviation ``sigma`` (``Repeats``): the scores of
+    "predictions" that are the measured times with that noise drawn afresh (``draws`` draws from
+    ``seed``, averaged). The targets a simulator is held to mean little above this line."""
+    if sigma < 0 or not samples:
+        raise ValueError(f"noise_ceiling: need samples and sigma >= 0, got {len(samples)} samples, sigma {sigma}")
+    measured = np.array([s.step_s for s in samples])
+    groups = [group_key(s) for s in samples]
+    noise = np.array([s.noise_s for s in samples])
+    controls = np.array([is_control(s.kind) for s in samples])
+    rng = np.random.default_rng(seed)
+    runs = [score(measured * np.exp(rng.normal(0.0, sigma, len(measured))), measured, groups, noise, controls)
+            for _ in range(draws)]
+    return Metrics(**{field.name: float(np.mean([getattr(m, field.name) for m in runs]))
+                      for field in dataclasses.fields(Metrics) if field.name != "trials"}, trials=len(measured))
+
+
 def _kendall(predicted: np.ndarray, measured: np.ndarray) -> float:
     from scipy.stats import kendalltau
 
