@@ -19,7 +19,9 @@ comparable); warm-start transfer to each held-out zoo model (not the generator's
 how many candidate strategies per second a fitted simulator scores; and, with ``--save``,
 fits on every trial and writes the simulator. For scale, the measurements' own repeatability:
 how well the median of each trial's odd steps ranks trials as the median of its even steps
-does. ``pw>noise``: pairwise accuracy over the pairs whose measured difference exceeds twice
+does, and from trial to trial (``evaluate.repeatability``: trials of one job the simulator
+cannot tell apart) with what a perfect simulator would score under that noise
+(``evaluate.noise_ceiling``). ``pw>noise``: pairwise accuracy over the pairs whose measured difference exceeds twice
 its standard error (``evaluate.NOISE_Z``), the pairs the measurements resolve.
 Targets on models the fit never saw: pairwise >= 0.90, top-1 regret <= 5%, MAPE <= 10%.
 One process, one xgboost thread: minutes, growing with the dataset (``--splits`` to choose).
