@@ -37,10 +37,8 @@ bytes each bound assumes really cross the shaped link.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -51,6 +49,7 @@ import time
 from hybridsync.backends import waiting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from provenance import print_header  # noqa: E402
 PATHS = ("ring", "hier", "hier-gloo", "ps")
 WARMUP = 2
 TINY_NUMEL = 1  # one float32: the alpha probe
@@ -275,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridsync.run.emulated import launch_gloo, launch_servers, ps_env
     from hybridsync.cluster.linkrate import measure_tcp_rate
 
-    print("command:", f"cd {shlex.quote(os.getcwd())} &&", shlex.join([sys.executable, *sys.argv]))
-    print("date:", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    print_header()
     spec = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth=args.bandwidth, servers_per_node=1)
     logs = tempfile.mkdtemp(prefix="hs-collectives-")
     out_path = os.path.join(logs, "results.json")

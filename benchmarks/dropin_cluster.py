@@ -25,10 +25,8 @@ its spread (the ratios of the jobs paired within a round). Target: hybridsync <=
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -38,6 +36,7 @@ import time
 from steps import timed_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from provenance import print_header  # noqa: E402
 CONFIG = os.path.join(REPO, "horovodrun_configs", "cluster_2x2_1gbit.yaml")
 WARMUP_STEPS, TIMED_STEPS = 10, 30
 VARIANTS = ("horovod", "hybridsync", "horovod-sets", "horovod-dynamic")
@@ -156,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from hybridsync.cluster import ClusterSpec, EmulatedCluster
-    print("command:", f"cd {shlex.quote(os.getcwd())} &&", shlex.join([sys.executable, *sys.argv]))
-    print("date:", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    print_header()
     spec = ClusterSpec.from_yaml(CONFIG)
     print(f"cluster: {spec.nodes} hosts x {spec.workers_per_node} ranks, {spec.inter_node_bandwidth} uplinks, "
           f"Gloo launcher; {WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps per job, slowest rank per step")

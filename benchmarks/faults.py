@@ -25,11 +25,9 @@ check that every delta reaches the servers exactly once (``tests/test_ps_recover
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -38,6 +36,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from provenance import print_header, uptime  # noqa: E402
 
 
 # -- worker side (every rank, inside the emulated hosts) ----------------------------------------
@@ -248,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
     from hybridsync.cluster import ClusterSpec, EmulatedCluster
-    print("command:", f"cd {shlex.quote(os.getcwd())} &&", shlex.join([sys.executable, *sys.argv]))
-    print("date:", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    print("uptime before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print_header()
     spec = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth=args.bandwidth, servers_per_node=1)
     logs = tempfile.mkdtemp(prefix="hs-faults-")
     jobs, death = [], None
@@ -262,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{jobs[-1]['name']}: {time.monotonic() - started:.0f} s", flush=True)
         if "worker" in args.faults:
             death = run_worker_death(cluster, args, logs)
-    print("uptime after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print("uptime after:", uptime())
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"jobs": jobs, "worker_death": death}, handle, indent=1)

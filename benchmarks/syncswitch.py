@@ -19,15 +19,14 @@ and (min-max) over seeds, and time and throughput as ratios to BSP under the sam
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import shlex
 import statistics
 import sys
 import tempfile
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from provenance import print_header  # noqa: E402
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -74,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from hybridsync.cluster.netns import EmulatedCluster
-    print("command:", f"cd {shlex.quote(os.getcwd())} &&", shlex.join([sys.executable, *sys.argv]))
-    print("date:", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    print_header()
     print(f"cluster: 2 hosts x 2 ranks + 1 PS host, {evaluate.LINK_RATE} uplinks; straggler: host 1, "
           f"{'uplink ' + evaluate.STRAGGLER_RATE if args.kind == 'net' else f'{evaluate.STRAGGLER_CPU} CPU'}; "
           f"{args.steps} steps per rank, switch_at {args.switch_at}, SSP staleness {evaluate.SSP_STALENESS}")

@@ -20,13 +20,10 @@ users of an age group mostly click items of one category, popular ones more ofte
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
-import statistics
-import time
-
 import torch
 import torch.nn as nn
+
+import harness
 
 NUM_USERS, NUM_ITEMS, NUM_CATEGORIES, NUM_BRANDS = 150_000, 80_000, 500, 10_000
 AGES, REGIONS, DEVICES = 100, 1_000, 50
@@ -119,47 +116,13 @@ def train_step(model: TwoTower, optimizer: torch.optim.Optimizer,
     return loss.item()
 
 
-def parameter_checksum(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=256, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--optimizer", choices=("hybridsync", "horovod"), default="hybridsync",
-                        help="whose DistributedOptimizer wraps Adagrad (horovod: plain horovod.torch)")
-    args = parser.parse_args()
-    if args.optimizer == "horovod":
-        import horovod.torch as hs
-    else:
-        import hybridsync as hs
-    hs.init()
+    args = harness.parse_args(__doc__.split("\n")[0], batch_size=256, lr=0.05)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = TwoTower()
-    optimizer = hs.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=args.lr),
-                                        named_parameters=model.named_parameters())
-    hs.broadcast_parameters(model.state_dict(), root_rank=0)
-    clicks = Clicks(seed=1000 + hs.rank())
-    losses, seconds = [], []
-    for step in range(args.steps):
-        batch = clicks.batch(args.batch_size)
-        started = time.perf_counter()
-        losses.append(train_step(model, optimizer, batch))
-        seconds.append(time.perf_counter() - started)
-        if hs.rank() == 0 and (step % 50 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
-    checksums = hs.allgather_object(parameter_checksum(model))
-    if hs.rank() == 0:
-        window = min(20, len(losses))
-        print(f"two_tower on {hs.size()} ranks: median step {1e3 * statistics.median(seconds[len(seconds) // 2:]):.1f} "
-              f"ms, loss {statistics.mean(losses[:window]):.3f} -> {statistics.mean(losses[-window:]):.3f}, "
-              f"ranks' parameters {'agree' if len(set(checksums)) == 1 else 'DIFFER'}", flush=True)
+    harness.train("two_tower", args, model, torch.optim.Adagrad(model.parameters(), lr=args.lr),
+                  lambda rank, size: Clicks(seed=1000 + rank).batch, train_step)
 
 
 if __name__ == "__main__":
