@@ -31,6 +31,8 @@ from typing import Callable
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from provenance import print_header  # noqa: E402
+
 GENERATED = ("cnn", "mlp", "recsys", "transformer", "widedeep")
 """The generator's families (``zoo/generator``): the ones a choice of variant may look at."""
 Learner = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, REPO)
     from hybridsync.model.evaluate import family_of, summarize
 
+    print_header()
     started = time.perf_counter()
     samples = _load(args)
     families = sorted({family_of(s.model) for s in samples})
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"--families: {unknown} are not families of the dataset ({families})")
         families = args.families.split(",")
-    print(f"{len(samples)} trials, families {families}; load average {os.getloadavg()[0]:.1f}")
+    print(f"{len(samples)} trials, families {families}")
     fold = _Fold(samples, args)
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.workers),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
