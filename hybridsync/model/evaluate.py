@@ -20,7 +20,9 @@ then averaged over groups weighted by their trials:
 for the generator's models, a family of its own for every other model) or one cluster at a
 time, fits on the rest and scores the held-out trials; ``transfer`` warm-starts a simulator
 with k trials of a held-out model; ``live_accuracy`` scores the predictions an autotune made
-before its trials ran. Randomness only from explicit seeds.
+before its trials ran; ``repeatability`` measures the trials' noise from one trial to the next
+(pairs of a job that the simulator cannot tell apart) and ``noise_ceiling`` what a perfect
+simulator would score under it. Randomness only from explicit seeds.
 """
 from __future__ import annotations
 
@@ -177,13 +179,16 @@ def repeat_pairs(samples: Sequence[Sample]) -> list[tuple[int, int]]:
     pairs = []
     for members in by_group.values():
         first = samples[members[0]]
-        batch = from_strategies(model_arrays(first.description), [samples[i].strategy for i in members], first.cluster)
+        batch = from_strategies(model_arrays(first.description), [samples[i].strategy for i in members],
+                                first.cluster)
         rows = np.concatenate([getattr(batch, name).reshape(len(members), -1).astype(float) for name in
-                               ("route", "protocol", "staleness", "partitions", "group", "fp16", "server_share")], axis=1)
+                               ("route", "protocol", "staleness", "partitions", "group", "fp16", "server_share")],
+                              axis=1)
         seen: dict[bytes, list[int]] = defaultdict(list)
         for i, row in zip(members, rows):
             seen[row.tobytes()].append(i)
-        pairs += [(same[a], same[b]) for same in seen.values() for a in range(len(same)) for b in range(a + 1, len(same))]
+        pairs += [(same[a], same[b]) for same in seen.values()
+                  for a in range(len(same)) for b in range(a + 1, len(same))]
     return pairs
 
 
@@ -194,8 +199,8 @@ def repeatability(samples: Sequence[Sample]) -> Repeats | None:
         return None
     ratios = np.array([np.log(samples[i].step_s / samples[j].step_s) for i, j in pairs])
     mad = float(np.median(np.abs(ratios - np.median(ratios))))
-    return Repeats(pairs=len(pairs), sigma_robust=float(1.4826 * mad / np.sqrt(2)), sigma=float(ratios.std() / np.sqrt(2)),
-                   worst_ratio=float(np.exp(np.abs(ratios).max())))
+    return Repeats(pairs=len(pairs), sigma_robust=float(1.4826 * mad / np.sqrt(2)),
+                   sigma=float(ratios.std() / np.sqrt(2)), worst_ratio=float(np.exp(np.abs(ratios).max())))
 
 
 def noise_ceiling(samples: Sequence[Sample], sigma: float, *, seed: int = 0, draws: int = 5) -> Metrics:
