@@ -174,7 +174,7 @@ def _noise_ceiling(samples: list, seed: int) -> str:
         m = noise_ceiling(samples, sigma, seed=seed)
         lines.append(f"a perfect simulator under that noise ({label} sigma): pairwise {m.pairwise:.3f} "
                      f"(pw>noise {m.pairwise_resolved:.3f}), tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%} "
-                     f"({m.mape_job:.1%} within a job), top-1 regret {m.top1_regret:.1%}")
+                     f"({m.mape_job:.1%} within a job), top-1 regret {m.top1_regret:.1%}, top-5 {m.top5_regret:.1%}")
     families = sorted({family_of(s.model) for s in samples})
     for family in families if len(families) > 1 else ():
         mine = [s for s in samples if family_of(s.model) == family]

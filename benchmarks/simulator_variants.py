@@ -75,13 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     rows += [_score(samples, "in-sample", family, frames[family], _xgboost(args.seed), in_sample=True)
              for family in families]
     print(f"{'variant':<14} {'held out':<10} {'test':>5} {'pairwise':>9} {'pw>noise':>9} {'tau':>6} {'MAPE':>7} "
-          f"{'MAPE/job':>9} {'regret':>7}")
+          f"{'MAPE/job':>9} {'regret':>7} {'top-5':>6}")
     for part, keep in (("generated", lambda r: r.held_out in GENERATED), ("zoo", lambda r: r.held_out not in GENERATED),
                        ("all", lambda r: True)):
         for row in summarize([r for r in rows if keep(r)], key=lambda r: r.kind):
             m = row.metrics
             print(f"{row.kind:<14} {part:<10} {m.trials:>5} {m.pairwise:>9.3f} {m.pairwise_resolved:>9.3f} "
-                  f"{m.kendall_tau:>6.3f} {m.mape:>6.1%} {m.mape_job:>8.1%} {m.top1_regret:>6.1%}")
+                  f"{m.kendall_tau:>6.3f} {m.mape:>6.1%} {m.mape_job:>8.1%} {m.top1_regret:>6.1%} "
+                  f"{m.top5_regret:>5.1%}")
     print(f"took {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybridsync.model.analytic import CostConstants
-from hybridsync.model.evaluate import noise_ceiling, repeat_pairs, repeatability
+from hybridsync.model.evaluate import noise_ceiling, repeat_pairs, repeatability, score
 from hybridsync.model.simulator import Sample, Simulator
 from hybridsync.strategy import Strategy, VarConfig
 from test_simulator import CLUSTER, FAST_PARAMS, describe, synthetic_samples
@@ -62,3 +62,16 @@ def test_training_frame_is_what_the_trees_are_fit_on():
     again = xgboost.train(FAST_PARAMS.xgboost(), xgboost.DMatrix(features, label=target), FAST_PARAMS.rounds)
     data = xgboost.DMatrix(features, feature_names=simulator.feature_names)
     assert np.allclose(again.predict(xgboost.DMatrix(features)), simulator.booster.predict(data))
+
+
+def test_top5_regret_is_the_best_of_the_five_trials_predicted_fastest():
+    measured = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    best_sixth = np.array([6.0, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0])  # the fastest trial predicted 6th of 7
+    m = score(best_sixth, measured, ["g"] * 7)
+    assert m.top1_regret == pytest.approx(1.0) and m.top5_regret == pytest.approx(1.0)
+    best_third = score(np.array([3.0, 1.0, 2.0, 4.0, 5.0, 6.0, 7.0]), measured, ["g"] * 7)
+    assert best_third.top1_regret == pytest.approx(1.0) and best_third.top5_regret == 0.0
+    # per job, weighted by its trials, like top-1: a 2-trial job's top 5 holds its best
+    two_jobs = score(np.concatenate([best_sixth, [2.0, 1.0]]), np.concatenate([measured, [1.0, 2.0]]),
+                     ["a"] * 7 + ["b"] * 2)
+    assert two_jobs.top1_regret == pytest.approx(1.0) and two_jobs.top5_regret == pytest.approx(7 / 9)
