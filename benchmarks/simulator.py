@@ -19,7 +19,9 @@ comparable); warm-start transfer to each held-out zoo model (not the generator's
 how many candidate strategies per second a fitted simulator scores; and, with ``--save``,
 fits on every trial and writes the simulator. For scale, the measurements' own repeatability:
 how well the median of each trial's odd steps ranks trials as the median of its even steps
-does. ``pw>noise``: pairwise accuracy over the pairs whose measured difference exceeds twice
+does, and from trial to trial (``evaluate.repeatability``: trials of one job the simulator
+cannot tell apart) with what a perfect simulator would score under that noise
+(``evaluate.noise_ceiling``). ``pw>noise``: pairwise accuracy over the pairs whose measured difference exceeds twice
 its standard error (``evaluate.NOISE_Z``), the pairs the measurements resolve.
 Targets on models the fit never saw: pairwise >= 0.90, top-1 regret <= 5%, MAPE <= 10%.
 One process, one xgboost thread: minutes, growing with the dataset (``--splits`` to choose).
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"dataset {path}")
             samples = load_samples(store)
             print(_repeatability(store))
+    print(_noise_ceiling(samples, args.seed))
     evaluate(samples, args)
     print(f"took {time.perf_counter() - started:.1f} s")
     return 0
@@ -149,6 +152,36 @@ def _repeatability(store: object) -> str:
         lines.append(f"measurement repeatability, {label} ({len(kept)}; odd vs even timed steps of each trial): "
                      f"pairwise {m.pairwise:.3f} (pairs the noise resolves: {m.pairwise_resolved:.3f}), "
                      f"tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%}")
+    return "\n".join(lines)
+
+
+def _noise_ceiling(samples: list, seed: int) -> str:
+    """Trial-to-trial noise (``evaluate.repeatability``: trials of one job the simulator cannot tell
+    apart) and about what a perfect simulator would score under it (``evaluate.noise_ceiling``)."""
+    from collections import Counter
+
+    from hybridsync.model.evaluate import family_of, noise_ceiling, repeat_pairs, repeatability
+
+    repeats = repeatability(samples)
+    if repeats is None:
+        return "trial-to-trial repeatability: no job measured two trials of one encoded strategy"
+    kinds = Counter(" = ".join(sorted((samples[i].kind, samples[j].kind))) for i, j in repeat_pairs(samples))
+    lines = [f"trial-to-trial repeatability ({repeats.pairs} pairs of trials of one job the simulator cannot tell "
+             f"apart: {', '.join(f'{k} ({n})' for k, n in kinds.most_common(3))}): sigma of one trial's log step time "
+             f"{repeats.sigma_robust:.3f} (MAD), {repeats.sigma:.3f} (sd, with the tail); worst pair "
+             f"{repeats.worst_ratio:.2f}x"]
+    for label, sigma in (("MAD", repeats.sigma_robust), ("sd", repeats.sigma)):
+        m = noise_ceiling(samples, sigma, seed=seed)
+        lines.append(f"a perfect simulator under that noise ({label} sigma): pairwise {m.pairwise:.3f} "
+                     f"(pw>noise {m.pairwise_resolved:.3f}), tau {m.kendall_tau:.3f}, MAPE {m.mape:.1%} "
+                     f"({m.mape_job:.1%} within a job), top-1 regret {m.top1_regret:.1%}, top-5 {m.top5_regret:.1%}")
+    families = sorted({family_of(s.model) for s in samples})
+    for family in families if len(families) > 1 else ():
+        mine = [s for s in samples if family_of(s.model) == family]
+        low, high = (noise_ceiling(mine, sigma, seed=seed) for sigma in (repeats.sigma_robust, repeats.sigma))
+        lines.append(f"  {family:<12} perfect simulator (MAD - sd sigma): pairwise {low.pairwise:.3f}-"
+                     f"{high.pairwise:.3f}, MAPE within a job {low.mape_job:.1%}-{high.mape_job:.1%}, top-1 regret "
+                     f"{low.top1_regret:.1%}-{high.top1_regret:.1%}")
     return "\n".join(lines)
 
 

@@ -290,9 +290,14 @@ class Simulator:
         out.links = {**self.links, cluster_label(cluster.to_dict()): links}
         return out
 
-    def _fit_booster(self, problems: Sequence[_Problem], count: int, base: "Simulator | None") -> None:
-        import xgboost
+    def training_frame(self, samples: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray]:
+        """What the learned part is fit on, with this simulator's constants: each sample's
+        features (``feature_names``'s columns) and its target, the log step time the trees
+        regress (``both``: log(measured / analytic), within-job centered by ``BoosterParams.target``).
+        Lets a study fit other learners on exactly these rows (``benchmarks/simulator_variants.py``)."""
+        return self._training_frame(self._problems(list(samples)), len(samples))
 
+    def _training_frame(self, problems: Sequence[_Problem], count: int) -> tuple[np.ndarray, np.ndarray]:
         features = np.zeros((count, len(self._columns)), dtype=np.float32)
         target = np.zeros(count)
         for p in problems:
@@ -304,6 +309,12 @@ class Simulator:
             if self.kind == "both" and self.params.target == "centered":
                 ratio = -job_residuals(-ratio, p.jobs, p.positions, level_weight=0.0)
             target[p.indices] = ratio
+        return features, target
+
+    def _fit_booster(self, problems: Sequence[_Problem], count: int, base: "Simulator | None") -> None:
+        import xgboost
+
+        features, target = self._training_frame(problems, count)
         train = xgboost.DMatrix(features, label=target, feature_names=self.feature_names)
         rounds = self.params.warm_rounds if base is not None else self.params.rounds
         start = base.booster.copy() if base is not None and base.booster is not None else None
