@@ -120,6 +120,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return tuple(hook for hook in (self._profiler, self._sync_controller, self._trials) if hook is not None)
 
     @property
+    def step_hooks(self) -> tuple[StepHook, ...]:
+        """The hooks ``step()`` runs (profiler, Sync-Switch controller, trials); empty when none is active."""
+        return self._hooks
+
+    @property
     def sync_controller(self) -> Any:
         """The Sync-Switch controller (``hybridsync.hooks.syncswitch.SyncController``) or ``None``."""
         return self._sync_controller

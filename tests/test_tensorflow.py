@@ -112,7 +112,12 @@ def _hybridsync_run(strategy: str, *, num_servers: int = 2, mpi: bool = False, n
                                            ("mpirun", "tape-function"), ("mpirun", "keras-fit")])
 def test_without_a_strategy_every_rank_ends_where_horovod_does(launcher, api, tmp_path, tmp_path_factory):
     ranks = _train(launcher_argv(launcher), tmp_path / "hs", "hybridsync", api)
-    assert all(m.startswith("allreduce/ring:") for m in ranks[0]["_summary"]["messages"])
+    summary = ranks[0]["_summary"]
+    assert all(m.startswith("allreduce/ring:") for m in summary["messages"])
+    # Horovod's ops express the plan: a graph syncs with them (no pass through the bridge); eagerly, the bridge
+    # (an eager tape's bridge, made for one step, does not even ask).
+    assert summary["horovod_ring"] == [api != "tape"]
+    assert (summary["bridged_passes"] == 0) == (api in ("tape-function", "keras-fit")), summary
     _assert_close(ranks, _reference(tmp_path_factory, "horovod", api), EXACT, "horovod.tensorflow")
     _assert_close(ranks, _reference(tmp_path_factory, "single", api), EXACT, "the whole batch")
 
@@ -125,6 +130,7 @@ def test_a_strategy_routes_each_variable_and_changes_no_result(case, api, mpi, t
     doc = {"ps_bsp": PS_BSP, "mixed": MIXED}[case]
     ranks = _train(_hybridsync_run(_strategy(tmp_path, doc), mpi=mpi), tmp_path / "hs", "hybridsync", api)
     messages = ranks[0]["_summary"]["messages"]
+    assert ranks[0]["_summary"]["horovod_ring"] == [False]  # routes Horovod's ops cannot express: the bridge
     if case == "ps_bsp":
         assert all(m.startswith("ps/bsp:") for m in messages) and len(messages) == 3 + 4  # embedding in 3 shards
     else:
@@ -188,6 +194,31 @@ def test_set_strategy_switches_a_keras_job_onto_asp_in_flight(tmp_path, tmp_path
     _assert_close(ranks[1:], ranks[0], 0.0, "rank 0 after the final pull")
     untrained = _reference(tmp_path_factory, "single", "keras-fit", "--steps", "0")
     assert ranks[0]["_summary"]["loss"] < 0.5 * untrained["_summary"]["loss"]
+
+
+PARTITIONED_RING = {"variables": {"hidden/kernel": {"route": "allreduce", "partitions": 2}}}
+
+
+@pytest.mark.parametrize("start, switch_to, horovod_ops", [
+    (None, PARTITIONED_RING, (True, False)),  # Horovod's ops, then a plan they cannot express
+    (PS_BSP, {}, (False, True)),              # the parameter server, then every variable ring all-reduced
+])
+def test_set_strategy_moves_a_traced_step_between_horovods_ops_and_the_bridge(start, switch_to, horovod_ops, tmp_path,
+                                                                              tmp_path_factory):
+    """``model.fit`` traces its step once; ``set_strategy`` at step 3 of 8 must change how that traced
+    step syncs (the bridge's passes count the steps that went through it), with every rank still
+    ending where Horovod's Keras optimizer does."""
+    argv = (_hybridsync_run(_strategy(tmp_path, start)) if start else
+            [str(BIN / "hybridsync-run"), *launcher_argv("horovodrun")[1:]])
+    switch = tmp_path / "switch.json"
+    switch.write_text(json.dumps({"version": 1, **switch_to}))
+    ranks = _train(argv, tmp_path / "hs", "hybridsync", "keras-fit", "--steps", "8", "--switch-to", str(switch),
+                   "--switch-at", "3")
+    summary = ranks[0]["_summary"]
+    assert summary["horovod_ring"] == [horovod_ops[1]]
+    assert summary["bridged_passes"] == (3 if horovod_ops[1] else 5), summary
+    _assert_close(ranks, _reference(tmp_path_factory, "horovod", "keras-fit", "--steps", "8"), EXACT,
+                  "horovod.tensorflow")
 
 
 def test_keras_backward_passes_per_step_accumulates_as_horovods(tmp_path, tmp_path_factory):

@@ -8,8 +8,10 @@ variable is ring all-reduced under its own name, as Horovod does.
 
 The process functions (``init``, ``rank``, ``size``, ``local_rank``, ``broadcast_object``...)
 are Horovod's, from ``horovod.torch``: hybridsync's runtime runs on Horovod's PyTorch
-core, so one process uses one Horovod core. Do not also ``hvd.init()`` from
-``horovod.tensorflow`` in the same process (``init`` says so if it finds it initialized).
+core. A plan that Horovod's TensorFlow ops express exactly syncs in the graph with those ops
+(``horovod_ops.py``), on ``horovod.tensorflow``'s core, which hybridsync starts itself
+(``horovod_core.py``). Do not ``hvd.init()`` from ``horovod.tensorflow`` before ``init``
+(``init`` says so if it finds it initialized).
 ``allreduce``, ``allgather``, ``broadcast`` and ``broadcast_variables`` take TensorFlow
 tensors and variables, eagerly and inside ``tf.function``.
 """
@@ -55,8 +57,9 @@ def init(*args: Any, **kwargs: Any) -> None:
     other = sys.modules.get("horovod.tensorflow")
     if other is not None and getattr(other, "is_initialized", lambda: False)():
         raise RuntimeError("horovod.tensorflow is already initialized in this process; hybridsync.tensorflow runs "
-                           "on horovod.torch's core, and two Horovod cores in one process would each wait for "
-                           "the other's ranks. Use hybridsync.tensorflow's functions instead of horovod.tensorflow's.")
+                           "on horovod.torch's core and starts horovod.tensorflow's itself, on a rendezvous of its "
+                           "own (two cores meeting on the launcher's rendezvous read each other's addresses). Call "
+                           "hybridsync.tensorflow.init() first, or use its functions instead of horovod.tensorflow's.")
     horovod_torch("hybridsync.tensorflow.init").init(*args, **kwargs)
     waiting.wait_like_callbacks()
 

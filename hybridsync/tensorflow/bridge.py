@@ -21,7 +21,12 @@ set) and nothing else rides along (no profiler, no elastic job that may grow, on
 per step), the bridge is a *passthrough*: ``synchronize`` returns the gradients as they are and
 ``after_update`` does nothing, without a ``numpy_function`` or a torch conversion.
 
-Inside ``tf.function`` (and Keras' ``fit``) both calls run as ``tf.numpy_function``: the
+Inside ``tf.function`` (and Keras' ``fit``), a plan that Horovod's TensorFlow ops express exactly
+syncs with those ops, in the graph (``horovod_ops.py``): ranks vote on it when the bridge is built
+and at each Keras ``set_strategy``; a Keras optimizer's traced step reads the vote's outcome from a
+variable at each run, a tape's is fixed when traced (nothing can change its plan).
+
+Otherwise, inside ``tf.function`` (and Keras' ``fit``) both calls run as ``tf.numpy_function``: the
 synchronization is real Python at run time, not a traced graph, which is also why
 XLA-compiled steps (``jit_compile=True``) are refused. ``numpy_function`` rather than
 ``py_function``: it hands over NumPy arrays without wrapping each in an eager tensor (what that
@@ -31,6 +36,7 @@ ranks of a CPU job may be waiting for.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -39,10 +45,14 @@ import tensorflow as tf
 import torch
 
 from hybridsync.hooks import end_run
+from hybridsync.tensorflow.horovod_ops import HorovodRing, agreed, options_allow, plan_expressed
 from hybridsync.tensorflow.names import variable_names
 from hybridsync.horovod_options import SyncOptions
 from hybridsync.tensorflow.options import refuse_dynamic_sync
 from hybridsync.world import elastic_job
+
+_BRIDGE_NUMBERS = itertools.count()
+"""Names the ops of each bridge on Horovod's ring: every rank builds its bridges in the same order."""
 
 TORCH_DTYPES = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32,
                 tf.float64: torch.float64}
@@ -100,11 +110,31 @@ class GradientBridge:
         self.check_plan()
         self._backward_start: float | None = None
         self._passes = 0
+        self.bridged_passes = 0
+        """Backward passes whose gradients went through the torch runtime (not Horovod's ops) so far."""
         process_set = self.optimizer.process_set
         self.passthrough = (options.backward_passes_per_step == 1 and self.optimizer.profiler is None
                             and not elastic_job() and not (process_set.included() and process_set.size() > 1))
         """Nothing to synchronize and nothing riding along: gradients pass as they are (Horovod's
         ``tf.cond`` on the size). Decided once, as Horovod decides when the step is traced."""
+        self._horovod: HorovodRing | None = None
+        """Horovod's own ops, for a graph whose plan they express (``horovod_ops.py``); ``None``: never."""
+        self._switch: tf.Variable | None = None
+        """Whether a graph runs Horovod's ops or the bridge, read at each step: a Keras optimizer's plan
+        may change (``set_strategy``) after its step is traced. A tape's is decided when traced."""
+        self.horovod_ring = False
+        """The current plan syncs by Horovod's ops in a graph (every rank agreed)."""
+        # An eager tape's bridge lives one step and never runs in a graph: no vote (two collectives) for it.
+        graph_possible = allow_parameter_exchange or not tf.executing_eagerly()
+        if not self.passthrough and graph_possible and agreed(options_allow(options, self.optimizer)):
+            expressed = agreed(plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
+            # A tape's plan never changes: Horovod's TensorFlow core starts only if its ops will run.
+            if expressed or allow_parameter_exchange:
+                self._horovod = HorovodRing(options, prefix=f"hybridsync.tf.{next(_BRIDGE_NUMBERS)}")
+                self.horovod_ring = expressed
+            if allow_parameter_exchange:
+                with tf.init_scope():
+                    self._switch = tf.Variable(self.horovod_ring, trainable=False, name="hybridsync_horovod_ring")
 
     # --- the two calls of a step -------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -124,15 +154,37 @@ class GradientBridge:
             synced = self._synchronize_now(gradients)
             self._end_if_run_finished()
             return synced
+        if self._horovod is not None and self._sparse_as_dense:  # as Horovod's tape, before anything else
+            gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+        if self._horovod is not None and self._switch is None and self.horovod_ring:
+            return self._horovod.allreduce(gradients, self.variables, self.names)
         layout = _Layout(gradients)
         flat = layout.flatten(gradients)
-        synced = tf.numpy_function(self._graph_body(lambda *arrays: self._synchronize_arrays(arrays, layout)), flat,
-                                   [t.dtype for t in flat], stateful=True, name="hybridsync_synchronize")
-        synced = list(synced) if flat else []  # no gradient at all: the rank still takes part, with zeros
+        if self._switch is not None and flat:
+            synced = tf.cond(self._switch,
+                             lambda: layout.flatten(self._horovod.allreduce(gradients, self.variables, self.names)),
+                             lambda: self._bridged(flat, layout), name="hybridsync_route")
+        else:
+            synced = self._bridged(flat, layout)
         for tensor, original, dense in zip(synced, flat, layout.dense_flags):
             # A sparse all-reduce gathers every rank's rows: only the row shape is known.
             tensor.set_shape(original.shape if dense else [None, *original.shape[1:]])
         return layout.rebuild(synced)
+
+    def _bridged(self, flat: list[tf.Tensor], layout: "_Layout") -> list[tf.Tensor]:
+        """The graph's ``tf.numpy_function`` handing ``flat`` to the torch runtime and back."""
+        synced = tf.numpy_function(self._graph_body(lambda *arrays: self._synchronize_arrays(arrays, layout)), flat,
+                                   [t.dtype for t in flat], stateful=True, name="hybridsync_synchronize")
+        return list(synced) if flat else []  # no gradient at all: the rank still takes part, with zeros
+
+    def refresh_route(self) -> None:
+        """Decide again (collective, after ``set_strategy`` on every rank) whether the plan runs on
+        Horovod's ops: a traced step reads the decision at its next run."""
+        if self._horovod is None:
+            return
+        self.horovod_ring = agreed(plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
+        if self._switch is not None:
+            self._switch.assign(self.horovod_ring)
 
     @tf.autograph.experimental.do_not_convert
     def after_update(self, after: Sequence[Any] = ()) -> tf.Tensor | None:
@@ -148,9 +200,14 @@ class GradientBridge:
             self._after_update_now()
             self._end_if_run_finished()
             return None
-        with tf.control_dependencies(list(after)):
+        def bridged() -> tf.Tensor:
             return tf.numpy_function(self._graph_body(lambda: self._after_update_now() or np.True_), [], tf.bool,
                                      stateful=True, name="hybridsync_after_update")
+
+        with tf.control_dependencies(list(after)):
+            if self._switch is None:
+                return bridged()
+            return tf.cond(self._switch, lambda: tf.constant(True), bridged, name="hybridsync_after_update_route")
 
     def pull_parameters(self) -> None:
         """The ASP/SSP variables take the servers' current values, pushing nothing (eagerly). Called on
@@ -185,6 +242,7 @@ class GradientBridge:
         if profiler is not None:
             profiler.record_backward(self._backward_start, profiler.now(), self.names)
             self._backward_start = None
+        self.bridged_passes += 1
         present = [(m, g) for m, g in zip(self.mirrors, gradients) if g is not None]
         if present:
             torch.autograd.backward([m for m, _ in present], [g for _, g in present])

@@ -147,6 +147,8 @@ def main() -> None:
         bridges = optimizer.strategy_bridges if args.api.startswith("keras") else list(tapes[-1]._bridges)
         summary["messages"] = sorted(f"{m.config.route_name}:{','.join(p.var_name for p in m.pieces)}"
                                      for b in bridges for m in b.optimizer.plan.messages)
+        summary["horovod_ring"] = [b.horovod_ring for b in bridges]  # the plan runs on Horovod's ops in a graph
+        summary["bridged_passes"] = sum(b.bridged_passes for b in bridges)  # and the passes that did not
     with open(f"{args.prefix}.rank{rank}.json", "w") as out:
         json.dump(summary, out)
 

@@ -58,6 +58,7 @@ class _DistributedOptimizer:
         check_sync_policy(self, options.strategy)  # refuses what Keras cannot run, first
         for bridge in self._hybridsync:
             bridge.optimizer.set_strategy(options.strategy)
+            bridge.refresh_route()  # a traced step syncs by Horovod's ops, or leaves them, from its next run
             bridge.follow()  # a policy that left the learning rate scaled for ASP restores it now
         self._hybridsync.options = options
 

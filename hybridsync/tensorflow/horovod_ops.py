@@ -1,0 +1,98 @@
+"""The ring fast path: a plan that Horovod's TensorFlow ops express exactly runs as those ops, in the graph.
+
+The bridge (``bridge.py``) hands a step's gradients to the torch runtime in one
+``tf.numpy_function`` once the whole backward pass is done, converting each to NumPy and torch
+and back. Horovod's tape instead puts one ``HorovodAllreduce`` op per gradient in the graph:
+TensorFlow's executor starts each as soon as its gradient exists, so communication overlaps
+the rest of the backward pass, and nothing leaves the graph. When every variable of a plan is
+ring all-reduced alone (no partition, no merge, the optimizer's compression) and nothing rides
+along the step (no step hook, one backward pass per step, every rank, not elastic), hybridsync's
+plan *is* Horovod's tape, and the graph syncs with Horovod's own ops (``horovod_core.py`` starts
+their core); anything else keeps the bridge.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from hybridsync.frameworks import Average, Sum, horovod_torch
+from hybridsync.horovod_options import SyncOptions
+from hybridsync.tensorflow.horovod_core import horovod_tensorflow
+from hybridsync.world import elastic_job
+
+_DTYPES = frozenset({"float16", "float32", "float64"})
+"""Element types Horovod's TensorFlow all-reduce takes on the CPU."""
+
+
+def options_allow(options: SyncOptions, optimizer: Any) -> bool:
+    """Whether anything but the plan keeps this bridge off Horovod's ops for good: options Horovod's tape
+    has no op for, a step hook built from the environment (profiler, trials), an elastic job."""
+    from hybridsync.compression import Compression
+    return (options.backward_passes_per_step == 1 and options.process_set is None and options.groups is None
+            and options.op in (Average, Sum) and options.compression in (Compression.none, Compression.fp16)
+            and optimizer.profiler is None and not optimizer.step_hooks and not elastic_job())
+
+
+def plan_expressed(plan: Any, step_hooks: Sequence[Any] = ()) -> bool:
+    """Whether every message of ``plan`` (a ``RoutingPlan``) is one whole variable ring all-reduced with
+    the optimizer's compression, and no step hook (e.g. a Sync-Switch controller) runs."""
+    if step_hooks:
+        return False
+    for message in plan.messages:
+        config = message.config
+        piece = message.pieces[0]
+        if (len(message.pieces) != 1 or not piece.whole or config.route != "allreduce"
+                or config.algorithm != "ring" or config.compression is not None or piece.dtype not in _DTYPES):
+            return False
+    return True
+
+
+def agreed(local: bool) -> bool:
+    """``local`` on every rank (collective): all ranks sync by Horovod's ops, or none does."""
+    import torch
+    hvd = horovod_torch("hybridsync.tensorflow")
+    votes = hvd.allreduce(torch.tensor([int(local)]), op=hvd.Sum, name="hybridsync.tf.horovod_ops")
+    return int(votes.item()) == hvd.size()
+
+
+class HorovodRing:
+    """Horovod's tape's all-reduce of one bridge's gradients, with the bridge's options, as graph ops."""
+
+    def __init__(self, options: SyncOptions, prefix: str) -> None:
+        from hybridsync.compression import Compression
+        self._hvd = horovod_tensorflow(horovod_torch("hybridsync.tensorflow"))
+        self._op = self._hvd.Average if options.op == Average else self._hvd.Sum
+        # As Horovod's tape: an average splits gradient_predivide_factor across pre- and postscale.
+        factor = options.gradient_predivide_factor if options.op == Average else 1.0
+        self._prescale, self._postscale = 1.0 / factor, factor
+        self._compression = (self._hvd.Compression.fp16 if options.compression is Compression.fp16
+                             else self._hvd.Compression.none)
+        self._sparse_as_dense = options.sparse_as_dense
+        self._prefix = prefix
+
+    def allreduce(self, gradients: Sequence[Any], variables: Sequence[tf.Variable],
+                  names: Sequence[str]) -> list[Any]:
+        """Each gradient all-reduced by its own op, named by its variable; a ``None`` gradient takes
+        part with zeros (so no rank waits for it) and stays ``None``."""
+        out: list[Any] = []
+        absent = []
+        for gradient, variable, name in zip(gradients, variables, names):
+            if self._sparse_as_dense and isinstance(gradient, tf.IndexedSlices):
+                gradient = tf.convert_to_tensor(gradient)
+            reduced = self._hvd.allreduce(tf.zeros(variable.shape, variable.dtype) if gradient is None else gradient,
+                                          op=self._op, compression=self._compression, prescale_factor=self._prescale,
+                                          postscale_factor=self._postscale, name=f"{self._prefix}.{name}")
+            if gradient is None:
+                absent.append(reduced)
+            out.append(None if gradient is None else reduced)
+        if absent:  # the zeros' all-reduces run before any result is used
+            with tf.control_dependencies(absent):
+                out = [None if g is None else _identity(g) for g in out]
+        return out
+
+
+def _identity(gradient: Any) -> Any:
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(gradient.values), gradient.indices, gradient.dense_shape)
+    return tf.identity(gradient)
