@@ -376,11 +376,16 @@ def test_the_shipped_dataset_loads_back_into_a_store(tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.xfail(strict=True, reason="issue 21 §3 target not reached: the sweep of 2026-11-25 stopped at 2331 "
-                                       "trials, the generated models on 3 of 4 clusters (scripts/dataset.sh resumes)")
 def test_the_shipped_dataset_reaches_the_issues_size(tmp_path):
-    """Issue 21 §3: >= 3000 successful trials, most models measured on every cluster."""
+    """Issue 21 §3: >= 3000 successful trials (over >= 30 models and >= 4 clusters: the test above)."""
+    ok, _ = shipped_trials(tmp_path)
+    assert len(ok) >= 3000
+
+
+@pytest.mark.unit
+@pytest.mark.xfail(strict=True, reason="the sweep of 2026-11-26 stopped with the generated models on 2x2@250mbit "
+                                       "at 15 of 30 and the zoo not on 2x2@500mbit+2ps (scripts/dataset.sh resumes)")
+def test_most_models_of_the_shipped_dataset_are_measured_on_every_cluster(tmp_path):
     ok, _ = shipped_trials(tmp_path)
     pairs = {(r.model, r.cluster_id) for r in ok}
-    assert len(ok) >= 3000
     assert len(pairs) >= 0.95 * len({r.model for r in ok}) * len({r.cluster_id for r in ok})
