@@ -104,7 +104,7 @@ def tensorflow_worker() -> None:
     from hybridsync.tensorflow.horovod_core import horovod_tensorflow
     hst.init()
     hvd = horovod_tensorflow(hvd_torch)  # Horovod's TensorFlow core, beside hybridsync's
-    width, _ = TF_MODELS[MODEL]
+    width, layers = TF_MODELS[MODEL]
     tf.random.set_seed(0)
     data = [(tf.random.normal((32, width)), tf.random.normal((32, width))) for _ in range(ROUND_STEPS)]
     runs = {}
@@ -112,7 +112,6 @@ def tensorflow_worker() -> None:
         frontend = hvd if name.startswith("horovod") else hst
         runs[name] = _tensorflow_run(frontend, data, TF_STRATEGY if name == "strategy" else None)
         runs[name]()  # warm-up: traces, threads, fusion buffers
-    width, layers = TF_MODELS[MODEL]
     report(rotate(runs, time.process_time), hvd.rank(),
            f"model: keras {MODEL} ({2 * layers} variables, {4 * layers * (width + 1) * width / 1e6:.1f} MB), "
            f"{TF_API} API, TensorFlow {tf.__version__}",

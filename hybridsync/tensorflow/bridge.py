@@ -54,6 +54,11 @@ from hybridsync.world import elastic_job
 _BRIDGE_NUMBERS = itertools.count()
 """Names the ops of each bridge on Horovod's ring: every rank builds its bridges in the same order."""
 
+def _densified(gradients: Sequence[Any]) -> list[Any]:
+    """``gradients`` with each ``tf.IndexedSlices`` made a dense tensor (``sparse_as_dense``)."""
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+
+
 TORCH_DTYPES = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32,
                 tf.float64: torch.float64}
 
@@ -147,15 +152,14 @@ class GradientBridge:
         if len(gradients) != len(self.mirrors):
             raise ValueError(f"{self._owner}: {len(gradients)} gradients for {len(self.mirrors)} variables")
         if self.passthrough:
-            if self._sparse_as_dense:  # as Horovod, which densifies before its size test
-                return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
-            return gradients
+            # as Horovod, which densifies before its size test
+            return _densified(gradients) if self._sparse_as_dense else gradients
         if tf.executing_eagerly():
             synced = self._synchronize_now(gradients)
             self._end_if_run_finished()
             return synced
         if self._horovod is not None and self._sparse_as_dense:  # as Horovod's tape, before anything else
-            gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+            gradients = _densified(gradients)
         if self._horovod is not None and self._switch is None and self.horovod_ring:
             return self._horovod.allreduce(gradients, self.variables, self.names)
         layout = _Layout(gradients)

@@ -31,7 +31,7 @@ def options_allow(options: SyncOptions, optimizer: Any) -> bool:
     from hybridsync.compression import Compression
     return (options.backward_passes_per_step == 1 and options.process_set is None and options.groups is None
             and options.op in (Average, Sum) and options.compression in (Compression.none, Compression.fp16)
-            and optimizer.profiler is None and not optimizer.step_hooks and not elastic_job())
+            and not optimizer.step_hooks and not elastic_job())  # the profiler is a step hook too
 
 
 def plan_expressed(plan: Any, step_hooks: Sequence[Any] = ()) -> bool:
@@ -68,18 +68,16 @@ class HorovodRing:
         self._prescale, self._postscale = 1.0 / factor, factor
         self._compression = (self._hvd.Compression.fp16 if options.compression is Compression.fp16
                              else self._hvd.Compression.none)
-        self._sparse_as_dense = options.sparse_as_dense
         self._prefix = prefix
 
     def allreduce(self, gradients: Sequence[Any], variables: Sequence[tf.Variable],
                   names: Sequence[str]) -> list[Any]:
         """Each gradient all-reduced by its own op, named by its variable; a ``None`` gradient takes
-        part with zeros (so no rank waits for it) and stays ``None``."""
+        part with zeros (so no rank waits for it) and stays ``None``. The bridge has already made
+        sparse gradients dense under ``sparse_as_dense``."""
         out: list[Any] = []
         absent = []
         for gradient, variable, name in zip(gradients, variables, names):
-            if self._sparse_as_dense and isinstance(gradient, tf.IndexedSlices):
-                gradient = tf.convert_to_tensor(gradient)
             reduced = self._hvd.allreduce(tf.zeros(variable.shape, variable.dtype) if gradient is None else gradient,
                                           op=self._op, compression=self._compression, prescale_factor=self._prescale,
                                           postscale_factor=self._postscale, name=f"{self._prefix}.{name}")
