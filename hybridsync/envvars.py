@@ -7,6 +7,8 @@ script works unchanged) and the variables Horovod's launchers set per rank.
 """
 from __future__ import annotations
 
+import os
+
 # --- hybridsync's own -----------------------------------------------------------------
 STRATEGY = "HYBRIDSYNC_STRATEGY"
 """Path of the strategy file every rank loads when the optimizer gets no ``strategy=``."""
@@ -27,6 +29,10 @@ PS_PING_TIMEOUT = "HYBRIDSYNC_PS_PING_TIMEOUT"
 PS_SUPERVISED = "HYBRIDSYNC_PS_SUPERVISED"
 """Set by ``hybridsync-server --supervise`` for the server it runs: the supervisor hosts the
 rendezvous store (server 0's) and replaces the server if it dies."""
+TF_OVERLAP_BYTES = "HYBRIDSYNC_TF_OVERLAP_BYTES"
+"""TensorFlow graphs on the bridge: bytes of gradients per group handed to the runtime while the
+backward pass runs (default ``TF_OVERLAP_BYTES_DEFAULT``); 0 hands them all over after it, at once."""
+TF_OVERLAP_BYTES_DEFAULT = 1 << 20
 PROFILE = "HYBRIDSYNC_PROFILE"
 """Path: profile this single-process job's first ``DistributedOptimizer``, write the model description, exit 0."""
 PROFILE_STEPS = "HYBRIDSYNC_PROFILE_STEPS"
@@ -73,3 +79,18 @@ TRIALS_WARMUP = "HYBRIDSYNC_TRIALS_WARMUP"
 """Steps after each switch that are recorded but not timed."""
 TRIALS_STEPS = "HYBRIDSYNC_TRIALS_STEPS"
 """Timed steps per trial."""
+
+
+def int_from_env(name: str, default: int, minimum: int) -> int:
+    """The integer in environment variable ``name`` (``default`` if unset or empty); ``ValueError``
+    naming the variable for anything else than an integer >= ``minimum``."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum}")
+    return value

@@ -202,6 +202,7 @@ PARTITIONED_RING = {"variables": {"hidden/kernel": {"route": "allreduce", "parti
 @pytest.mark.parametrize("start, switch_to, horovod_ops", [
     (None, PARTITIONED_RING, (True, False)),  # Horovod's ops, then a plan they cannot express
     (PS_BSP, {}, (False, True)),              # the parameter server, then every variable ring all-reduced
+    (PS_BSP, MIXED, (False, False)),          # one plan on the overlapped bridge, then another
 ])
 def test_set_strategy_moves_a_traced_step_between_horovods_ops_and_the_bridge(start, switch_to, horovod_ops, tmp_path,
                                                                               tmp_path_factory):
@@ -216,9 +217,36 @@ def test_set_strategy_moves_a_traced_step_between_horovods_ops_and_the_bridge(st
                    "--switch-at", "3")
     summary = ranks[0]["_summary"]
     assert summary["horovod_ring"] == [horovod_ops[1]]
-    assert summary["bridged_passes"] == (3 if horovod_ops[1] else 5), summary
+    assert summary["bridged_passes"] == (3 if horovod_ops[1] else 5) + 3 * (not any(horovod_ops)), summary
+    assert summary["overlapped_groups"] == summary["bridged_passes"], summary  # by default: 1 MiB, 1 group
     _assert_close(ranks, _reference(tmp_path_factory, "horovod", "keras-fit", "--steps", "8"), EXACT,
                   "horovod.tensorflow")
+
+
+# --- the bridge overlapping the backward pass (issue 24 §4) -------------------------------------
+ONE_CALL = {"HYBRIDSYNC_TF_OVERLAP_BYTES": "0"}
+"""The bridge's graph path as one ``numpy_function`` after the backward pass."""
+PER_VARIABLE = {"HYBRIDSYNC_TF_OVERLAP_BYTES": "1"}
+"""Each gradient handed to the runtime by a call of its own, as the backward pass produces it."""
+
+
+@pytest.mark.parametrize("case, api, flags", [
+    ("ring", "tape-function", ("--unused",)),   # the ring, a kernel in 2 partitions; a None gradient
+    ("mixed", "keras-fit", ()),                 # hierarchical, merged, ps; a sparse gradient
+    ("ps_bsp", "tape-function", ()),            # the parameter server, the embedding in 3 shards
+])
+def test_the_overlapped_bridge_ends_where_one_call_and_horovod_do(case, api, flags, tmp_path, tmp_path_factory):
+    """One ``numpy_function`` per variable during the backward pass, then one that waits: the same
+    variables as the bridge's single call after the backward pass, and as Horovod's."""
+    doc = {"ring": PARTITIONED_RING, "mixed": MIXED, "ps_bsp": PS_BSP}[case]
+    argv = _hybridsync_run(_strategy(tmp_path, doc))
+    one_call = _train(argv, tmp_path / "one", "hybridsync", api, *flags, env=ONE_CALL)
+    overlapped = _train(argv, tmp_path / "overlapped", "hybridsync", api, *flags, env=PER_VARIABLE)
+    assert one_call[0]["_summary"]["overlapped_groups"] == 0
+    assert overlapped[0]["_summary"]["overlapped_groups"] == 6 * 5  # the model's 5; a None gradient: no call
+    assert overlapped[0]["_summary"]["bridged_passes"] == 6
+    _assert_close(overlapped, one_call[0], EXACT, "the bridge's single call")
+    _assert_close(overlapped, _reference(tmp_path_factory, "horovod", api, *flags), EXACT, "horovod.tensorflow")
 
 
 def test_keras_backward_passes_per_step_accumulates_as_horovods(tmp_path, tmp_path_factory):

@@ -54,22 +54,9 @@ def from_environment(named_parameters: Sequence[tuple[str, Any]], num_ranks: int
     if num_ranks > 1:
         raise ValueError(f"{envvars.PROFILE} is set but this job has {num_ranks} ranks: profiling runs on one "
                          f"process, without a launcher (hybridsync profile -o {path} -- python train.py ...)")
-    steps = _int_from_env(envvars.PROFILE_STEPS, envvars.PROFILE_STEPS_DEFAULT, minimum=1)
-    warmup = _int_from_env(envvars.PROFILE_WARMUP, envvars.PROFILE_WARMUP_DEFAULT, minimum=0)
+    steps = envvars.int_from_env(envvars.PROFILE_STEPS, envvars.PROFILE_STEPS_DEFAULT, minimum=1)
+    warmup = envvars.int_from_env(envvars.PROFILE_WARMUP, envvars.PROFILE_WARMUP_DEFAULT, minimum=0)
     return Profiler(path, named_parameters, steps=steps, warmup=warmup, torch_hooks=torch_hooks)
-
-
-def _int_from_env(name: str, default: int, minimum: int) -> int:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum}")
-    return value
 
 
 @dataclasses.dataclass

@@ -37,15 +37,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import tensorflow as tf
 import torch
 
+from hybridsync import envvars
 from hybridsync.hooks import end_run
 from hybridsync.tensorflow.horovod_ops import HorovodRing, agreed, options_allow, plan_expressed
+from hybridsync.tensorflow.layout import Layout, backward_groups, numpy_parts, torch_gradient
 from hybridsync.tensorflow.names import variable_names
 from hybridsync.horovod_options import SyncOptions
 from hybridsync.tensorflow.options import refuse_dynamic_sync
@@ -112,11 +113,15 @@ class GradientBridge:
         self._allow_parameter_exchange = allow_parameter_exchange
         self._follower = follower
         self._sparse_as_dense = options.sparse_as_dense
+        self._overlap_bytes = envvars.int_from_env(envvars.TF_OVERLAP_BYTES, envvars.TF_OVERLAP_BYTES_DEFAULT, 0)
+        """Bytes per group handed over during the backward pass in a graph (0: all at once, after it)."""
         self.check_plan()
         self._backward_start: float | None = None
         self._passes = 0
         self.bridged_passes = 0
         """Backward passes whose gradients went through the torch runtime (not Horovod's ops) so far."""
+        self.overlapped_groups = 0
+        """Groups of gradients handed to the runtime while a graph's backward pass ran, so far."""
         process_set = self.optimizer.process_set
         self.passthrough = (options.backward_passes_per_step == 1 and self.optimizer.profiler is None
                             and not elastic_job() and not (process_set.included() and process_set.size() > 1))
@@ -162,24 +167,46 @@ class GradientBridge:
             gradients = _densified(gradients)
         if self._horovod is not None and self._switch is None and self.horovod_ring:
             return self._horovod.allreduce(gradients, self.variables, self.names)
-        layout = _Layout(gradients)
+        layout = Layout(gradients)
         flat = layout.flatten(gradients)
         if self._switch is not None and flat:
             synced = tf.cond(self._switch,
                              lambda: layout.flatten(self._horovod.allreduce(gradients, self.variables, self.names)),
-                             lambda: self._bridged(flat, layout), name="hybridsync_route")
+                             lambda: self._bridged(gradients, flat, layout), name="hybridsync_route")
         else:
-            synced = self._bridged(flat, layout)
+            synced = self._bridged(gradients, flat, layout)
         for tensor, original, dense in zip(synced, flat, layout.dense_flags):
             # A sparse all-reduce gathers every rank's rows: only the row shape is known.
             tensor.set_shape(original.shape if dense else [None, *original.shape[1:]])
         return layout.rebuild(synced)
 
-    def _bridged(self, flat: list[tf.Tensor], layout: "_Layout") -> list[tf.Tensor]:
-        """The graph's ``tf.numpy_function`` handing ``flat`` to the torch runtime and back."""
-        synced = tf.numpy_function(self._graph_body(lambda *arrays: self._synchronize_arrays(arrays, layout)), flat,
-                                   [t.dtype for t in flat], stateful=True, name="hybridsync_synchronize")
-        return list(synced) if flat else []  # no gradient at all: the rank still takes part, with zeros
+    def _bridged(self, gradients: list[Any], flat: list[tf.Tensor], layout: Layout) -> list[tf.Tensor]:
+        """The graph's ``tf.numpy_function`` calls handing the gradients to the torch runtime and back.
+
+        Overlapped (``_overlap_bytes`` > 0, no profiler): one call per group of gradients, in backward
+        order, each only handing its group to the mirrors (their hooks start the messages it completes,
+        the backends communicate in their threads while TensorFlow computes the earlier layers'
+        gradients), then one call that waits for everything and returns it. Each group's call runs as
+        soon as its gradients exist, after the previous group's (explicit control dependencies: the
+        runtime is not thread-safe, and every rank must start its messages in the same order).
+        Otherwise one call takes every gradient once the backward pass is done."""
+        dtypes = [t.dtype for t in flat]
+        numpy_dtypes = [t.dtype.as_numpy_dtype for t in flat]
+        if not self._overlap_bytes or self.optimizer.profiler is not None:
+            synced = tf.numpy_function(
+                self._graph_body(lambda *arrays: self._synchronize_arrays(arrays, layout, numpy_dtypes)), flat,
+                dtypes, stateful=True, name="hybridsync_synchronize")
+            return list(synced) if flat else []  # no gradient at all: the rank still takes part, with zeros
+        handed: list[tf.Tensor] = []
+        for group in backward_groups(gradients, self._overlap_bytes):
+            part = Layout([gradients[i] for i in group])
+            inputs = part.flatten([gradients[i] for i in group])
+            with tf.control_dependencies(handed[-1:]):
+                handed.append(tf.numpy_function(lambda *arrays, group=group, part=part: self._hand_arrays(
+                    arrays, group, part), inputs, tf.bool, stateful=True, name="hybridsync_hand"))
+        synced = tf.numpy_function(self._graph_body(lambda *_: self._finish_arrays(layout, numpy_dtypes)), handed,
+                                   dtypes, stateful=True, name="hybridsync_synchronize")
+        return list(synced) if flat else []
 
     def refresh_route(self) -> None:
         """Decide again (collective, after ``set_strategy`` on every rank) whether the plan runs on
@@ -229,10 +256,26 @@ class GradientBridge:
             self._backward_start = profiler.now()
 
     # --- the bodies: eager, or inside the graph's numpy_function ------------------------------
-    def _synchronize_arrays(self, arrays: Sequence[np.ndarray], layout: "_Layout") -> list[np.ndarray]:
-        """The body of the graph's ``tf.numpy_function``: NumPy in, NumPy out, as few conversions as
-        possible (they run on every step, on a core the other ranks may be waiting for)."""
-        return layout.to_arrays(self._synchronize_torch(layout.to_torch(arrays, self.mirrors)), arrays)
+    def _synchronize_arrays(self, arrays: Sequence[np.ndarray], layout: Layout,
+                            dtypes: Sequence[np.dtype]) -> list[np.ndarray]:
+        """The body of the graph's one ``tf.numpy_function`` (not overlapped): NumPy in, NumPy out, as
+        few conversions as possible (they run on every step, on a core the other ranks may be waiting for)."""
+        synced = self._synchronize_torch(layout.to_torch(arrays, self.mirrors))
+        return layout.to_arrays(synced, dtypes, copy=bool(self._passes))
+
+    def _hand_arrays(self, arrays: Sequence[np.ndarray], group: Sequence[int], layout: Layout) -> np.ndarray:
+        """The body of an overlapped group's ``tf.numpy_function``: the mirrors ``group`` take their
+        gradients (``arrays``, laid out by ``layout``); their hooks start what they complete."""
+        mirrors = [self.mirrors[i] for i in group]
+        self._hand(mirrors, layout.to_torch(arrays, mirrors))
+        self.overlapped_groups += 1
+        return np.True_
+
+    def _finish_arrays(self, layout: Layout, dtypes: Sequence[np.dtype]) -> list[np.ndarray]:
+        """The body of the overlapped step's last ``tf.numpy_function``, after every group's: the pass
+        ends (``_finish_pass``), its gradients return as NumPy."""
+        synced = self._finish_pass(layout.present)
+        return layout.to_arrays(synced, dtypes, copy=bool(self._passes))
 
     def _synchronize_now(self, gradients: list[Any]) -> list[Any]:
         synced = self._synchronize_torch([None if g is None else _to_torch(g, m)
@@ -246,15 +289,29 @@ class GradientBridge:
         if profiler is not None:
             profiler.record_backward(self._backward_start, profiler.now(), self.names)
             self._backward_start = None
-        self.bridged_passes += 1
         present = [(m, g) for m, g in zip(self.mirrors, gradients) if g is not None]
-        if present:
-            torch.autograd.backward([m for m, _ in present], [g for _, g in present])
+        self._hand([m for m, _ in present], [g for _, g in present])
+        return self._finish_pass([g is not None for g in gradients])
+
+    @staticmethod
+    def _hand(mirrors: list[torch.nn.Parameter], gradients: list[torch.Tensor]) -> None:
+        """``mirrors`` take ``gradients``: accumulated into their ``grad`` by autograd, whose
+        ``AccumulateGrad`` copies a gradient still referenced (``gradients`` is), so the runtime never
+        writes into TensorFlow's memory; the optimizer's hooks mark them ready."""
+        if mirrors:
+            torch.autograd.backward(mirrors, gradients)
+        assert not any(not g.is_sparse and g.numel() and m.grad.data_ptr() == g.data_ptr()
+                       for m, g in zip(mirrors, gradients)), "a mirror's gradient is TensorFlow's buffer"
+
+    def _finish_pass(self, present: Sequence[bool]) -> list[torch.Tensor | None]:
+        """A backward pass whose gradients the mirrors hold ends: on the ``backward_passes_per_step``-th
+        the strategy synchronizes them. Returns each mirror's gradient (``None`` where not ``present``)."""
+        self.bridged_passes += 1
         self._passes += 1
         if self._passes >= self.optimizer.backward_passes_per_step:
             self._passes = 0
             self.optimizer.synchronize()
-        synced = [None if g is None else m.grad for m, g in zip(self.mirrors, gradients)]
+        synced = [m.grad if given else None for m, given in zip(self.mirrors, present)]
         if not self._passes and not self._allow_parameter_exchange:
             self._end_step()  # a tape never sees the update: its step ends with its gradients
         return synced
@@ -373,100 +430,12 @@ def torch_copy(value: Any) -> torch.Tensor:
 def _to_torch(gradient: Any, mirror: torch.nn.Parameter) -> torch.Tensor:
     """An eager TensorFlow gradient (dense or ``IndexedSlices``) as a torch gradient of its own."""
     if isinstance(gradient, tf.IndexedSlices):
-        return _torch_gradient(mirror, gradient.values.numpy(), gradient.indices.numpy())
-    return _torch_gradient(mirror, tf.convert_to_tensor(gradient).numpy())
-
-
-def _torch_gradient(mirror: torch.nn.Parameter, values: np.ndarray,
-                    indices: np.ndarray | None = None) -> torch.Tensor:
-    """A gradient of ``mirror`` with memory of its own (the router writes results into it in place;
-    TensorFlow's arrays stay untouched): dense from ``values``, or sparse from touched rows."""
-    tensor = torch.from_numpy(np.array(values)).to(mirror.dtype)
-    if indices is None:
-        return tensor.reshape(mirror.shape)
-    rows = torch.from_numpy(np.array(indices, dtype=np.int64)).unsqueeze(0)
-    return torch.sparse_coo_tensor(rows, tensor, mirror.shape, check_invariants=False)
-
-
-def _numpy_parts(gradient: torch.Tensor) -> list[np.ndarray]:
-    """A synchronized torch gradient as NumPy views: ``[dense]``, or ``[values, row indices]`` with the
-    gathered rows as they are, repeats included, as Horovod returns them (TensorFlow's optimizers
-    sum repeated rows of an ``IndexedSlices``)."""
-    if gradient.is_sparse:
-        return [gradient._values().numpy(), gradient._indices()[0].numpy()]
-    return [gradient.detach().numpy()]
+        return torch_gradient(mirror, gradient.values.numpy(), gradient.indices.numpy())
+    return torch_gradient(mirror, tf.convert_to_tensor(gradient).numpy())
 
 
 def _to_tensorflow(gradient: torch.Tensor) -> Any:
-    parts = [tf.convert_to_tensor(part) for part in _numpy_parts(gradient)]
+    parts = [tf.convert_to_tensor(part) for part in numpy_parts(gradient)]
     if gradient.is_sparse:
         return tf.IndexedSlices(*parts, tf.constant(list(gradient.shape), dtype=tf.int64))
     return parts[0]
-
-
-class _Layout:
-    """How one step's gradients (dense, ``tf.IndexedSlices`` or ``None``, per variable) travel through
-    ``tf.numpy_function`` as a flat list of tensors: a dense gradient as itself, an ``IndexedSlices``
-    as its values and its (int64) indices, ``None`` not at all. Built when the step is traced."""
-
-    def __init__(self, gradients: Sequence[Any]) -> None:
-        self.kinds: list[tuple[str, Any]] = []
-        """Per gradient: ``("none" | "dense" | "sparse", the IndexedSlices' dense shape or None)``."""
-        self.dense_flags: list[bool] = []
-        """Per flat tensor: a dense gradient (else a sparse one's values or indices)."""
-        for gradient in gradients:
-            if gradient is None:
-                self.kinds.append(("none", None))
-            elif isinstance(gradient, tf.IndexedSlices):
-                self.kinds.append(("sparse", gradient.dense_shape))
-                self.dense_flags += [False, False]
-            else:
-                self.kinds.append(("dense", None))
-                self.dense_flags.append(True)
-
-    def flatten(self, gradients: Sequence[Any]) -> list[tf.Tensor]:
-        flat: list[tf.Tensor] = []
-        for gradient, (kind, _) in zip(gradients, self.kinds):
-            if kind == "sparse":
-                flat += [gradient.values, tf.cast(gradient.indices, tf.int64)]
-            elif kind == "dense":
-                flat.append(tf.convert_to_tensor(gradient))
-        return flat
-
-    def rebuild(self, flat: list[tf.Tensor]) -> list[Any]:
-        """The gradients from a flat list shaped as ``flatten`` makes it."""
-        out: list[Any] = []
-        position = 0
-        for kind, dense_shape in self.kinds:
-            if kind == "none":
-                out.append(None)
-            elif kind == "dense":
-                out.append(flat[position])
-                position += 1
-            else:
-                out.append(tf.IndexedSlices(flat[position], flat[position + 1], dense_shape))
-                position += 2
-        return out
-
-    def to_torch(self, arrays: Sequence[np.ndarray],
-                 mirrors: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-        """Inside the ``numpy_function``: per variable its torch gradient (``_torch_gradient``)."""
-        out: list[torch.Tensor | None] = []
-        position = 0
-        for (kind, _), mirror in zip(self.kinds, mirrors):
-            if kind == "none":
-                out.append(None)
-            elif kind == "dense":
-                out.append(_torch_gradient(mirror, arrays[position]))
-                position += 1
-            else:
-                out.append(_torch_gradient(mirror, arrays[position], arrays[position + 1]))
-                position += 2
-        return out
-
-    def to_arrays(self, gradients: Sequence[torch.Tensor | None], like: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Synchronized torch gradients as the flat NumPy list, copies in ``like``'s dtypes (the flat inputs')."""
-        parts = [part for (kind, _), gradient in zip(self.kinds, gradients) if kind != "none"
-                 for part in _numpy_parts(gradient)]
-        return [np.array(part, dtype=original.dtype) for part, original in zip(parts, like)]
-

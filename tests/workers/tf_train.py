@@ -4,7 +4,7 @@ final variables.
 
     python tf_train.py OUT_PREFIX --impl hybridsync|horovod|single --api tape|tape-function|keras-fit|keras-loop
                        [--steps N] [--compression none|fp16] [--sparse-as-dense] [--optimizer sgd|adam]
-                       [--passes N [--average-aggregated]] [--sync-switch-report]
+                       [--passes N [--average-aggregated]] [--unused] [--sync-switch-report]
 
 ``OUT_PREFIX.rank<r>.npz`` gets the variables by name (and ``OUT_PREFIX.rank<r>.json`` a
 summary). ``--impl single`` runs one process on the whole batch (every rank's shard at once):
@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--switch-at", type=int, default=0)
     parser.add_argument("--passes", type=int, default=1, help="keras APIs: backward_passes_per_step")
     parser.add_argument("--average-aggregated", action="store_true", help="keras APIs: average_aggregated_gradients")
+    parser.add_argument("--unused", action="store_true",
+                        help="tape APIs: one more variable, outside the model, whose gradient is None")
     parser.add_argument("--sync-switch-report", action="store_true",
                         help="hybridsync keras: report the Sync-Switch switches and the learning rate in ASP "
                              "and after a final set_strategy to the ring")
@@ -99,6 +101,8 @@ def main() -> None:
     model((np.zeros((1, 2), np.int32), np.zeros((1, FEATURES), np.float32)))  # create the variables
 
     tapes = []
+    # A variable the loss does not use: its gradient is None, on every rank.
+    trained = model.trainable_variables + ([tf.Variable(tf.ones(3), name="unused")] if args.unused else [])
 
     def tape_step(x, y):
         with tf.GradientTape() as tape:
@@ -106,8 +110,8 @@ def main() -> None:
         if args.impl != "single" and not args.api.startswith("keras"):
             tape = hvd.DistributedGradientTape(tape, compression=compression, **extra)
             tapes.append(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        grads = tape.gradient(loss, trained)
+        optimizer.apply_gradients((g, v) for g, v in zip(grads, trained) if g is not None)
         return loss
 
     if args.api == "keras-fit":
@@ -149,6 +153,7 @@ def main() -> None:
                                      for b in bridges for m in b.optimizer.plan.messages)
         summary["horovod_ring"] = [b.horovod_ring for b in bridges]  # the plan runs on Horovod's ops in a graph
         summary["bridged_passes"] = sum(b.bridged_passes for b in bridges)  # and the passes that did not
+        summary["overlapped_groups"] = sum(b.overlapped_groups for b in bridges)  # handed over during backward
     with open(f"{args.prefix}.rank{rank}.json", "w") as out:
         json.dump(summary, out)
 
