@@ -7,7 +7,7 @@
     OVERHEAD_FRAMEWORK=tensorflow [OVERHEAD_TF_API=keras] .venv/bin/python benchmarks/overhead.py
     sudo OVERHEAD_FRAMEWORK=tensorflow OVERHEAD_MODEL=deep OVERHEAD_CLUSTER=... \
         OVERHEAD_TF_STRATEGY='{"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}' \
-        .venv/bin/python benchmarks/overhead.py     # a 28 MB Keras model, a fourth copy under that strategy
+        .venv/bin/python benchmarks/overhead.py     # a 28 MB Keras model, two more copies under that strategy
 
 On the emulated cluster a PyTorch job's ``HYBRIDSYNC_WAIT`` is ``spin`` unless set (a user's default, where
 the cluster's launchers default to ``sleep``); with ``sleep`` Horovod's optimizer waits through
@@ -52,9 +52,11 @@ FRAMEWORK = os.environ.get("OVERHEAD_FRAMEWORK", "torch")
 TF_API = os.environ.get("OVERHEAD_TF_API", "tape")
 """TensorFlow only: ``tape`` (``DistributedGradientTape``) or ``keras`` (the Keras ``DistributedOptimizer``)."""
 TF_STRATEGY = os.environ.get("OVERHEAD_TF_STRATEGY", "")
-"""TensorFlow only: a strategy (JSON text or file) for a fourth copy, ``strategy``, trained after
-hybridsync's: e.g. one that keeps the bridge, to see what its missing overlap costs."""
-NAMES = ("horovod", "hybridsync", *(("strategy",) if FRAMEWORK == "tensorflow" and TF_STRATEGY else ()), "horovod-2")
+"""TensorFlow only: a strategy (JSON text or file) for two more copies trained after hybridsync's:
+``strategy`` under it, and ``one-call`` under it with ``HYBRIDSYNC_TF_OVERLAP_BYTES=0`` (the bridge's
+single call after the backward pass): e.g. one that keeps the bridge, to see what its overlap gains."""
+NAMES = ("horovod", "hybridsync", *(("strategy", "one-call") if FRAMEWORK == "tensorflow" and TF_STRATEGY else ()),
+         "horovod-2")
 
 
 def build_model():
@@ -101,6 +103,7 @@ def tensorflow_worker() -> None:
     import tensorflow as tf
     import horovod.torch as hvd_torch
     import hybridsync.tensorflow as hst
+    from hybridsync import envvars
     from hybridsync.tensorflow.horovod_core import horovod_tensorflow
     hst.init()
     hvd = horovod_tensorflow(hvd_torch)  # Horovod's TensorFlow core, beside hybridsync's
@@ -110,8 +113,15 @@ def tensorflow_worker() -> None:
     runs = {}
     for name in NAMES:
         frontend = hvd if name.startswith("horovod") else hst
-        runs[name] = _tensorflow_run(frontend, data, TF_STRATEGY if name == "strategy" else None)
+        runs[name] = _tensorflow_run(frontend, data, TF_STRATEGY if name in ("strategy", "one-call") else None)
+        overlap = os.environ.get(envvars.TF_OVERLAP_BYTES)
+        if name == "one-call":
+            os.environ[envvars.TF_OVERLAP_BYTES] = "0"  # read when the bridge is built: in the first step
         runs[name]()  # warm-up: traces, threads, fusion buffers
+        if name == "one-call":
+            os.environ.pop(envvars.TF_OVERLAP_BYTES)
+            if overlap is not None:
+                os.environ[envvars.TF_OVERLAP_BYTES] = overlap
     report(rotate(runs, time.process_time), hvd.rank(),
            f"model: keras {MODEL} ({2 * layers} variables, {4 * layers * (width + 1) * width / 1e6:.1f} MB), "
            f"{TF_API} API, TensorFlow {tf.__version__}",
@@ -195,8 +205,9 @@ def report(measured, rank: int, model: str, world: str, cpu_label: str, wait: st
           f"   CPU {cpu['horovod-2'] / cpu['horovod']:.3f}")
     print(f"ratio hybridsync/horovod = {median['hybridsync'] / hv:.3f}  (target <= 1.03)"
           f"   CPU {cpu['hybridsync'] / hv_cpu:.3f}")
-    if "strategy" in median:
-        print(f"ratio strategy/horovod = {median['strategy'] / hv:.3f}   CPU {cpu['strategy'] / hv_cpu:.3f}")
+    for name in ("strategy", "one-call"):
+        if name in median:
+            print(f"ratio {name}/horovod = {median[name] / hv:.3f}   CPU {cpu[name] / hv_cpu:.3f}")
 
 
 def main() -> None:

@@ -31,7 +31,13 @@ synchronization is real Python at run time, not a traced graph, which is also wh
 XLA-compiled steps (``jit_compile=True``) are refused. ``numpy_function`` rather than
 ``py_function``: it hands over NumPy arrays without wrapping each in an eager tensor (what that
 saves: benchmarks/RESULTS.md, "tensorflow.py"); a step's conversions run on a core that the other
-ranks of a CPU job may be waiting for.
+ranks of a CPU job may be waiting for. ``synchronize`` overlaps the backward pass as Horovod's ops
+do: one ``numpy_function`` per group of gradients (about ``HYBRIDSYNC_TF_OVERLAP_BYTES``, in backward
+order) hands its group to the mirrors as soon as TensorFlow's executor has computed it, so the
+optimizer's hooks start the messages it completes and the backends communicate while the earlier
+layers' gradients are computed; one last ``numpy_function`` waits and returns every gradient. Under
+the profiler (which times the whole backward pass) one call takes them all after the backward pass.
+What crosses between TensorFlow and torch is copied once each way at most (``layout.py``).
 """
 from __future__ import annotations
 
@@ -134,10 +140,13 @@ class GradientBridge:
         may change (``set_strategy``) after its step is traced. A tape's is decided when traced."""
         self.horovod_ring = False
         """The current plan syncs by Horovod's ops in a graph (every rank agreed)."""
-        # An eager tape's bridge lives one step and never runs in a graph: no vote (two collectives) for it.
+        # An eager tape's bridge lives one step and never runs in a graph: no vote (a collective) for it.
         graph_possible = allow_parameter_exchange or not tf.executing_eagerly()
-        if not self.passthrough and graph_possible and agreed(options_allow(options, self.optimizer)):
-            expressed = agreed(plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
+        allowed = expressed = False
+        if not self.passthrough and graph_possible:
+            allowed, expressed = agreed(options_allow(options, self.optimizer),
+                                        plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
+        if allowed:
             # A tape's plan never changes: Horovod's TensorFlow core starts only if its ops will run.
             if expressed or allow_parameter_exchange:
                 self._horovod = HorovodRing(options, prefix=f"hybridsync.tf.{next(_BRIDGE_NUMBERS)}")
@@ -213,7 +222,7 @@ class GradientBridge:
         Horovod's ops: a traced step reads the decision at its next run."""
         if self._horovod is None:
             return
-        self.horovod_ring = agreed(plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
+        self.horovod_ring, = agreed(plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
         if self._switch is not None:
             self._switch.assign(self.horovod_ring)
 

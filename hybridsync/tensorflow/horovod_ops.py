@@ -1,12 +1,12 @@
 """The ring fast path: a plan that Horovod's TensorFlow ops express exactly runs as those ops, in the graph.
 
-The bridge (``bridge.py``) hands a step's gradients to the torch runtime in one
-``tf.numpy_function`` once the whole backward pass is done, converting each to NumPy and torch
-and back. Horovod's tape instead puts one ``HorovodAllreduce`` op per gradient in the graph:
-TensorFlow's executor starts each as soon as its gradient exists, so communication overlaps
-the rest of the backward pass, and nothing leaves the graph. When every variable of a plan is
-ring all-reduced alone (no partition, no merge, the optimizer's compression) and nothing rides
-along the step (no step hook, one backward pass per step, every rank, not elastic), hybridsync's
+The bridge (``bridge.py``) hands a step's gradients to the torch runtime through
+``tf.numpy_function`` calls, group by group as the backward pass produces them, converting each
+to NumPy and torch and back. Horovod's tape instead puts one ``HorovodAllreduce`` op per gradient
+in the graph: TensorFlow's executor starts each as soon as its gradient exists, so communication
+overlaps the rest of the backward pass, and nothing leaves the graph (nor holds the GIL). When
+every variable of a plan is ring all-reduced alone (no partition, no merge, the optimizer's
+compression) and nothing rides along the step (no step hook, one backward pass per step, every rank, not elastic), hybridsync's
 plan *is* Horovod's tape, and the graph syncs with Horovod's own ops (``horovod_core.py`` starts
 their core); anything else keeps the bridge.
 """
@@ -48,12 +48,13 @@ def plan_expressed(plan: Any, step_hooks: Sequence[Any] = ()) -> bool:
     return True
 
 
-def agreed(local: bool) -> bool:
-    """``local`` on every rank (collective): all ranks sync by Horovod's ops, or none does."""
+def agreed(*local: bool) -> tuple[bool, ...]:
+    """Per question, whether ``local`` is true on every rank, in one collective: all ranks sync by
+    Horovod's ops, or none does."""
     import torch
     hvd = horovod_torch("hybridsync.tensorflow")
-    votes = hvd.allreduce(torch.tensor([int(local)]), op=hvd.Sum, name="hybridsync.tf.horovod_ops")
-    return int(votes.item()) == hvd.size()
+    votes = hvd.allreduce(torch.tensor([int(answer) for answer in local]), op=hvd.Sum, name="hybridsync.tf.horovod_ops")
+    return tuple(int(count) == hvd.size() for count in votes.tolist())
 
 
 class HorovodRing:
