@@ -286,6 +286,23 @@ def test_keras_3_works_too(tmp_path, tmp_path_factory):
         _assert_close(ranks, _reference(tmp_path_factory, "single", api, env=keras3), EXACT, "the whole batch")
 
 
+def test_an_active_profiler_keeps_a_traced_step_on_the_bridge(tmp_path):
+    """The profiler is a step hook, and a step hook keeps a graph off Horovod's ops (``options_allow``)
+    and on one bridge call (it times the whole backward pass): profiling ``model.fit``'s traced step in
+    one process describes every variable with the backward pass timed, then ends the run (exit 0)."""
+    from hybridsync.description import load_description
+    description = tmp_path / "model.json"
+    env = {**TF_ENV, "HYBRIDSYNC_PROFILE": str(description), "HYBRIDSYNC_PROFILE_STEPS": "2",
+           "HYBRIDSYNC_PROFILE_WARMUP": "1"}
+    proc = run_job([sys.executable, str(TRAIN), str(tmp_path / "hs"), "--impl", "hybridsync", "--api", "keras-fit"],
+                   timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    model = load_description(description)
+    assert set(model.variables) == {"embedding/embeddings", "hidden/kernel", "hidden/bias", "out/kernel", "out/bias"}
+    assert model.timing is not None and model.timing.backward_s > 0
+    assert not (tmp_path / "hs.rank0.json").exists(), "the run went on after the profile (6 steps, not 3)"
+
+
 # --- errors ------------------------------------------------------------------------------------
 def test_bad_inputs_get_clear_errors(tmp_path):
     out = tmp_path / "errors.json"
