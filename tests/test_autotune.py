@@ -2,6 +2,7 @@
 with the simulator alone, and autotuned strategies run by plain MPI jobs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -67,13 +68,36 @@ def test_the_best_rival_is_the_best_fair_one():
 
 
 @pytest.mark.unit
+def test_the_resolved_tau_counts_only_pairs_the_confirmation_repeats_separate():
+    # Four repeats each: top1 and the fp16 twin overlap (inside the noise); horovod lies above everyone,
+    # allreduce above top1 and the twin. The trials order top1/twin the wrong way, which the plain tau
+    # counts and the resolved tau does not; allreduce vs horovod is ordered the wrong way and counts.
+    result = dataclasses.replace(
+        a_result(),
+        confirmed_repeats_s={"search:top1": [0.150, 0.160, 0.145, 0.155], "baseline:horovod-hierarchical-fp16":
+                             [0.152, 0.158, 0.149, 0.151], "baseline:allreduce": [0.200, 0.205, 0.198, 0.202],
+                             "horovod": [0.240, 0.250, 0.235, 0.245]},
+        trial_s={"search:top1": 0.19, "baseline:horovod-hierarchical-fp16": 0.18, "baseline:allreduce": 0.26,
+                 "horovod": 0.25})
+    assert sorted(result.resolved_pairs()) == sorted([
+        ("search:top1", "baseline:allreduce"), ("search:top1", "horovod"),
+        ("baseline:horovod-hierarchical-fp16", "baseline:allreduce"), ("baseline:horovod-hierarchical-fp16", "horovod"),
+        ("baseline:allreduce", "horovod")])
+    assert result.resolved_tau == pytest.approx((4 - 1) / 5)
+    assert result.kendall_tau == pytest.approx((4 - 2) / 6)
+    too_few = dataclasses.replace(result, confirmed_repeats_s={k: v[:2] for k, v in result.confirmed_repeats_s.items()})
+    assert too_few.resolved_pairs() == [] and too_few.resolved_tau is None  # two repeats cannot resolve anything
+
+
+@pytest.mark.unit
 def test_report_files_say_what_won_over_which_rival_and_how_well_trials_ranked(tmp_path):
     paths = write_report(a_result(), tmp_path / "report")
     assert [p.name for p in paths] == ["report.json", "report.md", "report.png"]
     doc = json.loads(paths[0].read_text())
     assert doc["speedup_over_best_rival"] == pytest.approx(0.17 / 0.15)
     assert doc["best_rival"]["kind"] == "baseline:horovod-hierarchical-fp16" and doc["winner"]["levers"] == ["fp16"]
-    assert doc["kendall_tau"] == {"tau": pytest.approx(1.0), "strategies": 4, "target": 0.8}
+    assert doc["kendall_tau"] == {"tau": pytest.approx(1.0), "strategies": 4, "target": 0.8, "resolved_tau": None,
+                                  "resolved_pairs": 0}  # no repeats recorded: nothing resolved
     assert Strategy.from_dict(doc["winner"]["strategy"]).default.compression == "fp16"
     assert paths[2].stat().st_size > 10_000
     text = markdown(to_dict(a_result()))

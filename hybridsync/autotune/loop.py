@@ -153,14 +153,14 @@ class Autotuner:
             round_index += 1
             if len(self._measured()) >= self.settings.trial_budget:
                 break
-        winner, confirmed, lineup = self._confirm()
+        winner, confirmed, repeats, lineup = self._confirm()
         self.seconds["total"] = time.monotonic() - start
         return AutotuneResult(
             model=self.model, cluster=self.cluster, winner_kind=winner.kind, winner=self._training_strategy(winner),
             winner_levers=baselines.levers(winner.strategy, self.description.variables) | rival_levers(winner.kind),
             trials=self._normalized(self.trials),
-            confirmed_s=confirmed, trial_s={c.kind: self.levels.strategy_s[c.fingerprint] for c in lineup
-                                            if c.fingerprint in self.levels.strategy_s},
+            confirmed_s=confirmed, confirmed_repeats_s=repeats,
+            trial_s={c.kind: self.levels.strategy_s[c.fingerprint] for c in lineup if c.fingerprint in self.levels.strategy_s},
             not_runnable=dict(self.not_runnable), exact=self.settings.exact, seconds=dict(self.seconds),
             job_levels={job: {"level": level.level, "drift_per_min": level.drift_per_min, "trials": level.trials}
                         for job, level in self.levels.jobs.items()})
@@ -260,9 +260,10 @@ class Autotuner:
                   if r.status == "ok" and r.strategy is not None and r.kind.startswith(SEARCH_KIND)}
         return [(s, Strategy.from_dict(search[f])) for f, s in self.levels.ranked(search)][:count]
 
-    def _confirm(self) -> tuple[Candidate, dict[str, float], list[Candidate]]:
+    def _confirm(self) -> tuple[Candidate, dict[str, float], dict[str, list[float]], list[Candidate]]:
         """Measures the best search strategies, the fastest rivals and the reference rows again in one
-        job; returns the fastest of them, every kind's median step time there, and the lineup."""
+        job; returns the fastest of them, every kind's median step time there, each repeat's median
+        per kind, and the lineup."""
         seeds = {c.fingerprint: c.kind.removeprefix(SEARCH_KIND + ":") for c in self.seeds}
         contenders = [Candidate(kind=f"{SEARCH_KIND}:top{i + 1}" + (f":{seeds[s.fingerprint()]}"
                                                                     if s.fingerprint() in seeds else ""), strategy=s)
@@ -274,13 +275,16 @@ class Autotuner:
         self.runner_for(self.settings.confirm_protocol, store).run(schedule)
         self.seconds["confirm"] = time.monotonic() - started
         steps: dict[str, list[float]] = {}
+        repeats: dict[str, list[float]] = {}
         for record in store.trials(model=self.model, cluster=self.cluster.to_dict(), status="ok"):
-            steps.setdefault(record.kind, []).extend(record.timed_steps)
-        confirmed = {kind: statistics.median(times) for kind, times in steps.items() if times}
+            if record.timed_steps:
+                steps.setdefault(record.kind, []).extend(record.timed_steps)
+                repeats.setdefault(record.kind, []).append(statistics.median(record.timed_steps))
+        confirmed = {kind: statistics.median(times) for kind, times in steps.items()}
         if not confirmed:
             raise RuntimeError("the confirmation job measured nothing (every trial failed); see the trial logs")
         fastest = min(confirmed, key=confirmed.__getitem__)
-        return next(c for c in lineup if c.kind == fastest), confirmed, lineup
+        return next(c for c in lineup if c.kind == fastest), confirmed, repeats, lineup
 
     def _fastest_references(self) -> list[Candidate]:
         """The reference rows, and the ``confirm_top`` baselines and fp16 twins the trials found fastest

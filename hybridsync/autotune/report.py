@@ -4,7 +4,8 @@
   and the speedup over it (``hybridsync.autotune.result``: fp16 rivals count when the winner
   uses fp16), the rivals that cannot run on this model and why, the confirmation job's step
   time per kind, the speedup over each, the Kendall tau of the trials' ranking against the
-  confirmation job's, every trial (round, job, kind, predicted, measured and job-normalized
+  confirmation job's (over every strategy in both, and over the pairs the confirmation's repeats
+  resolve beyond its noise), each confirmation repeat's median step time, every trial (round, job, kind, predicted, measured and job-normalized
   step time), every trial job's level and drift, and the wall time of each phase;
 - ``report.md``: the same as tables;
 - ``report.png``: predicted vs measured per trial, and the best step time so far against
@@ -38,7 +39,9 @@ def to_dict(result: AutotuneResult) -> dict[str, Any]:
         "confirmed_s": dict(sorted(result.confirmed_s.items(), key=lambda item: item[1])),
         "trial_s": dict(sorted(result.trial_s.items(), key=lambda item: item[1])),
         "kendall_tau": {"tau": result.kendall_tau, "strategies": len(set(result.trial_s) & set(result.confirmed_s)),
-                        "target": TAU_TARGET},
+                        "target": TAU_TARGET, "resolved_tau": result.resolved_tau,
+                        "resolved_pairs": len(result.resolved_pairs())},
+        "confirmed_repeats_s": result.confirmed_repeats_s,
         "trials": [dataclasses.asdict(t) for t in result.trials],
         "job_levels": result.job_levels,
         "best_so_far_s": result.best_so_far(),
@@ -72,7 +75,7 @@ def markdown(doc: dict[str, Any]) -> str:
     tau = doc["kendall_tau"]
     lines.append("Trials vs confirmation: " + ("too few strategies in both for a Kendall tau" if tau["tau"] is None
                  else f"Kendall tau **{tau['tau']:.2f}** over {tau['strategies']} strategies (target >= "
-                      f"{tau['target']})") + ".")
+                      f"{tau['target']})") + "; " + resolved_tau_text(tau) + ".")
     seconds = doc["seconds"]
     lines += ["", describe_live(doc.get("simulator_accuracy"))]
     lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()), "",
@@ -94,6 +97,14 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {i} | {trial['round']} | {trial['job'] or '-'} | {trial['kind']} | {predicted} | {measured} | "
                      f"{normalized} |")
     return "\n".join(lines) + "\n"
+
+
+def resolved_tau_text(tau: dict[str, Any]) -> str:
+    """The tau over the pairs the confirmation job resolves, said plainly (``AutotuneResult.resolved_tau``)."""
+    if tau.get("resolved_tau") is None:
+        return "the confirmation's repeats resolve no pair of them beyond its noise"
+    return (f"over the {tau['resolved_pairs']} pairs its repeats resolve beyond its noise, tau "
+            f"**{tau['resolved_tau']:.2f}**")
 
 
 def plot(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:

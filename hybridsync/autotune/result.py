@@ -16,6 +16,10 @@ from hybridsync.trials.candidates import is_rival, rival_levers
 
 TAU_TARGET = 0.8
 """Kendall tau between the trials' ranking and the confirmation job's that the loop aims for."""
+RESOLVED_P = 0.05
+"""Significance at which the confirmation job's repeats tell two strategies apart (``resolved_pairs``)."""
+MIN_RESOLVING_REPEATS = 3
+"""Repeats a kind needs in the confirmation job before its pairs can count as resolved."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +55,9 @@ class AutotuneResult:
     trials: list[TrialOutcome]
     confirmed_s: dict[str, float]
     """Kind -> median step time in the confirmation job (all repeats' timed steps)."""
+    confirmed_repeats_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Kind -> each confirmation repeat's median step time, in the order measured: what tells a
+    difference the confirmation job resolves from one inside its noise (``resolved_pairs``)."""
     trial_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Kind -> the trials' step time of the same strategy (normalized), for those the trials measured."""
     not_runnable: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -95,6 +102,33 @@ class AutotuneResult:
         from scipy.stats import kendalltau
         tau = kendalltau([self.trial_s[k] for k in kinds], [self.confirmed_s[k] for k in kinds]).statistic
         return None if tau != tau else float(tau)  # NaN when one side is constant
+
+    def resolved_pairs(self) -> list[tuple[str, str]]:
+        """Pairs ``(faster, slower)`` of kinds measured in the trials and the confirmation job whose
+        confirmation repeats separate them beyond the job's noise (Mann-Whitney U on the repeats'
+        medians, two-sided p < ``RESOLVED_P``: with four repeats each, every repeat of one faster than
+        every repeat of the other). Pairs inside the noise have no order a ranking could reproduce."""
+        from scipy.stats import mannwhitneyu
+        kinds = sorted(kind for kind in self.confirmed_s if kind in self.trial_s
+                       and len(self.confirmed_repeats_s.get(kind, ())) >= MIN_RESOLVING_REPEATS)
+        pairs = []
+        for i, a in enumerate(kinds):
+            for b in kinds[i + 1:]:
+                ra, rb = self.confirmed_repeats_s[a], self.confirmed_repeats_s[b]
+                if mannwhitneyu(ra, rb, alternative="two-sided").pvalue < RESOLVED_P:
+                    pairs.append((a, b) if self.confirmed_s[a] < self.confirmed_s[b] else (b, a))
+        return pairs
+
+    @property
+    def resolved_tau(self) -> float | None:
+        """Kendall tau over the ``resolved_pairs`` only: (pairs the trials order as the confirmation
+        does - pairs they order the other way) / resolved pairs; ``None`` when there are none."""
+        pairs = self.resolved_pairs()
+        if not pairs:
+            return None
+        agree = sum(1 if self.trial_s[fast] < self.trial_s[slow] else -1 if self.trial_s[fast] > self.trial_s[slow]
+                    else 0 for fast, slow in pairs)
+        return agree / len(pairs)
 
     def best_so_far(self) -> list[float]:
         """Fastest (normalized) step time measured after each trial, in the order measured (seconds)."""

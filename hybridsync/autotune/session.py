@@ -100,7 +100,8 @@ def autotune(description: Any, cluster: Any, *, target: Any, workload: Any, sett
     write_report(result, report_dir)
     tau = result.kendall_tau
     print(f"autotune: {result.verdict()}; trials vs confirmation Kendall tau "
-          f"{'-' if tau is None else f'{tau:.2f}'}; {len(result.trials)} trials, {result.seconds['total']:.0f} s; "
+          f"{'-' if tau is None else f'{tau:.2f}'} (over the pairs it resolves: "
+          f"{'-' if result.resolved_tau is None else f'{result.resolved_tau:.2f}'}); {len(result.trials)} trials, {result.seconds['total']:.0f} s; "
           f"report in {report_dir}")
     return result
 
