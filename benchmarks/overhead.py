@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 from provenance import print_header
 from steps import timed_steps
@@ -114,14 +115,9 @@ def tensorflow_worker() -> None:
     for name in NAMES:
         frontend = hvd if name.startswith("horovod") else hst
         runs[name] = _tensorflow_run(frontend, data, TF_STRATEGY if name in ("strategy", "one-call") else None)
-        overlap = os.environ.get(envvars.TF_OVERLAP_BYTES)
-        if name == "one-call":
-            os.environ[envvars.TF_OVERLAP_BYTES] = "0"  # read when the bridge is built: in the first step
-        runs[name]()  # warm-up: traces, threads, fusion buffers
-        if name == "one-call":
-            os.environ.pop(envvars.TF_OVERLAP_BYTES)
-            if overlap is not None:
-                os.environ[envvars.TF_OVERLAP_BYTES] = overlap
+        # one-call: no overlap, read when its bridge is built (in this first step), the user's setting after it
+        with mock.patch.dict(os.environ, {envvars.TF_OVERLAP_BYTES: "0"} if name == "one-call" else {}):
+            runs[name]()  # warm-up: traces, threads, fusion buffers
     report(rotate(runs, time.process_time), hvd.rank(),
            f"model: keras {MODEL} ({2 * layers} variables, {4 * layers * (width + 1) * width / 1e6:.1f} MB), "
            f"{TF_API} API, TensorFlow {tf.__version__}",

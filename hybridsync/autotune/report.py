@@ -5,8 +5,9 @@
   uses fp16), the rivals that cannot run on this model and why, the confirmation job's step
   time per kind, the speedup over each, the Kendall tau of the trials' ranking against the
   confirmation job's (over every strategy in both, and over the pairs the confirmation's repeats
-  resolve beyond its noise), each confirmation repeat's median step time, every trial (round, job, kind, predicted, measured and job-normalized
-  step time), every trial job's level and drift, and the wall time of each phase;
+  resolve beyond its noise), each confirmation repeat's median step time, every trial (round,
+  job, kind, predicted, measured and job-normalized step time), every trial job's level and
+  drift, and the wall time of each phase;
 - ``report.md``: the same as tables;
 - ``report.png``: predicted vs measured per trial, and the best step time so far against
   trials measured, with the best fair rival's line.

@@ -98,10 +98,10 @@ def autotune(description: Any, cluster: Any, *, target: Any, workload: Any, sett
                           with_horovod=isinstance(workload, ZooWorkload), confirm_store=confirm_store)
         result = tuner.run()
     write_report(result, report_dir)
-    tau = result.kendall_tau
+    tau, resolved = result.kendall_tau, result.resolved_tau
     print(f"autotune: {result.verdict()}; trials vs confirmation Kendall tau "
           f"{'-' if tau is None else f'{tau:.2f}'} (over the pairs it resolves: "
-          f"{'-' if result.resolved_tau is None else f'{result.resolved_tau:.2f}'}); {len(result.trials)} trials, {result.seconds['total']:.0f} s; "
-          f"report in {report_dir}")
+          f"{'-' if resolved is None else f'{resolved:.2f}'}); {len(result.trials)} trials, "
+          f"{result.seconds['total']:.0f} s; report in {report_dir}")
     return result
 

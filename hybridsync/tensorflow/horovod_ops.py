@@ -6,9 +6,9 @@ to NumPy and torch and back. Horovod's tape instead puts one ``HorovodAllreduce`
 in the graph: TensorFlow's executor starts each as soon as its gradient exists, so communication
 overlaps the rest of the backward pass, and nothing leaves the graph (nor holds the GIL). When
 every variable of a plan is ring all-reduced alone (no partition, no merge, the optimizer's
-compression) and nothing rides along the step (no step hook, one backward pass per step, every rank, not elastic), hybridsync's
-plan *is* Horovod's tape, and the graph syncs with Horovod's own ops (``horovod_core.py`` starts
-their core); anything else keeps the bridge.
+compression) and nothing rides along the step (no step hook, one backward pass per step, every
+rank, not elastic), hybridsync's plan *is* Horovod's tape, and the graph syncs with Horovod's own
+ops (``horovod_core.py`` starts their core); anything else keeps the bridge.
 """
 from __future__ import annotations
 
