@@ -11,7 +11,7 @@ from scipy.stats import kendalltau
 from hybridsync.strategy import Strategy
 from hybridsync.trials.candidates import Candidate
 from hybridsync.trials.levels import fit_levels, fit_levels_by_group, normalize_records
-from hybridsync.trials.runner import blocked_schedule
+from hybridsync.trials.runner import blocked_schedule, shuffled_passes
 from hybridsync.trials.store import TrialRecord
 
 pytestmark = pytest.mark.unit
@@ -150,3 +150,14 @@ def test_rechecks_are_spread_over_the_passes_and_may_make_a_job_of_their_own():
     alone = blocked_schedule([], [c("a")], rechecks=[c("r0")])
     assert [s.kind for s in alone] == ["control:a", "control:r0", "control:a"]
     assert [s.kind for s in blocked_schedule([], [], rechecks=[c("r0")])] == ["control:r0"]
+
+
+def test_shuffled_passes_measure_each_strategy_once_per_pass_after_varying_neighbours():
+    lineup = [Candidate(kind=f"k{i}", strategy=None) for i in range(6)]
+    schedule = shuffled_passes(lineup, 4, np.random.default_rng(0))
+    passes = [schedule[i:i + 6] for i in range(0, 24, 6)]
+    assert all(sorted(c.kind for c in one) == [c.kind for c in lineup] for one in passes)
+    predecessors = {(a.kind, b.kind) for a, b in zip(schedule, schedule[1:])}
+    assert len(predecessors) > 10, "a fixed order would repeat the same 5 neighbour pairs"
+    with pytest.raises(ValueError, match="repeats"):
+        shuffled_passes(lineup, 0, np.random.default_rng(0))

@@ -22,7 +22,7 @@ only once (``recheck``), and one short job after the last round does so for that
 
 Rounds go on until ``trial_budget`` strategies have been measured (rivals included).
 Then one confirmation job measures the best few search strategies, plain Horovod and the
-fastest rivals of each kind again, interleaved and ``confirm_repeats`` times each, so the
+fastest rivals of each kind again, ``confirm_repeats`` times each in passes of shuffled order, so the
 final comparison comes from one job, side by side. The winner is the fastest of that job,
 rivals included: an autotuned run is never slower than the best hand-made choice by more
 than that job's noise. The result (``hybridsync.autotune.result``) names the best fair rival
@@ -47,7 +47,7 @@ from hybridsync.description import ModelDescription, description_id
 from hybridsync.strategy import Strategy
 from hybridsync.trials.candidates import Candidate, is_rival, rival_levers, rivals
 from hybridsync.trials.levels import JobLevels, fit_levels
-from hybridsync.trials.runner import DEFAULT_BLOCK_SIZE, TrialProtocol, TrialRunner
+from hybridsync.trials.runner import DEFAULT_BLOCK_SIZE, TrialProtocol, TrialRunner, shuffled_passes
 from hybridsync.trials.store import HOROVOD_FP16_KIND, HOROVOD_KIND, TrialRecord, TrialStore, is_control
 
 __all__ = ["AutotuneResult", "AutotuneSettings", "Autotuner", "TrialOutcome", "propose"]
@@ -86,9 +86,10 @@ class AutotuneSettings:
     autotune's trials, while the third-fastest of a kind by the trials never won it."""
     confirm_protocol: TrialProtocol = TrialProtocol(warmup_steps=3, timed_steps=10)
     confirm_repeats: int = 4
-    """Times each confirmation candidate is measured, interleaved (A B C A B C ...): on shared cores
-    the step time drifts by +-15% within a job, and four short passes average that drift out
-    better than two long ones for the same steps."""
+    """Times each confirmation candidate is measured, in passes over the lineup (each pass in its own
+    random order, ``trials.runner.shuffled_passes``): on shared cores the step time drifts by +-15%
+    within a job, and four short passes average that drift out better than two long ones for the
+    same steps."""
     calibrate: bool = True
     """Before the first search, measure the cluster's collectives in a seconds-long job
     (``model.calibration``) so that the simulator prices its paths as measured, not as its spec says."""
@@ -310,7 +311,7 @@ class Autotuner:
                                                                     if s.fingerprint() in seeds else ""), strategy=s)
                       for i, (_, s) in enumerate(self._best_measured(self.settings.confirm_top))]
         lineup = self._fastest_references() + contenders
-        schedule = lineup * self.settings.confirm_repeats
+        schedule = shuffled_passes(lineup, self.settings.confirm_repeats, self.rng)
         store = self.confirm_store or TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-confirm-"), "confirm.db"))
         started = time.monotonic()
         self.runner_for(self.settings.confirm_protocol, store).run(schedule)

@@ -31,6 +31,8 @@ import time
 import uuid
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
+
 from hybridsync import envvars
 
 from hybridsync.trials.candidates import Candidate
@@ -106,6 +108,16 @@ def blocked_schedule(candidates: Sequence[Candidate], controls: Sequence[Candida
     for index, block in enumerate(blocks):
         schedule += one_pass + checks[index::len(blocks)] + block
     return schedule + one_pass
+
+
+def shuffled_passes(lineup: Sequence[Candidate], repeats: int, rng: np.random.Generator) -> list[Candidate]:
+    """``repeats`` passes over ``lineup`` in one job, each pass in its own random order: a side-by-side
+    comparison (the autotune's confirmation job) in which no strategy always follows the same
+    neighbour, so that what one strategy leaves behind (buffers, caches, a server's state) does not
+    always land on the same other one."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    return [lineup[index] for _ in range(repeats) for index in rng.permutation(len(lineup))]
 
 
 class Workload(Protocol):
