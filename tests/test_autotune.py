@@ -275,3 +275,42 @@ def test_autotune_on_hosts_from_the_config_alone(tmp_path):
     assert not any(kind.endswith("-fp16") for kind in doc["confirmed_s"]), "exact: no fp16 twin among the rivals"
     assert doc["best_rival"]["kind"].startswith("baseline:")
     assert final_loss(proc.stdout) < 0.5
+
+
+@pytest.mark.unit
+def test_rechecks_are_the_best_search_strategies_measured_once_less_the_controls(tmp_path):
+    import datetime
+    from hybridsync.autotune.loop import Autotuner
+    from hybridsync.description import description_id, load_description
+    from hybridsync.trials.store import TrialRecord, TrialStore
+    description = load_description(DESCRIPTIONS / "ncf.json")
+    store = TrialStore(str(tmp_path / "trials.db"))
+    store.add_description(description_id(description), description.name, description.to_dict())
+    tuner = Autotuner(description=description, cluster=CLUSTER, store=store, runner_for=lambda *_: None,
+                      settings=AutotuneSettings(recheck=2), progress=False)
+    rival = next(c for c in tuner.references if c.strategy is not None)
+    searched = [dataclasses.replace(c, kind="search:r0") for c in tuner.seeds[:5]]
+    assert len(searched) == 5
+    start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+
+    def add(candidate, seconds: float, job: str, minute: int) -> None:
+        at = start + datetime.timedelta(minutes=minute)
+        store.add(TrialRecord(uid=f"{job}-{minute}", model=tuner.model, description_id=description_id(description),
+                              cluster=CLUSTER.to_dict(), kind=candidate.kind,
+                              strategy=candidate.strategy.to_dict(), fingerprint=candidate.fingerprint, status="ok",
+                              reason=None, warmup_steps=0, step_times=[seconds] * 3, versions={},
+                              started=at.isoformat(), finished=at.isoformat(), host="h", job=job))
+    add(rival.as_control(), 0.30, "j0", 0)
+    for minute, (candidate, seconds) in enumerate(zip(searched, [0.20, 0.21, 0.22, 0.23, 0.24]), start=1):
+        add(candidate, seconds, "j0", minute)
+    add(rival.as_control(), 0.30, "j0", 9)
+    add(searched[1].as_control(), 0.21, "j1", 10)  # rechecked once already in another job
+    add(rival.as_control(), 0.30, "j1", 11)
+    tuner._refit()
+    picked = tuner._rechecks([rival, searched[0]])  # the incumbent is a control: measured in every pass anyway
+    assert [c.fingerprint for c in picked] == [searched[2].fingerprint, searched[3].fingerprint]
+    assert all(c.kind == "search:r0" and c.strategy is not None for c in picked)
+    assert Autotuner(description=description, cluster=CLUSTER, store=store, runner_for=lambda *_: None,
+                     settings=AutotuneSettings(recheck=0), progress=False)._rechecks([]) == []
+    with pytest.raises(ValueError, match="recheck"):
+        AutotuneSettings(recheck=-1)

@@ -38,7 +38,7 @@ def test_autotune_picks_measures_and_trains_with_a_winner(tmp_path):
         assert not doc["best_rival"]["kind"].endswith("-fp16"), "an fp16 twin is no fair rival of an exact winner"
     assert any(kind.endswith("-fp16") for kind in doc["confirmed_s"]), "the fp16 twins are confirmed too"
     assert doc["kendall_tau"]["strategies"] >= 3 and -1.0 <= doc["kendall_tau"]["tau"] <= 1.0
-    assert set(doc["job_levels"]) == {t["job"] for t in doc["trials"]}
+    assert {t["job"] for t in doc["trials"]} <= set(doc["job_levels"])  # and the last round's recheck job
     assert (report / "report.png").stat().st_size > 10_000 and (report / "report.md").exists()
     assert doc["seconds"]["calibrate"] > 0 and "calibration failed" not in proc.stdout  # measured before the search
     assert "Simulator accuracy on these trials" in (report / "report.md").read_text()

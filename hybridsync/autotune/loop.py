@@ -16,7 +16,9 @@ Step times of different jobs are not comparable on shared cores, so every trial 
 re-measures controls between blocks of ``block_size`` candidates: the best rival so far and
 the incumbent best (in the first round, the rival the simulator expects to be fastest). The
 loop ranks strategies by ``hybridsync.trials.levels`` (each job's level and drift taken out),
-and the simulator is refit on those normalized times.
+and the simulator is refit on those normalized times. The best of many strategies measured once
+is mostly the luckiest, so each job also measures again the best few search strategies measured
+only once (``recheck``), and one short job after the last round does so for that round's finds.
 
 Rounds go on until ``trial_budget`` strategies have been measured (rivals included).
 Then one confirmation job measures the best few search strategies, plain Horovod and the
@@ -72,6 +74,11 @@ class AutotuneSettings:
     """Per search trial: the dataset's protocol, which ranks like 10 + 40 up to the noise floor."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Candidates between two passes over the controls in a trial job."""
+    recheck: int = 3
+    """Best search strategies measured only once that each later job measures again (and one short
+    job after the last round, before the confirmation): the best of ~30 trials measured once is
+    mostly the luckiest (a trial's noise is ~11% here), and looked 9-39% better in the trials than in
+    the confirmation job; a second measurement in another job tells lucky from fast."""
     confirm_top: int = 2
     """Best measured search strategies measured again in the confirmation job; as many of the
     fastest baselines, and of their fp16 twins (by the trials), join them, and the reference rows.
@@ -92,6 +99,8 @@ class AutotuneSettings:
                              f"{self.per_round}, {self.search_budget}")
         if self.confirm_top < 1 or self.confirm_repeats < 1 or self.block_size < 1:
             raise ValueError("confirm_top, confirm_repeats and block_size must be >= 1")
+        if self.recheck < 0:
+            raise ValueError(f"recheck must be >= 0, got {self.recheck}")
 
 
 class Autotuner:
@@ -153,6 +162,7 @@ class Autotuner:
             round_index += 1
             if len(self._measured()) >= self.settings.trial_budget:
                 break
+        self._recheck_last(round_index)
         winner, confirmed, repeats, lineup = self._confirm()
         self.seconds["total"] = time.monotonic() - start
         return AutotuneResult(
@@ -188,8 +198,10 @@ class Autotuner:
     def _measure(self, batch: list[Candidate], round_index: int) -> None:
         predicted = self.simulator.predict(self.description, self.cluster, [self._as_simulated(c) for c in batch])
         started = time.monotonic()
-        self.runner_for(self.settings.protocol, self.store).run(batch, controls=self._controls(round_index),
-                                                               block_size=self.settings.block_size)
+        controls = self._controls(round_index)
+        self.runner_for(self.settings.protocol, self.store).run(batch, controls=controls,
+                                                               block_size=self.settings.block_size,
+                                                               rechecks=self._rechecks(controls))
         self.seconds["trials"] += time.monotonic() - started
         by_fingerprint = {r.fingerprint: r for r in self._records() if not is_control(r.kind)}
         for candidate, guess in zip(batch, predicted):
@@ -199,6 +211,35 @@ class Autotuner:
                                             predicted_s=float(guess), measured_s=record.median_s if ok else None,
                                             reason=None if ok else (record.reason if record else "not measured"),
                                             job=record.job if record else None))
+
+    def _rechecks(self, controls: Sequence[Candidate]) -> list[Candidate]:
+        """The ``settings.recheck`` fastest search strategies (at an average job's level) measured in one
+        trial only, less this job's ``controls`` (they are measured in every pass anyway)."""
+        if self.settings.recheck == 0:
+            return []
+        counts: dict[str, int] = {}
+        search: dict[str, TrialRecord] = {}
+        for record in self._records():
+            if record.status == "ok":
+                counts[record.fingerprint] = counts.get(record.fingerprint, 0) + 1
+                if record.kind.startswith(SEARCH_KIND) and record.strategy is not None:
+                    search[record.fingerprint] = record
+        skip = {c.fingerprint for c in controls}
+        once = [f for f, _ in self.levels.ranked(search) if counts[f] == 1 and f not in skip]
+        return [Candidate(kind=search[f].kind, strategy=Strategy.from_dict(search[f].strategy))
+                for f in once[:self.settings.recheck]]
+
+    def _recheck_last(self, rounds: int) -> None:
+        """After the last round: one short job re-measures the best search strategies it left measured
+        once (that round's own finds), so that they reach the confirmation on two measurements too."""
+        controls = self._controls(rounds)
+        rechecks = self._rechecks(controls)
+        if not rechecks:
+            return
+        started = time.monotonic()
+        self.runner_for(self.settings.protocol, self.store).run([], controls=controls, rechecks=rechecks)
+        self.seconds["trials"] += time.monotonic() - started
+        self._refit()
 
     def _controls(self, round_index: int) -> list[Candidate]:
         """What a round's job re-measures between its blocks: the best rival so far and the incumbent

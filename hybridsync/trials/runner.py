@@ -84,17 +84,27 @@ drift, long enough that they cost less than half of its trials (two controls per
 
 
 def blocked_schedule(candidates: Sequence[Candidate], controls: Sequence[Candidate],
-                     block_size: int = DEFAULT_BLOCK_SIZE) -> list[Candidate]:
+                     block_size: int = DEFAULT_BLOCK_SIZE, rechecks: Sequence[Candidate] = ()) -> list[Candidate]:
     """A job's schedule: a pass over the controls, ``block_size`` candidates, a pass, ... and a last
-    pass (control trials have kind ``control:<kind>``). Without controls: the candidates as they are."""
+    pass (control trials have kind ``control:<kind>``). Without controls: the candidates as they are.
+
+    ``rechecks`` (strategies measured before, in other jobs) are measured once each, as control
+    trials too, spread over the passes: a strategy measured once is as likely to have been lucky as
+    fast, and a second measurement in another job tells which."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if not controls or not candidates:
+    if not controls and not rechecks:
         return list(candidates)
+    blocks = [list(candidates[start:start + block_size]) for start in range(0, len(candidates), block_size)]
+    if not blocks:
+        if not rechecks:
+            return []
+        blocks = [[]]
     one_pass = [control.as_control() for control in controls]
+    checks = [candidate.as_control() for candidate in rechecks]
     schedule: list[Candidate] = []
-    for start in range(0, len(candidates), block_size):
-        schedule += one_pass + list(candidates[start:start + block_size])
+    for index, block in enumerate(blocks):
+        schedule += one_pass + checks[index::len(blocks)] + block
     return schedule + one_pass
 
 
@@ -176,27 +186,34 @@ class TrialRunner:
         return [c for c in candidates if c.fingerprint not in done]
 
     def run(self, candidates: Sequence[Candidate], on_trial: Callable[[TrialRecord], None] = lambda r: None,
-            *, controls: Sequence[Candidate] = (), block_size: int = DEFAULT_BLOCK_SIZE) -> RunSummary:
+            *, controls: Sequence[Candidate] = (), block_size: int = DEFAULT_BLOCK_SIZE,
+            rechecks: Sequence[Candidate] = ()) -> RunSummary:
         """Measures every pending candidate; ``on_trial`` sees each candidate's record once it is stored.
 
         With ``controls``, every job re-measures them in passes between blocks of ``block_size``
         candidates (``blocked_schedule``), stored as ``control:<kind>`` trials of that job, so that
-        ``hybridsync.trials.levels`` can put the jobs' step times on one level. A control that
-        fails is recorded and left out of the run's later jobs.
+        ``hybridsync.trials.levels`` can put the jobs' step times on one level. ``rechecks`` are
+        strategies measured once more each, also as control trials (a job runs for them alone if no
+        candidate is pending). A control or recheck that fails is recorded and left out of the run's
+        later jobs.
         """
         start, remaining = time.monotonic(), self.pending(candidates)
         controls = list(controls)
+        rechecks = [c for c in rechecks if c.fingerprint not in {control.fingerprint for control in controls}]
         skipped, records, jobs, false_starts, control_trials = len(candidates) - len(remaining), [], 0, 0, 0
-        while remaining:
+        while remaining or rechecks:
             jobs += 1
             job_id = uuid.uuid4().hex[:12]
-            schedule = blocked_schedule(remaining, controls, block_size)
+            schedule = blocked_schedule(remaining, controls, block_size, rechecks)
             measured, failure, started = self._run_job(job_id, schedule, on_trial)
             mine = [r for _, r in measured if not is_control(r.kind)]
             control_trials += len(measured) - len(mine)
             records += mine
             remaining = remaining[len(mine):]  # the schedule keeps the candidates' order
-            if failure is None or not remaining:
+            done = {c.fingerprint for c, r in measured if is_control(r.kind)}
+            rechecks = [c for c in rechecks if c.fingerprint not in done]
+            if failure is None or not (remaining or rechecks):
+                rechecks = []  # a job that ended cleanly measured its whole schedule
                 continue
             if not started:
                 false_starts += 1
@@ -211,6 +228,7 @@ class TrialRunner:
             self.store.add(failed)
             if is_control(culprit.kind):
                 controls = [c for c in controls if c.fingerprint != culprit.fingerprint]
+                rechecks = [c for c in rechecks if c.fingerprint != culprit.fingerprint]
                 continue
             on_trial(failed)
             records.append(failed)
