@@ -20,7 +20,9 @@ For each model, on one emulated cluster that lives for the model's whole run:
    so ``ceiling`` = rival / local bounds what any strategy can gain over that rival here: below 1.2x
    the target cannot be met on this cell; above it, the gap is room the search leaves. ``comm share``
    = (rival - local) / rival is the part of the rival's step that is communication not hidden
-   behind compute; ``x rival (ceiling job)`` is the winner's speedup measured again in that job.
+   behind compute; ``x rival (ceiling job)`` is the winner's speedup measured again in that job. When
+   a rival won the autotune, "rival" in both ratios is the faster of it and the next fair rival,
+   and the table names the rival of a column when it is not the confirmation job's best.
 
 Every ratio comes from one job. The printed table: the winner and the levers it uses, its
 speedup over the best *fair* rival (confirmation job: plain Horovod and every baseline, plus
@@ -153,8 +155,10 @@ def measure_ceiling(target: EmulatedTarget, model: str, description, result, ref
     print(f"{model}: ceiling job, {WINNER} vs {rival.kind} vs {LOCAL_KIND}, {COMPARE_REPEATS} repeats", flush=True)
     measured = side_by_side(target, model, description, lineup, os.path.join(workdir, f"ceiling-{model}.db"), workdir)
     rival_s, local_s, winner_s = (measured.get(kind) for kind in (rival.kind, LOCAL_KIND, WINNER))
-    best_s = min(rival_s, winner_s) if is_rival(result.winner_kind) and rival_s and winner_s else rival_s
-    return {"rival": rival.kind, "ms": {kind: s * 1e3 for kind, s in measured.items()},
+    over, best_s = rival.kind, rival_s
+    if is_rival(result.winner_kind) and rival_s and winner_s and winner_s < rival_s:
+        over, best_s = result.winner_kind, winner_s
+    return {"rival": rival.kind, "ceiling_over": over, "ms": {kind: s * 1e3 for kind, s in measured.items()},
             "ceiling": best_s / local_s if best_s and local_s else None,
             "winner_vs_rival": rival_s / winner_s if rival_s and winner_s else None,
             "comm_share": (best_s - local_s) / best_s if best_s and local_s else None}
@@ -220,6 +224,7 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
             "confirm_ms": {k: v * 1e3 for k, v in result.confirmed_s.items()},
             "ceiling": (ceiling or {}).get("ceiling"), "winner_vs_rival": (ceiling or {}).get("winner_vs_rival"),
             "comm_share": (ceiling or {}).get("comm_share"), "ceiling_rival": (ceiling or {}).get("rival"),
+            "ceiling_over": (ceiling or {}).get("ceiling_over"),
             "ceiling_ms": (ceiling or {}).get("ms", {})}
 
 
@@ -239,8 +244,9 @@ def table(rows: list[dict]) -> str:
                      f"{r['best_rival']} | {r['speedup_over_best_rival']:.2f}x | "
                      f"{tuned} | {r['speedup']:.2f}x | {tau} | {r['trials']} | "
                      f"{r['autotune_s']:.0f} | {r.get('load', 0):.0f} | {space} | {pairwise} | "
-                     f"{_ratio(r.get('ceiling'))}{_named(r.get('ceiling_rival'), r.get('best_rival'))} | "
-                     f"{_ratio(r.get('winner_vs_rival'))} | {_share(r.get('comm_share'))} |")
+                     f"{_ratio(r.get('ceiling'))}{_named(r.get('ceiling_over'), r.get('best_rival'))} | "
+                     f"{_ratio(r.get('winner_vs_rival'))}{_named(r.get('ceiling_rival'), r.get('best_rival'))} | "
+                     f"{_share(r.get('comm_share'))} |")
     reached = sum(r["speedup"] >= TARGET_SPEEDUP for r in rows)
     never_slower = all(r["speedup"] >= TOLERANCE for r in rows)
     taus = [r["tau"] for r in rows if r["tau"] is not None]
@@ -268,7 +274,7 @@ def _share(value: float | None) -> str:
 
 
 def _named(rival: str | None, best_rival: str | None) -> str:
-    """The ceiling job's rival, when it is not the confirmation job's best fair rival (a rival won)."""
+    """A ceiling job's rival, when it is not the confirmation job's best fair rival (a rival won)."""
     return f" (vs {rival})" if rival and rival != best_rival else ""
 
 
