@@ -13,7 +13,16 @@ For each model, on one emulated cluster that lives for the model's whole run:
 3. Horovod's own autotuner (``HOROVOD_AUTOTUNE=1``, what ``horovodrun --autotune`` sets) on plain
    Horovod training of the same model; its best fusion threshold / cycle time / cache setting
    from the autotune log then applies to a second side-by-side job: Horovod with those settings
-   vs the winner and the best baseline, interleaved, under the same settings.
+   vs the winner and the best baseline, interleaved, under the same settings;
+4. the ceiling (unless ``--no-ceiling``): one more side-by-side job of the winner, the best fair rival
+   (the next one when a rival won) and the local step, the same model, batches and optimizer with
+   no gradient synchronized at all (``local-no-sync``). No strategy is faster than the local step,
+   so ``ceiling`` = rival / local bounds what any strategy can gain over that rival here: below 1.2x
+   the target cannot be met on this cell; above it, the gap is room the search leaves. ``comm share``
+   = (rival - local) / rival is the part of the rival's step that is communication not hidden
+   behind compute; ``x rival (ceiling job)`` is the winner's speedup measured again in that job. When
+   a rival won the autotune, "rival" in both ratios is the faster of it and the next fair rival,
+   and the table names the rival of a column when it is not the confirmation job's best.
 
 Every ratio comes from one job. The printed table: the winner and the levers it uses, its
 speedup over the best *fair* rival (confirmation job: plain Horovod and every baseline, plus
@@ -46,16 +55,18 @@ from hybridsync.autotune.result import TAU_TARGET  # noqa: E402
 from hybridsync.autotune.session import autotune  # noqa: E402
 from hybridsync.cluster.spec import ClusterSpec  # noqa: E402
 from hybridsync.description import description_id, load_description  # noqa: E402
-from hybridsync.trials.candidates import Candidate, rivals  # noqa: E402
+from hybridsync.trials.candidates import Candidate, is_rival, rivals  # noqa: E402
 from hybridsync.trials.jobs import EmulatedTarget  # noqa: E402
-from hybridsync.trials.runner import EnvWorkload, TrialProtocol, TrialRunner, ZooWorkload  # noqa: E402
-from hybridsync.trials.store import HOROVOD_KIND, TrialStore, cluster_label  # noqa: E402
+from hybridsync.trials.runner import EnvWorkload, TrialRunner, Workload, ZooWorkload  # noqa: E402
+from hybridsync.trials.store import HOROVOD_KIND, LOCAL_KIND, TrialStore, cluster_label  # noqa: E402
 
 DATASET = next((path for path in (os.path.join(REPO, "data", name) for name in ("trials.jsonl.gz", "trials.jsonl"))
                 if os.path.exists(path)), os.path.join(REPO, "data", "trials.jsonl.gz"))
 """The shipped dataset (gzipped once the dataset is regenerated, plain text before)."""
 DESCRIPTIONS = os.path.join(REPO, "data", "descriptions")
 HOROVOD_TUNED = "horovod-autotuned"
+WINNER = "winner"
+"""Kind of the autotune's winner in the side-by-side jobs."""
 COMPARE_PROTOCOL = AutotuneSettings().confirm_protocol
 COMPARE_REPEATS = AutotuneSettings().confirm_repeats
 TARGET_SPEEDUP, TOLERANCE = 1.2, 0.97
@@ -108,20 +119,61 @@ def horovod_autotune(target: EmulatedTarget, model: str, steps: int, workdir: st
     return tuned
 
 
-def compare_with_tuned_horovod(target: EmulatedTarget, model: str, description, tuned: dict[str, str],
-                               contenders: list[Candidate], workdir: str) -> dict[str, float]:
-    """One job under Horovod's tuned settings: Horovod, the winner and the best baseline, interleaved
-    as in the autotuner's confirmation job."""
-    lineup = [Candidate(kind=HOROVOD_TUNED, strategy=None), *contenders] * COMPARE_REPEATS
-    with TrialStore(os.path.join(workdir, f"compare-{model}.db")) as store:
+def side_by_side(target: EmulatedTarget, model: str, description, lineup: list[Candidate], store_path: str,
+                 workdir: str, workload: Workload | None = None) -> dict[str, float]:
+    """One job measuring ``lineup`` interleaved, ``COMPARE_REPEATS`` times, as the autotuner's
+    confirmation job does, into its own store; returns every kind's median step time (seconds) over
+    the timed steps of all its repeats (a kind whose trials all failed is missing)."""
+    with TrialStore(store_path) as store:
         runner = TrialRunner(model=model, description_id=description_id(description), target=target, store=store,
-                             protocol=COMPARE_PROTOCOL, workdir=workdir,
-                             workload=EnvWorkload(ZooWorkload(model), tuple(sorted(tuned.items()))))
-        runner.run(lineup)
+                             protocol=COMPARE_PROTOCOL, workdir=workdir, workload=workload or ZooWorkload(model))
+        runner.run(list(lineup) * COMPARE_REPEATS)
         steps: dict[str, list[float]] = {}
         for record in store.trials(status="ok"):
             steps.setdefault(record.kind, []).extend(record.timed_steps)
     return {kind: statistics.median(times) for kind, times in steps.items()}
+
+
+def compare_with_tuned_horovod(target: EmulatedTarget, model: str, description, tuned: dict[str, str],
+                               contenders: list[Candidate], workdir: str) -> dict[str, float]:
+    """One job under Horovod's tuned settings: Horovod, the winner and the best baseline, side by side."""
+    return side_by_side(target, model, description, [Candidate(kind=HOROVOD_TUNED, strategy=None), *contenders],
+                        os.path.join(workdir, f"compare-{model}.db"), workdir,
+                        EnvWorkload(ZooWorkload(model), tuple(sorted(tuned.items()))))
+
+
+def measure_ceiling(target: EmulatedTarget, model: str, description, result, references: list[Candidate],
+                    workdir: str) -> dict | None:
+    """The winner, the best fair rival other than itself (``runner_up_rival``) and the local step, side
+    by side (module docstring, step 4); ``None`` when no such rival was confirmed. When a rival won
+    the autotune, the best fair rival of this job is the faster of the two rows."""
+    runner_up = result.runner_up_rival
+    if runner_up is None:
+        return None
+    rival = next(c for c in references if c.kind == runner_up[0])
+    lineup = [Candidate(kind=WINNER, strategy=result.winner), rival, Candidate(kind=LOCAL_KIND, strategy=None)]
+    print(f"{model}: ceiling job, {WINNER} vs {rival.kind} vs {LOCAL_KIND}, {COMPARE_REPEATS} repeats", flush=True)
+    measured = side_by_side(target, model, description, lineup, os.path.join(workdir, f"ceiling-{model}.db"), workdir)
+    rival_s, local_s, winner_s = (measured.get(kind) for kind in (rival.kind, LOCAL_KIND, WINNER))
+    over, best_s = rival.kind, rival_s
+    if is_rival(result.winner_kind) and rival_s and winner_s and winner_s < rival_s:
+        over, best_s = result.winner_kind, winner_s
+    return {"rival": rival.kind, "ceiling_over": over, "ms": {kind: s * 1e3 for kind, s in measured.items()},
+            "ceiling": best_s / local_s if best_s and local_s else None,
+            "winner_vs_rival": rival_s / winner_s if rival_s and winner_s else None,
+            "comm_share": (best_s - local_s) / best_s if best_s and local_s else None}
+
+
+def add_to_report(report_dir: str, key: str, value: dict) -> None:
+    """``value`` under ``key`` in the model's ``report.json`` (written by the autotune), if there is one."""
+    path = os.path.join(report_dir, "report.json")
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        report = json.load(handle)
+    report[key] = value
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
 
 
 def simulator_pairwise(trials) -> float | None:
@@ -144,18 +196,21 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
                           store_url=os.path.join(out, "trials.db"), report_dir=out, simulator=simulator,
                           workdir=out)
         autotune_s = time.monotonic() - started
+        references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact)
         tuned, compared = {}, {}
         if args.horovod_autotune_steps > 0:
             tuned = horovod_autotune(target, model, args.horovod_autotune_steps, out)
             best_kind, _ = result.best_rival
-            contenders = [Candidate(kind="winner", strategy=result.winner)]
+            contenders = [Candidate(kind=WINNER, strategy=result.winner)]
             if best_kind != HOROVOD_KIND and best_kind != result.winner_kind:
-                references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact)
                 contenders.append(next(c for c in references if c.kind == best_kind))
             compared = compare_with_tuned_horovod(target, model, description, tuned, contenders, out)
+        ceiling = None if args.no_ceiling else measure_ceiling(target, model, description, result, references, out)
+        if ceiling is not None:
+            add_to_report(out, "ceiling", ceiling)
     best_kind, best_s = result.best_rival
     over_rivals = best_s / result.confirmed_s[result.winner_kind]
-    over_tuned = compared[HOROVOD_TUNED] / compared["winner"] if compared else None
+    over_tuned = compared[HOROVOD_TUNED] / compared[WINNER] if compared else None
     return {"model": model, "mode": "exact" if args.exact else "default", "winner": result.winner_kind,
             "winner_levers": sorted(result.winner_levers), "best_rival": best_kind,
             "speedup_over_best_rival": over_rivals, "speedup_over_horovod_autotune": over_tuned,
@@ -166,13 +221,18 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
             "phases_s": dict(result.seconds), "load": os.getloadavg()[0],
             "space": dataset_headroom(model, cluster, dataset), "sim_pairwise": simulator_pairwise(result.trials),
             "best_so_far_ms": [b * 1e3 for b in result.best_so_far()], "compare_ms": {k: v * 1e3 for k, v in compared.items()},
-            "confirm_ms": {k: v * 1e3 for k, v in result.confirmed_s.items()}}
+            "confirm_ms": {k: v * 1e3 for k, v in result.confirmed_s.items()},
+            "ceiling": (ceiling or {}).get("ceiling"), "winner_vs_rival": (ceiling or {}).get("winner_vs_rival"),
+            "comm_share": (ceiling or {}).get("comm_share"), "ceiling_rival": (ceiling or {}).get("rival"),
+            "ceiling_over": (ceiling or {}).get("ceiling_over"),
+            "ceiling_ms": (ceiling or {}).get("ms", {})}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | mode | winner (levers) | best fair rival (confirm job) | x rival | x Horovod autotune | x (min) | "
-             "tau (resolved pairs) | trials | autotune s | load | space | sim pairwise |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "tau (resolved pairs) | trials | autotune s | load | space | sim pairwise | ceiling (rival / local) | "
+             "x rival (ceiling job) | comm share of rival |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         space = "-" if r["space"] is None else f"{r['space']:.2f}x"
         pairwise = "-" if r["sim_pairwise"] is None else f"{r['sim_pairwise']:.2f}"
@@ -183,7 +243,10 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['mode']} | {r['winner']} ({', '.join(r['winner_levers']) or 'none'}) | "
                      f"{r['best_rival']} | {r['speedup_over_best_rival']:.2f}x | "
                      f"{tuned} | {r['speedup']:.2f}x | {tau} | {r['trials']} | "
-                     f"{r['autotune_s']:.0f} | {r.get('load', 0):.0f} | {space} | {pairwise} |")
+                     f"{r['autotune_s']:.0f} | {r.get('load', 0):.0f} | {space} | {pairwise} | "
+                     f"{_ratio(r.get('ceiling'))}{_named(r.get('ceiling_over'), r.get('best_rival'))} | "
+                     f"{_ratio(r.get('winner_vs_rival'))}{_named(r.get('ceiling_rival'), r.get('best_rival'))} | "
+                     f"{_share(r.get('comm_share'))} |")
     reached = sum(r["speedup"] >= TARGET_SPEEDUP for r in rows)
     never_slower = all(r["speedup"] >= TOLERANCE for r in rows)
     taus = [r["tau"] for r in rows if r["tau"] is not None]
@@ -192,8 +255,27 @@ def table(rows: list[dict]) -> str:
               + (f"{min(taus):.2f}-{max(taus):.2f} (target >= {TAU_TARGET})" if taus else "-")
               + "; over the pairs each confirmation resolves: " + (", ".join(
                   f"{r['model']} {r['resolved_tau']:.2f}" for r in rows if r.get("resolved_tau") is not None) or "-")]
+    ceilings = [r for r in rows if r.get("ceiling") is not None]
+    if ceilings:
+        capped = [r["model"] for r in ceilings if r["ceiling"] < TARGET_SPEEDUP]
+        lines.append(f"ceiling (best fair rival / local step, no synchronization): >= {TARGET_SPEEDUP}x on "
+                     f"{len(ceilings) - len(capped)} of {len(ceilings)} models"
+                     + (f"; no strategy can reach {TARGET_SPEEDUP}x on {', '.join(capped)}" if capped else ""))
     lines += [f"not runnable: {r['model']}: {kind}: {reason}" for r in rows for kind, reason in r["not_runnable"].items()]
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _named(rival: str | None, best_rival: str | None) -> str:
+    """A ceiling job's rival, when it is not the confirmation job's best fair rival (a rival won)."""
+    return f" (vs {rival})" if rival and rival != best_rival else ""
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -222,6 +304,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exact", action="store_true", help="autotune in exact mode (no fp16, BSP only): the "
                         "rivals are then plain Horovod and the baselines")
+    parser.add_argument("--no-ceiling", action="store_true", help="skip the ceiling job (winner, best fair rival "
+                        "and the local step without synchronization, side by side)")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "hybridsync-autotune-bench"))
     args = parser.parse_args()
     from hybridsync.autotune.session import load_cluster

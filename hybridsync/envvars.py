@@ -70,6 +70,9 @@ lets a test kill a writer mid-transaction, or make writers contend for the lock)
 TRIAL_FAULT = "HYBRIDSYNC_TRIAL_FAULT"
 """Fault injection for the trial runner's tests (``hybridsync.trials.worker``): comma-separated
 ``KIND:crash`` / ``KIND:hang`` make the last rank exit (or stop responding) at a candidate of that kind."""
+TRIAL_REPLICA_SUMS = "HYBRIDSYNC_TRIAL_REPLICA_SUMS"
+"""``1``: the trial worker also reports every rank's sum of the trained parameters after each trial
+(its tests check that synchronized copies stay equal across ranks and the local step's do not)."""
 TRIALS = "HYBRIDSYNC_TRIALS"
 """Schedule (JSON lines) of strategies a training script's optimizer measures in flight
 (``hybridsync.hooks.trials``); set by the trial runner for ``hybridsync-run --autotune``."""

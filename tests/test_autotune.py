@@ -68,6 +68,19 @@ def test_the_best_rival_is_the_best_fair_one():
 
 
 @pytest.mark.unit
+def test_the_runner_up_rival_is_the_best_fair_rival_unless_a_rival_won():
+    fp16 = a_result()
+    assert fp16.runner_up_rival == fp16.best_rival == ("baseline:horovod-hierarchical-fp16", 0.17)
+    rival_won = dataclasses.replace(fp16, winner_kind="baseline:horovod-hierarchical-fp16")
+    assert rival_won.best_rival == ("baseline:horovod-hierarchical-fp16", 0.17)  # the winner itself
+    assert rival_won.runner_up_rival == ("baseline:allreduce", 0.20)  # the next fair one, not the search's 0.15
+    exact = dataclasses.replace(a_result(levers=frozenset()), winner_kind="baseline:allreduce")
+    assert exact.runner_up_rival == ("horovod", 0.24)  # the fp16 twin is still no fair rival
+    alone = dataclasses.replace(exact, confirmed_s={"baseline:allreduce": 0.2, "search:top1": 0.3})
+    assert alone.runner_up_rival is None
+
+
+@pytest.mark.unit
 def test_the_resolved_tau_counts_only_pairs_the_confirmation_repeats_separate():
     # Four repeats each: top1 and the fp16 twin overlap (inside the noise); horovod lies above everyone,
     # allreduce above top1 and the twin. The trials order top1/twin the wrong way, which the plain tau

@@ -1,15 +1,20 @@
 """Fair rivals in a real 2-rank job: the baselines' fp16 twins and Horovod's own fp16 optimizer run
-where fp16 runs, and are refused (as a failed trial, the job going on) where Horovod's cannot."""
+where fp16 runs, and are refused (as a failed trial, the job going on) where Horovod's cannot; the
+local step (no synchronization) is measured beside them, and really leaves the ranks apart."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
+from hybridsync import envvars
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.strategy import Strategy
 from hybridsync.trials.candidates import Candidate, rival_levers, rivals
 from hybridsync.trials.jobs import HostsTarget
-from hybridsync.trials.runner import TrialProtocol, TrialRunner, ZooWorkload
-from hybridsync.trials.store import HOROVOD_FP16_KIND, HOROVOD_KIND, TrialStore
+from hybridsync.trials.runner import EnvWorkload, TrialProtocol, TrialRunner, ZooWorkload
+from hybridsync.trials.store import HOROVOD_FP16_KIND, HOROVOD_KIND, LOCAL_KIND, TrialStore
 from hybridsync.zoo import describe
 
 pytestmark = pytest.mark.multiprocess
@@ -18,20 +23,49 @@ SPEC = ClusterSpec(nodes=1, workers_per_node=2, inter_node_bandwidth="1gbit", se
 
 
 def measure_fp16_rivals(tmp_path, model: str) -> tuple[dict, dict[str, str], dict]:
-    """Every fp16 rival of ``model`` (plus Horovod's fp16 row even where it is known not to run, and
-    plain Horovod after it), measured in one job with 1 + 3 steps each."""
+    """Every fp16 rival of ``model`` (plus Horovod's fp16 row even where it is known not to run, then
+    the local step and plain Horovod), measured in one job with 1 + 3 steps each; ``info`` holds each
+    kind's per-rank parameter sums after its trial (``replica_sums``)."""
     variables = describe(model)
     candidates, not_runnable = rivals(variables, SPEC, horovod=True, fp16=True)
     schedule = [c for c in candidates if rival_levers(c.kind)]
     if all(c.kind != HOROVOD_FP16_KIND for c in schedule):
         schedule.append(Candidate(kind=HOROVOD_FP16_KIND, strategy=None))
-    schedule.append(Candidate(kind=HOROVOD_KIND, strategy=None))
+    schedule += [Candidate(kind=LOCAL_KIND, strategy=None), Candidate(kind=HOROVOD_KIND, strategy=None)]
     protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=90, start_timeout_s=180)
     with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
         runner = TrialRunner(model=model, description_id=f"{model}-0", target=target, store=store,
-                             protocol=protocol, workdir=str(tmp_path), workload=ZooWorkload(model))
+                             protocol=protocol, workdir=str(tmp_path),
+                             workload=EnvWorkload(ZooWorkload(model), ((envvars.TRIAL_REPLICA_SUMS, "1"),)))
         summary = runner.run(schedule)
-        return {r.kind: r for r in store.trials()}, not_runnable, {"summary": summary, "variables": variables}
+        return {r.kind: r for r in store.trials()}, not_runnable, {"summary": summary, "variables": variables,
+                                                                    "sums": replica_sums(tmp_path)}
+
+
+def replica_sums(workdir: Path) -> dict[str, list[float]]:
+    """Kind -> every rank's sum of the trained parameters after its trial, from the jobs' files."""
+    sums = {}
+    for results in Path(workdir).glob("*.results.jsonl"):
+        schedule = results.with_name(results.name.replace(".results.", ".schedule."))
+        kinds = [json.loads(line)["kind"] for line in schedule.read_text().splitlines() if line.strip()]
+        for event in map(json.loads, results.read_text().splitlines()):
+            if event["event"] == "trial" and "replica_sums" in event:
+                sums[kinds[event["index"]]] = event["replica_sums"]
+    return sums
+
+
+def assert_only_the_local_step_leaves_the_ranks_apart(records: dict, sums: dict[str, list[float]]) -> None:
+    """The local step is measured like any trial, and its copies differ across ranks after it (no
+    gradient was synchronized); every synchronized copy stays equal across ranks."""
+    local = records[LOCAL_KIND]
+    assert local.status == "ok" and len(local.step_times) == 4 and local.median_s > 0, local.reason
+    assert local.strategy is None and local.fingerprint == LOCAL_KIND
+    first, second = sums[LOCAL_KIND]
+    assert abs(first - second) > 1e-6 * abs(first), "the ranks' local copies are equal: something synchronized them"
+    synchronized = [kind for kind, record in records.items() if record.status == "ok" and kind != LOCAL_KIND]
+    assert HOROVOD_KIND in synchronized and set(synchronized) <= set(sums)
+    for kind in synchronized:
+        assert sums[kind][0] == pytest.approx(sums[kind][1], rel=1e-9), kind
 
 
 def test_fp16_rivals_of_a_dense_model_validate_and_run(tmp_path):
@@ -47,6 +81,7 @@ def test_fp16_rivals_of_a_dense_model_validate_and_run(tmp_path):
             strategy.validate_for(info["variables"])
             assert all(strategy.config_for(name).compression == "fp16" for name in info["variables"])
     assert info["summary"].jobs == 1
+    assert_only_the_local_step_leaves_the_ranks_apart(records, info["sums"])
 
 
 def test_fp16_rivals_of_a_sparse_model_run_where_horovod_fp16_can_and_are_refused_where_not(tmp_path):
@@ -63,3 +98,4 @@ def test_fp16_rivals_of_a_sparse_model_run_where_horovod_fp16_can_and_are_refuse
         for name, variable in info["variables"].items():  # fp16 on every dense gradient, none on sparse ones
             assert (strategy.config_for(name).compression == "fp16") != variable.sparse
     assert info["summary"].jobs == 1
+    assert_only_the_local_step_leaves_the_ranks_apart(records, info["sums"])

@@ -26,8 +26,8 @@ from hybridsync import envvars
 from hybridsync.cli import main as cli_main
 from hybridsync.run import procs
 from hybridsync.trials.dataset import format_table, summarize
-from hybridsync.trials.store import (SCHEMA_VERSION, TrialRecord, TrialStore, cluster_id, quantile,
-                                     store_path)
+from hybridsync.trials.store import (HOROVOD_KIND, LOCAL_KIND, SCHEMA_VERSION, TrialRecord, TrialStore, cluster_id,
+                                     quantile, store_path)
 
 C1G = {"nodes": 2, "workers_per_node": 2, "inter_node_bandwidth": "1gbit", "servers_per_node": 1}
 C200M = {**C1G, "inter_node_bandwidth": "200mbit"}
@@ -133,6 +133,29 @@ def test_stats_table_names_best_baseline_and_best_trial(tmp_path: Path, capsys) 
     row = next(line.split() for line in table.splitlines() if "2x2@1gbit" in line and "ncf" in line)
     assert row == ["ncf", "2x2@1gbit+1ps", "5", "1", "ps", "90.0", "100.0", "random", "70.0", "1.29x", "1.43x",
                    f"{ncf.medians_p90_p10:.2f}x"]
+
+
+@pytest.mark.unit
+def test_a_local_step_is_no_strategy_summaries_levels_and_samples_leave_it_out(tmp_path: Path) -> None:
+    from hybridsync.model.simulator import load_samples
+    from hybridsync.trials.candidates import Candidate
+    from hybridsync.trials.levels import fit_levels
+    url = str(tmp_path / "t.db")
+    hand_made(url)
+    local = dataclasses.replace(trial(10), kind=LOCAL_KIND, strategy=None, fingerprint=LOCAL_KIND)  # fastest of all
+    candidate = Candidate(kind=LOCAL_KIND, strategy=None)
+    assert candidate.fingerprint == candidate.as_control().fingerprint == LOCAL_KIND
+    assert candidate.fingerprint != Candidate(kind=HOROVOD_KIND, strategy=None).fingerprint  # not stored as Horovod
+    with TrialStore(url) as store:
+        store.add(local)
+        records = store.trials(model="ncf", cluster=C1G)
+        ncf = summarize(store.trials())[0]
+        samples = load_samples(store, model="ncf")
+    assert local.uid in {r.uid for r in records}
+    assert (ncf.ok, ncf.best_kind, ncf.best_s) == (5, "random", pytest.approx(0.07))
+    assert set(fit_levels(records).strategy_s) == {r.fingerprint for r in records if r.status == "ok"} - {LOCAL_KIND}
+    assert samples and all(sample.kind != LOCAL_KIND for sample in samples)
+    assert sum(sample.kind == HOROVOD_KIND for sample in samples) == 1
 
 
 @pytest.mark.unit

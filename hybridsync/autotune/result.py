@@ -81,6 +81,13 @@ class AutotuneResult:
         return min(rivals.items(), key=lambda item: item[1]) if rivals else None
 
     @property
+    def runner_up_rival(self) -> tuple[str, float] | None:
+        """The fastest fair rival that is not the winner itself: ``best_rival``, or when a rival won
+        the confirmation job, the next one (what a side-by-side run of the winner should face)."""
+        rivals = {kind: s for kind, s in self.fair_rivals.items() if kind != self.winner_kind}
+        return min(rivals.items(), key=lambda item: item[1]) if rivals else None
+
+    @property
     def speedup(self) -> float | None:
         """Best fair rival's confirmed step time over the winner's (> 1: the winner is faster)."""
         best = self.best_rival

@@ -42,6 +42,7 @@ from hybridsync.model.encoding import ModelArrays, StrategyBatch, Units, from_st
 from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
 from hybridsync.model.links import LinkConstants, mean_deviation, nominal_links, relative_links
 from hybridsync.strategy import Strategy
+from hybridsync.trials.store import is_local
 
 Kind = Literal["both", "xgboost", "analytic"]
 Target = Literal["centered", "log_ratio"]
@@ -143,8 +144,10 @@ def load_samples(store: Any, *, model: str | None = None, cluster: Any = None) -
 
 def samples_from_records(records: Iterable[Any], descriptions: Mapping[str, ModelDescription]) -> list[Sample]:
     """``Sample``s of trial records (``TrialRecord``) that have timed steps; ``ValueError`` for a
-    record whose description is missing."""
-    kept = [record for record in records if record.status == "ok" and record.median_s]
+    record whose description is missing. Local-step rows (``LOCAL_KIND``) are left out: they
+    synchronize nothing, so they are no strategy's step time (their null strategy would read as
+    plain Horovod's)."""
+    kept = [record for record in records if record.status == "ok" and record.median_s and not is_local(record.kind)]
     for record in kept:
         if record.description_id not in descriptions:
             raise ValueError(f"trial {record.uid} ({record.model}): its description {record.description_id} "

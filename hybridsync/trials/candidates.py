@@ -15,7 +15,8 @@ from hybridsync import baselines
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.strategy_space import bounds_for, random_strategy
 from hybridsync.strategy import Strategy
-from hybridsync.trials.store import BASELINE_PREFIX, CONTROL_PREFIX, HOROVOD_FP16_KIND, HOROVOD_KIND, base_kind
+from hybridsync.trials.store import (BASELINE_PREFIX, CONTROL_PREFIX, HOROVOD_FP16_KIND, HOROVOD_KIND, LOCAL_KIND,
+                                     base_kind)
 from hybridsync.variables import VariableInfo
 
 HOROVOD_FINGERPRINT = "horovod"
@@ -29,13 +30,15 @@ class Candidate:
 
     kind: str
     strategy: Strategy | None
-    """``None`` only for the plain-Horovod reference row."""
+    """``None`` only for the reference rows: plain Horovod (any other kind), ``horovod-fp16`` and
+    ``local-no-sync``."""
 
     @property
     def fingerprint(self) -> str:
         if self.strategy is not None:
             return self.strategy.fingerprint()
-        return HOROVOD_FP16_KIND if base_kind(self.kind) == HOROVOD_FP16_KIND else HOROVOD_FINGERPRINT
+        kind = base_kind(self.kind)
+        return kind if kind in (HOROVOD_FP16_KIND, LOCAL_KIND) else HOROVOD_FINGERPRINT
 
     def as_control(self) -> "Candidate":
         """This strategy, re-measured as a control between a job's candidates (``control:<kind>``)."""

@@ -13,7 +13,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from hybridsync.trials.store import BASELINE_PREFIX, HOROVOD_KIND, TrialRecord, base_kind, cluster_label, quantile
+from hybridsync.trials.store import (BASELINE_PREFIX, HOROVOD_KIND, TrialRecord, base_kind, cluster_label, is_local,
+                                     quantile)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,10 +60,13 @@ class Summary:
 
 
 def summarize(records: Iterable[TrialRecord]) -> list[Summary]:
-    """One summary per (model, cluster), sorted by model then cluster label."""
+    """One summary per (model, cluster), sorted by model then cluster label. Local-step rows
+    (``LOCAL_KIND``) are left out: a step that synchronizes nothing is no strategy, and would
+    always be the "best trial"."""
     groups: dict[tuple[str, str], list[TrialRecord]] = defaultdict(list)
     for record in records:
-        groups[record.model, cluster_label(record.cluster)].append(record)
+        if not is_local(record.kind):
+            groups[record.model, cluster_label(record.cluster)].append(record)
     return [_summary(model, cluster, groups[model, cluster]) for model, cluster in sorted(groups)]
 
 

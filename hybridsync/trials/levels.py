@@ -28,7 +28,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from hybridsync.trials.store import TrialRecord
+from hybridsync.trials.store import TrialRecord, is_local
 
 HUBER_SCALE = 0.05
 """Residual (in log step time) beyond which a trial's weight falls: about one trial's noise
@@ -101,8 +101,9 @@ def trial_time(record: TrialRecord) -> float:
 
 def fit_levels(records: Iterable[TrialRecord], *, drift: bool = True) -> JobLevels:
     """Fits strategy times and job levels (module docstring) to the successful trials of
-    ``records``, which must all be of one model on one cluster (``ValueError`` otherwise)."""
-    timed = [r for r in records if r.status == "ok" and r.median_s]
+    ``records``, which must all be of one model on one cluster (``ValueError`` otherwise). Local-step
+    rows (``LOCAL_KIND``) are no strategy: they get no time here, so nothing ranks them."""
+    timed = [r for r in records if r.status == "ok" and r.median_s and not is_local(r.kind)]
     if len({(r.model, r.cluster_id) for r in timed}) > 1:
         raise ValueError("fit_levels: the records mix models or clusters; fit each (model, cluster) apart "
                          "(fit_levels_by_group)")

@@ -50,6 +50,11 @@ HOROVOD_KIND = "horovod"
 """``kind`` of the plain ``horovod.torch.DistributedOptimizer`` reference row."""
 HOROVOD_FP16_KIND = "horovod-fp16"
 """``kind`` of the reference row with Horovod's own ``compression=hvd.Compression.fp16``."""
+LOCAL_KIND = "local-no-sync"
+"""``kind`` of the local-step reference row: the model's plain torch optimizer, gradients never
+synchronized (every rank trains alone). No strategy can be faster, so it measures the ceiling of
+what any strategy can gain on a cluster; it is a benchmark's reference, not a strategy: the
+simulator's samples, the job levels and the dataset's summaries leave it out."""
 BASELINE_PREFIX = "baseline:"
 """``kind`` of a baseline is ``baseline:<name>`` (``+``-joined when builders coincide)."""
 CONTROL_PREFIX = "control:"
@@ -72,6 +77,11 @@ def is_control(kind: str) -> bool:
 def base_kind(kind: str) -> str:
     """The kind of the strategy a trial measured, without the ``control:`` of a control trial."""
     return kind.removeprefix(CONTROL_PREFIX)
+
+
+def is_local(kind: str) -> bool:
+    """Whether a trial of this kind measured the local step (``LOCAL_KIND``), not a strategy."""
+    return base_kind(kind) == LOCAL_KIND
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -107,9 +117,11 @@ class TrialRecord:
     """How the strategy was chosen: ``horovod``, ``baseline:<name>``, ``random``, ``search``...;
     ``control:<kind>`` for a control re-measured between a job's candidates."""
     strategy: dict | None
-    """``Strategy.to_dict()``; ``None`` for the ``horovod`` and ``horovod-fp16`` reference rows."""
+    """``Strategy.to_dict()``; ``None`` for the ``horovod``, ``horovod-fp16`` and ``local-no-sync``
+    reference rows."""
     fingerprint: str
-    """``Strategy.fingerprint()``, or ``"horovod"`` / ``"horovod-fp16"`` for the reference rows."""
+    """``Strategy.fingerprint()``, or ``"horovod"`` / ``"horovod-fp16"`` / ``"local-no-sync"`` for the
+    reference rows."""
     status: str
     """``"ok"`` or ``"failed"``."""
     reason: str | None

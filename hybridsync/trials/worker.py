@@ -10,10 +10,14 @@ every rank switches its ``hybridsync.DistributedOptimizer`` to the strategy with
 each; the slowest rank's time of each step is the trial's. The reference rows train a copy
 of the model under ``horovod.torch.DistributedOptimizer`` itself: ``horovod`` as it comes,
 ``horovod-fp16`` with ``compression=hvd.Compression.fp16`` (refused, as a failed trial, on a
-model with sparse gradients, which Horovod 0.28.1's fp16 cannot take).
+model with sparse gradients, which Horovod 0.28.1's fp16 cannot take). ``local-no-sync`` trains a
+copy under the zoo model's plain torch optimizer: no gradient leaves its rank, so it times the
+step no synchronization strategy can beat (a benchmark's reference, never a strategy).
 
 Results are appended to the results file (JSON lines, flushed and fsynced) as they come:
 ``ready`` (versions, host), one ``trial`` per candidate (``status`` ok or failed), ``done``.
+With ``HYBRIDSYNC_TRIAL_REPLICA_SUMS=1`` each ``trial`` line also holds ``replica_sums``: every
+rank's sum of the trained copy's parameters after the trial (equal when the ranks stayed in sync).
 A strategy the optimizer refuses (``ValueError`` on every rank) is a failed trial and the
 job goes on. Any other error is written as an ``error`` line by the rank that saw it, which
 then exits at once: the runner records the trial as failed and starts a new job for the rest.
@@ -33,7 +37,7 @@ from hybridsync import envvars
 from hybridsync.baselines import NOT_RUNNABLE_SPARSE_FP16
 from hybridsync.frameworks import versions
 from hybridsync.hooks.trials import ResultsFile, slowest_rank_times, utc_now
-from hybridsync.trials.store import HOROVOD_FP16_KIND, base_kind
+from hybridsync.trials.store import HOROVOD_FP16_KIND, base_kind, is_local
 from hybridsync.variables import variables_from_model
 
 BATCHES_PER_RANK = 4
@@ -75,6 +79,7 @@ class TrialWorker:
             self.zoo_model.optimizer(self.model),
             named_parameters=self.model.named_parameters())
         self._horovod: dict[bool, tuple[Any, Any]] = {}
+        self._local: tuple[Any, Any] | None = None
 
     def horovod_reference(self, fp16: bool = False) -> tuple[Any, Any]:
         """A copy of the model under plain ``horovod.torch.DistributedOptimizer``, with
@@ -90,18 +95,38 @@ class TrialWorker:
             self._horovod[fp16] = (model, optimizer)
         return self._horovod[fp16]
 
-    def measure(self, entry: dict[str, Any]) -> list[float]:
-        """Switch to the entry's strategy, then time warm-up + timed steps (slowest rank per step)."""
+    def local_reference(self) -> tuple[Any, Any]:
+        """A copy of the model under the zoo model's plain torch optimizer (made once): each rank
+        steps on its own gradients, nothing is synchronized."""
+        if self._local is None:
+            model = copy.deepcopy(self.model)
+            self._local = (model, self.zoo_model.optimizer(model))
+        return self._local
+
+    def trained(self, entry: dict[str, Any]) -> tuple[Any, Any]:
+        """The (model, optimizer) that trains ``entry``: a reference row's copy, or the hybridsync
+        optimizer switched to the entry's strategy."""
+        if is_local(entry["kind"]):
+            return self.local_reference()
+        if entry["strategy"] is None:
+            return self.horovod_reference(fp16=base_kind(entry["kind"]) == HOROVOD_FP16_KIND)
+        self.optimizer.set_strategy(entry["strategy"])
+        return self.model, self.optimizer
+
+    def measure(self, entry: dict[str, Any]) -> tuple[list[float], list[float] | None]:
+        """Switch to the entry's strategy, then time warm-up + timed steps (slowest rank per step).
+        Returns the times and, if ``HYBRIDSYNC_TRIAL_REPLICA_SUMS`` is ``1``, every rank's sum of
+        the trained model's parameters after them."""
         steps = self.args.warmup_steps + self.args.timed_steps
         self._inject_fault(entry["kind"])
-        if entry["strategy"] is None:
-            model, optimizer = self.horovod_reference(fp16=base_kind(entry["kind"]) == HOROVOD_FP16_KIND)
-        else:
-            model, optimizer = self.model, self.optimizer
-            optimizer.set_strategy(entry["strategy"])
+        model, optimizer = self.trained(entry)
         self.hvd.barrier()
         times = timed_steps(self.zoo_model, model, optimizer, self.batches, steps)
-        return slowest_rank_times(self.hvd, times, name=f"trial.{entry['index']}.times")
+        times = slowest_rank_times(self.hvd, times, name=f"trial.{entry['index']}.times")
+        if os.environ.get(envvars.TRIAL_REPLICA_SUMS) != "1":
+            return times, None
+        total = sum(float(p.detach().double().sum()) for p in model.parameters())
+        return times, self.hvd.allgather_object(total, name=f"trial.{entry['index']}.sums")
 
     def _inject_fault(self, kind: str) -> None:
         faults = dict(item.rpartition(":")[::2] for item in os.environ.get(envvars.TRIAL_FAULT, "").split(",") if item)
@@ -129,9 +154,9 @@ def run(args: argparse.Namespace) -> None:
     for entry in schedule:
         started = utc_now()
         try:
-            times, status, reason = worker.measure(entry), "ok", None
+            (times, sums), status, reason = worker.measure(entry), "ok", None
         except ValueError as error:  # refused by set_strategy on every rank; the old plan stays in force
-            times, status, reason = [], "failed", f"refused: {error}"
+            times, sums, status, reason = [], None, "failed", f"refused: {error}"
         except Exception as error:  # noqa: BLE001 - reported, then this rank leaves the job
             results.write({"event": "error", "index": entry["index"], "rank": hvd.rank(), "time": utc_now(),
                            "reason": f"{type(error).__name__}: {error}"})
@@ -140,7 +165,8 @@ def run(args: argparse.Namespace) -> None:
             os._exit(3)  # peers may be blocked in a collective: no clean shutdown is possible
         if hvd.rank() == 0:
             results.write({"event": "trial", "index": entry["index"], "status": status, "reason": reason,
-                           "step_times": times, "started": started, "finished": utc_now()})
+                           "step_times": times, "started": started, "finished": utc_now(),
+                           **({"replica_sums": sums} if sums is not None else {})})
     if hvd.rank() == 0:
         results.write({"event": "done", "time": utc_now()})
     hvd.barrier()
@@ -149,7 +175,7 @@ def run(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hybridsync.trials.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="zoo or generated model name (hybridsync.zoo.get)")
-    parser.add_argument("--schedule", required=True, help="JSON lines: index, kind, strategy (null: plain Horovod)")
+    parser.add_argument("--schedule", required=True, help="JSON lines: index, kind, strategy (null: a reference row, plain Horovod by default)")
     parser.add_argument("--results", required=True, help="JSON lines appended by the ranks")
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--timed-steps", type=int, default=40)
