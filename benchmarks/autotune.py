@@ -14,15 +14,18 @@ For each model, on one emulated cluster that lives for the model's whole run:
    Horovod training of the same model; its best fusion threshold / cycle time / cache setting
    from the autotune log then applies to a second side-by-side job: Horovod with those settings
    vs the winner and the best baseline, interleaved, under the same settings;
-4. the ceiling (unless ``--no-ceiling``): one more side-by-side job of the winner, the best fair rival
-   (the next one when a rival won) and the local step, the same model, batches and optimizer with
-   no gradient synchronized at all (``local-no-sync``). No strategy is faster than the local step,
-   so ``ceiling`` = rival / local bounds what any strategy can gain over that rival here: below 1.2x
-   the target cannot be met on this cell; above it, the gap is room the search leaves. ``comm share``
-   = (rival - local) / rival is the part of the rival's step that is communication not hidden
-   behind compute; ``x rival (ceiling job)`` is the winner's speedup measured again in that job. When
-   a rival won the autotune, "rival" in both ratios is the faster of it and the next fair rival,
-   and the table names the rival of a column when it is not the confirmation job's best.
+4. the ceiling and the repeat (unless ``--no-ceiling``): one more job measures the confirmation
+   lineup again, side by side as the confirmation did, with the local step: the same model,
+   batches and optimizer with no gradient synchronized at all (``local-no-sync``). No strategy is
+   faster than the local step, so ``ceiling`` = best fair rival / local bounds what any strategy
+   can gain over that rival here: below 1.2x the target cannot be met on this cell; above it, the
+   gap is room the search leaves. ``comm share`` = (rival - local) / rival is the part of the
+   rival's step that is communication not hidden behind compute; ``x rival (ceiling job)`` is the
+   winner's speedup measured again. When a rival won the autotune, "rival" in these ratios is the
+   faster of it and the next fair rival, and the table names it when it is not the confirmation
+   job's best. ``repeat tau`` is the Kendall tau between the two jobs' rankings of the same
+   strategies: how far one side-by-side job's order holds in the next, which bounds what any
+   trials-vs-confirmation tau can reach; ``repeat winner`` is the fastest of them in the second job.
 
 Every ratio comes from one job. The printed table: the winner and the levers it uses, its
 speedup over the best *fair* rival (confirmation job: plain Horovod and every baseline, plus
@@ -46,6 +49,9 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+from scipy.stats import kendalltau
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -57,7 +63,8 @@ from hybridsync.cluster.spec import ClusterSpec  # noqa: E402
 from hybridsync.description import description_id, load_description  # noqa: E402
 from hybridsync.trials.candidates import Candidate, is_rival, rivals  # noqa: E402
 from hybridsync.trials.jobs import EmulatedTarget  # noqa: E402
-from hybridsync.trials.runner import EnvWorkload, TrialRunner, Workload, ZooWorkload  # noqa: E402
+from hybridsync.strategy import Strategy  # noqa: E402
+from hybridsync.trials.runner import EnvWorkload, TrialRunner, Workload, ZooWorkload, shuffled_passes  # noqa: E402
 from hybridsync.trials.store import HOROVOD_KIND, LOCAL_KIND, TrialStore, cluster_label  # noqa: E402
 
 DATASET = next((path for path in (os.path.join(REPO, "data", name) for name in ("trials.jsonl.gz", "trials.jsonl"))
@@ -121,13 +128,13 @@ def horovod_autotune(target: EmulatedTarget, model: str, steps: int, workdir: st
 
 def side_by_side(target: EmulatedTarget, model: str, description, lineup: list[Candidate], store_path: str,
                  workdir: str, workload: Workload | None = None) -> dict[str, float]:
-    """One job measuring ``lineup`` interleaved, ``COMPARE_REPEATS`` times, as the autotuner's
-    confirmation job does, into its own store; returns every kind's median step time (seconds) over
+    """One job measuring ``lineup`` ``COMPARE_REPEATS`` times in passes of shuffled order, as the
+    autotuner's confirmation job does, into its own store; returns every kind's median step time (seconds) over
     the timed steps of all its repeats (a kind whose trials all failed is missing)."""
     with TrialStore(store_path) as store:
         runner = TrialRunner(model=model, description_id=description_id(description), target=target, store=store,
                              protocol=COMPARE_PROTOCOL, workdir=workdir, workload=workload or ZooWorkload(model))
-        runner.run(list(lineup) * COMPARE_REPEATS)
+        runner.run(shuffled_passes(lineup, COMPARE_REPEATS, np.random.default_rng(0)))
         steps: dict[str, list[float]] = {}
         for record in store.trials(status="ok"):
             steps.setdefault(record.kind, []).extend(record.timed_steps)
@@ -142,26 +149,39 @@ def compare_with_tuned_horovod(target: EmulatedTarget, model: str, description, 
                         EnvWorkload(ZooWorkload(model), tuple(sorted(tuned.items()))))
 
 
-def measure_ceiling(target: EmulatedTarget, model: str, description, result, references: list[Candidate],
-                    workdir: str) -> dict | None:
-    """The winner, the best fair rival other than itself (``runner_up_rival``) and the local step, side
-    by side (module docstring, step 4); ``None`` when no such rival was confirmed. When a rival won
-    the autotune, the best fair rival of this job is the faster of the two rows."""
+def confirmation_lineup(workdir: str) -> list[Candidate]:
+    """The autotune's confirmation lineup as its job measured it (``workdir/confirm.db``), in order."""
+    lineup: dict[str, Candidate] = {}
+    with TrialStore(os.path.join(workdir, "confirm.db")) as store:
+        for record in store.trials():
+            strategy = None if record.strategy is None else Strategy.from_dict(record.strategy)
+            lineup.setdefault(record.kind, Candidate(kind=record.kind, strategy=strategy))
+    return list(lineup.values())
+
+
+def measure_ceiling(target: EmulatedTarget, model: str, description, result, workdir: str) -> dict | None:
+    """The confirmation lineup again in a job of its own, with the local step (module docstring, step
+    4); ``None`` when no fair rival other than the winner was confirmed. When a rival won the
+    autotune, the best fair rival of this job is the faster of it and the runner-up."""
     runner_up = result.runner_up_rival
     if runner_up is None:
         return None
-    rival = next(c for c in references if c.kind == runner_up[0])
-    lineup = [Candidate(kind=WINNER, strategy=result.winner), rival, Candidate(kind=LOCAL_KIND, strategy=None)]
-    print(f"{model}: ceiling job, {WINNER} vs {rival.kind} vs {LOCAL_KIND}, {COMPARE_REPEATS} repeats", flush=True)
+    lineup = confirmation_lineup(workdir) + [Candidate(kind=LOCAL_KIND, strategy=None)]
+    print(f"{model}: ceiling job, the confirmation lineup again and {LOCAL_KIND}, {COMPARE_REPEATS} passes", flush=True)
     measured = side_by_side(target, model, description, lineup, os.path.join(workdir, f"ceiling-{model}.db"), workdir)
-    rival_s, local_s, winner_s = (measured.get(kind) for kind in (rival.kind, LOCAL_KIND, WINNER))
-    over, best_s = rival.kind, rival_s
-    if is_rival(result.winner_kind) and rival_s and winner_s and winner_s < rival_s:
-        over, best_s = result.winner_kind, winner_s
-    return {"rival": rival.kind, "ceiling_over": over, "ms": {kind: s * 1e3 for kind, s in measured.items()},
+    rival, winner = runner_up[0], result.winner_kind
+    rival_s, local_s, winner_s = (measured.get(kind) for kind in (rival, LOCAL_KIND, winner))
+    over, best_s = rival, rival_s
+    if is_rival(winner) and rival_s and winner_s and winner_s < rival_s:
+        over, best_s = winner, winner_s
+    again = [kind for kind in result.confirmed_s if kind in measured]
+    return {"rival": rival, "ceiling_over": over, "ms": {kind: s * 1e3 for kind, s in measured.items()},
             "ceiling": best_s / local_s if best_s and local_s else None,
             "winner_vs_rival": rival_s / winner_s if rival_s and winner_s else None,
-            "comm_share": (best_s - local_s) / best_s if best_s and local_s else None}
+            "comm_share": (best_s - local_s) / best_s if best_s and local_s else None,
+            "repeat_tau": kendalltau([result.confirmed_s[k] for k in again], [measured[k] for k in again]).statistic
+            if len(again) >= 3 else None,
+            "repeat_winner": min(again, key=measured.__getitem__) if again else None}
 
 
 def add_to_report(report_dir: str, key: str, value: dict) -> None:
@@ -196,16 +216,16 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
                           store_url=os.path.join(out, "trials.db"), report_dir=out, simulator=simulator,
                           workdir=out)
         autotune_s = time.monotonic() - started
-        references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact)
         tuned, compared = {}, {}
         if args.horovod_autotune_steps > 0:
             tuned = horovod_autotune(target, model, args.horovod_autotune_steps, out)
+            references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact)
             best_kind, _ = result.best_rival
             contenders = [Candidate(kind=WINNER, strategy=result.winner)]
             if best_kind != HOROVOD_KIND and best_kind != result.winner_kind:
                 contenders.append(next(c for c in references if c.kind == best_kind))
             compared = compare_with_tuned_horovod(target, model, description, tuned, contenders, out)
-        ceiling = None if args.no_ceiling else measure_ceiling(target, model, description, result, references, out)
+        ceiling = None if args.no_ceiling else measure_ceiling(target, model, description, result, out)
         if ceiling is not None:
             add_to_report(out, "ceiling", ceiling)
     best_kind, best_s = result.best_rival
@@ -225,14 +245,15 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
             "ceiling": (ceiling or {}).get("ceiling"), "winner_vs_rival": (ceiling or {}).get("winner_vs_rival"),
             "comm_share": (ceiling or {}).get("comm_share"), "ceiling_rival": (ceiling or {}).get("rival"),
             "ceiling_over": (ceiling or {}).get("ceiling_over"),
-            "ceiling_ms": (ceiling or {}).get("ms", {})}
+            "ceiling_ms": (ceiling or {}).get("ms", {}), "repeat_tau": (ceiling or {}).get("repeat_tau"),
+            "repeat_winner": (ceiling or {}).get("repeat_winner")}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | mode | winner (levers) | best fair rival (confirm job) | x rival | x Horovod autotune | x (min) | "
              "tau (resolved pairs) | trials | autotune s | load | space | sim pairwise | ceiling (rival / local) | "
-             "x rival (ceiling job) | comm share of rival |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "x rival (ceiling job) | comm share of rival | repeat tau (winner there) |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         space = "-" if r["space"] is None else f"{r['space']:.2f}x"
         pairwise = "-" if r["sim_pairwise"] is None else f"{r['sim_pairwise']:.2f}"
@@ -246,7 +267,7 @@ def table(rows: list[dict]) -> str:
                      f"{r['autotune_s']:.0f} | {r.get('load', 0):.0f} | {space} | {pairwise} | "
                      f"{_ratio(r.get('ceiling'))}{_named(r.get('ceiling_over'), r.get('best_rival'))} | "
                      f"{_ratio(r.get('winner_vs_rival'))}{_named(r.get('ceiling_rival'), r.get('best_rival'))} | "
-                     f"{_share(r.get('comm_share'))} |")
+                     f"{_share(r.get('comm_share'))} | {_repeat(r)} |")
     reached = sum(r["speedup"] >= TARGET_SPEEDUP for r in rows)
     never_slower = all(r["speedup"] >= TOLERANCE for r in rows)
     taus = [r["tau"] for r in rows if r["tau"] is not None]
@@ -271,6 +292,13 @@ def _ratio(value: float | None) -> str:
 
 def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
+
+
+def _repeat(row: dict) -> str:
+    """The second confirmation's tau against the first, and its fastest strategy."""
+    if row.get("repeat_tau") is None:
+        return "-"
+    return f"{row['repeat_tau']:.2f} ({row.get('repeat_winner')})"
 
 
 def _named(rival: str | None, best_rival: str | None) -> str:
