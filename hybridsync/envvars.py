@@ -82,6 +82,8 @@ TRIALS_WARMUP = "HYBRIDSYNC_TRIALS_WARMUP"
 """Steps after each switch that are recorded but not timed."""
 TRIALS_STEPS = "HYBRIDSYNC_TRIALS_STEPS"
 """Timed steps per trial."""
+TRIALS_SETTLE_S = "HYBRIDSYNC_TRIALS_SETTLE_S"
+"""Seconds a trial job runs before its first trial counts (``TrialProtocol.settle_s``)."""
 
 
 def int_from_env(name: str, default: int, minimum: int) -> int:

@@ -161,3 +161,15 @@ def test_shuffled_passes_measure_each_strategy_once_per_pass_after_varying_neigh
     assert len(predecessors) > 10, "a fixed order would repeat the same 5 neighbour pairs"
     with pytest.raises(ValueError, match="repeats"):
         shuffled_passes(lineup, 0, np.random.default_rng(0))
+
+
+def test_both_workloads_pass_the_settle_time_on_and_a_negative_one_is_refused():
+    from hybridsync import envvars
+    from hybridsync.trials.runner import ScriptWorkload, TrialProtocol, ZooWorkload
+    protocol = TrialProtocol(settle_s=2.5)
+    command, _ = ZooWorkload("ncf").job("s.jsonl", "r.jsonl", protocol, 0)
+    assert command[command.index("--settle-s") + 1] == "2.5"
+    _, env = ScriptWorkload(("python", "train.py")).job("s.jsonl", "r.jsonl", protocol, 0)
+    assert env[envvars.TRIALS_SETTLE_S] == "2.5"
+    with pytest.raises(ValueError, match="settle_s"):
+        TrialProtocol(settle_s=-1)

@@ -75,3 +75,16 @@ def test_every_run_of_the_script_remeasures_the_controls_between_blocks(tmp_path
 def test_a_script_too_short_for_the_controls_and_one_trial_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="ended after 4 steps.*at least 8 steps.*1 control trial"):
         run_script_trials(tmp_path, steps_per_run=4, controls=("ring",))
+
+
+def test_the_first_trial_waits_for_the_job_to_settle(tmp_path):
+    import datetime
+    candidates = [Candidate(kind="ring", strategy=Strategy.from_dict(STRATEGIES["ring"]))]
+    protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120, settle_s=3.0)
+    with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
+        runner = TrialRunner(model="tiny", description_id="tiny-0", target=target, store=store, protocol=protocol,
+                             workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, SCRIPT, "--steps", "100")))
+        assert runner.run(candidates).measured == 1
+    events = [json.loads(line) for path in tmp_path.glob("*.results.jsonl") for line in path.read_text().splitlines()]
+    at = {e["event"]: datetime.datetime.fromisoformat(e.get("started") or e["time"]) for e in events}
+    assert (at["trial"] - at["ready"]).total_seconds() >= 3.0, "the first trial began before the job settled"

@@ -12,6 +12,8 @@ drives the trials from ``step()``, whatever loop the script runs:
   one: data, forward, backward, synchronization and update); after ``warmup + timed``
   intervals the slowest rank's times are written as a ``trial`` event and the next
   strategy is switched in;
+- before the first trial every rank waits ``_SETTLE_S`` seconds, while the job's other
+  processes (parameter servers) finish starting: a job's first seconds run slow;
 - a strategy the optimizer refuses (``ValueError`` on every rank) is a failed trial;
 - after the last trial rank 0 writes ``done`` and the hook ends the run (the front end
   ends the process with exit code 0).
@@ -47,8 +49,15 @@ def from_environment(optimizer: Any, hvd: Any) -> "ScriptTrials | None":
     results = os.environ.get(envvars.TRIALS_RESULTS)
     if not results:
         raise ValueError(f"{envvars.TRIALS} is set but {envvars.TRIALS_RESULTS} is not: the trial runner sets both")
+    settle = os.environ.get(envvars.TRIALS_SETTLE_S) or "0"
+    try:
+        settle_s = float(settle)
+    except ValueError:
+        settle_s = -1.0
+    if settle_s < 0:
+        raise ValueError(f"{envvars.TRIALS_SETTLE_S}={settle!r}: expected seconds >= 0 (set by the trial runner)")
     return ScriptTrials(optimizer, hvd, schedule, results, warmup=_count(envvars.TRIALS_WARMUP, 0),
-                        timed=_count(envvars.TRIALS_STEPS, 1))
+                        timed=_count(envvars.TRIALS_STEPS, 1), settle_s=settle_s)
 
 
 def _count(name: str, minimum: int) -> int:
@@ -86,7 +95,7 @@ class ScriptTrials(StepHook):
     """One rank's progress through the schedule; the optimizer calls ``after_step`` after every step."""
 
     def __init__(self, optimizer: Any, hvd: Any, schedule_path: str, results_path: str, *,
-                 warmup: int, timed: int) -> None:
+                 warmup: int, timed: int, settle_s: float = 0.0) -> None:
         self.optimizer, self.hvd = optimizer, hvd
         self.warmup, self.timed = warmup, timed
         self.results = ResultsFile(results_path) if hvd.rank() == 0 else None
@@ -104,6 +113,7 @@ class ScriptTrials(StepHook):
         self._write({"event": "ready", "time": utc_now(), "host": socket.gethostname(), "size": hvd.size(),
                      "versions": versions()})
         atexit.register(self._at_exit)
+        time.sleep(settle_s)  # the job's other processes (parameter servers) finish starting
         self.done = not self._begin()
         """Every trial of the schedule is over: the next ``after_step`` ends the run."""
 

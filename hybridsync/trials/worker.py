@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> None:
     if hvd.rank() == 0:
         results.write({"event": "ready", "time": utc_now(), "host": socket.gethostname(), "size": hvd.size(),
                        "versions": versions()})
+    time.sleep(args.settle_s)  # the job's other processes (parameter servers) finish starting
     for entry in schedule:
         started = utc_now()
         try:
@@ -179,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", required=True, help="JSON lines appended by the ranks")
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--timed-steps", type=int, default=40)
+    parser.add_argument("--settle-s", type=float, default=0.0, help="seconds every rank waits before the first "
+                        "trial, while the job's other processes finish starting")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
