@@ -310,6 +310,12 @@ def test_rechecks_are_the_best_search_strategies_measured_once_less_the_controls
     picked = tuner._rechecks([rival, searched[0]])  # the incumbent is a control: measured in every pass anyway
     assert [c.fingerprint for c in picked] == [searched[2].fingerprint, searched[3].fingerprint]
     assert all(c.kind == "search:r0" and c.strategy is not None for c in picked)
+    once = next(c for c in tuner.references if c.strategy is not None and c.fingerprint != rival.fingerprint)
+    add(once, 0.26, "j1", 12)
+    tuner._refit()
+    last = tuner._last_rechecks([rival, searched[0]])
+    assert once.fingerprint in {c.fingerprint for c in last}, "a rival measured once is rechecked before the confirmation"
+    assert rival.fingerprint not in {c.fingerprint for c in last} and len(last) == len({c.fingerprint for c in last})
     assert Autotuner(description=description, cluster=CLUSTER, store=store, runner_for=lambda *_: None,
                      settings=AutotuneSettings(recheck=0), progress=False)._rechecks([]) == []
     with pytest.raises(ValueError, match="recheck"):

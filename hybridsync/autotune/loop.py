@@ -76,7 +76,7 @@ class AutotuneSettings:
     """Candidates between two passes over the controls in a trial job."""
     recheck: int = 3
     """Best search strategies measured only once that each later job measures again (and one short
-    job after the last round, before the confirmation): the best of ~30 trials measured once is
+    job after the last round, before the confirmation, with the rivals it may take measured once): the best of ~30 trials measured once is
     mostly the luckiest (a trial's noise is ~11% here), and looked 9-39% better in the trials than in
     the confirmation job; a second measurement in another job tells lucky from fast."""
     confirm_top: int = 2
@@ -218,29 +218,44 @@ class Autotuner:
         trial only, less this job's ``controls`` (they are measured in every pass anyway)."""
         if self.settings.recheck == 0:
             return []
-        counts: dict[str, int] = {}
-        search: dict[str, TrialRecord] = {}
-        for record in self._records():
-            if record.status == "ok":
-                counts[record.fingerprint] = counts.get(record.fingerprint, 0) + 1
-                if record.kind.startswith(SEARCH_KIND) and record.strategy is not None:
-                    search[record.fingerprint] = record
+        counts = self._measurements()
+        search = {r.fingerprint: r for r in self._records()
+                  if r.status == "ok" and r.kind.startswith(SEARCH_KIND) and r.strategy is not None}
         skip = {c.fingerprint for c in controls}
         once = [f for f, _ in self.levels.ranked(search) if counts[f] == 1 and f not in skip]
         return [Candidate(kind=search[f].kind, strategy=Strategy.from_dict(search[f].strategy))
                 for f in once[:self.settings.recheck]]
 
+    def _measurements(self) -> dict[str, int]:
+        """Successful trials per fingerprint (controls and rechecks included)."""
+        counts: dict[str, int] = {}
+        for record in self._records():
+            if record.status == "ok":
+                counts[record.fingerprint] = counts.get(record.fingerprint, 0) + 1
+        return counts
+
     def _recheck_last(self, rounds: int) -> None:
-        """After the last round: one short job re-measures the best search strategies it left measured
-        once (that round's own finds), so that they reach the confirmation on two measurements too."""
+        """After the last round: one short job re-measures what the confirmation may take and the trials
+        measured once: the best search strategies (that round's own finds) and the rivals within one of
+        the confirmation's cut of each kind, so that its lineup is chosen, and the trials' ranking of it
+        judged, on two measurements in two jobs (a rival measured once in round 0 carries that trial's
+        ~10% noise: ncf's rivals, all within 17%, ranked near chance)."""
         controls = self._controls(rounds)
-        rechecks = self._rechecks(controls)
+        rechecks = self._last_rechecks(controls)
         if not rechecks:
             return
         started = time.monotonic()
         self.runner_for(self.settings.protocol, self.store).run([], controls=controls, rechecks=rechecks)
         self.seconds["trials"] += time.monotonic() - started
         self._refit()
+
+    def _last_rechecks(self, controls: Sequence[Candidate]) -> list[Candidate]:
+        """``_recheck_last``'s list: ``_rechecks`` and the rivals measured once among the
+        ``confirm_top + 1`` fastest of each kind (not ``controls``)."""
+        rechecks = self._rechecks(controls)
+        counts, skip = self._measurements(), {c.fingerprint for c in [*controls, *rechecks]}
+        return rechecks + [c for c in self._fastest_references(self.settings.confirm_top + 1)
+                           if counts.get(c.fingerprint) == 1 and c.fingerprint not in skip]
 
     def _controls(self, round_index: int) -> list[Candidate]:
         """What a round's job re-measures between its blocks: the best rival so far and the incumbent
@@ -328,10 +343,10 @@ class Autotuner:
         fastest = min(confirmed, key=confirmed.__getitem__)
         return next(c for c in lineup if c.kind == fastest), confirmed, repeats, lineup
 
-    def _fastest_references(self) -> list[Candidate]:
-        """The reference rows, and the ``confirm_top`` baselines and fp16 twins the trials found fastest
-        (a baseline 2x slower than the best one cannot win a re-measurement; timing it would only
-        lengthen the confirmation job)."""
+    def _fastest_references(self, count: int | None = None) -> list[Candidate]:
+        """The reference rows, and the ``count`` (default ``confirm_top``) baselines and fp16 twins the
+        trials found fastest (a baseline 2x slower than the best one cannot win a re-measurement;
+        timing it would only lengthen the confirmation job)."""
         speed = self.levels.strategy_s
         measured = [c for c in self.references if c.fingerprint in speed]
         rows = [c for c in measured if c.kind in (HOROVOD_KIND, HOROVOD_FP16_KIND)]
@@ -339,7 +354,7 @@ class Autotuner:
         for fp16 in (False, True):
             group = sorted((c for c in measured if c not in rows and bool(rival_levers(c.kind)) == fp16),
                           key=lambda c: speed[c.fingerprint])
-            out += group[:self.settings.confirm_top]
+            out += group[:count or self.settings.confirm_top]
         return rows + out
 
     def _as_simulated(self, candidate: Candidate) -> Strategy | None:
