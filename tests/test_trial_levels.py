@@ -173,3 +173,14 @@ def test_both_workloads_pass_the_settle_time_on_and_a_negative_one_is_refused():
     assert env[envvars.TRIALS_SETTLE_S] == "2.5"
     with pytest.raises(ValueError, match="settle_s"):
         TrialProtocol(settle_s=-1)
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan"])
+def test_a_bad_settle_time_for_a_script_names_the_variable(monkeypatch, value):
+    from hybridsync import envvars
+    from hybridsync.hooks.trials import from_environment
+    monkeypatch.setenv(envvars.TRIALS, "schedule.jsonl")
+    monkeypatch.setenv(envvars.TRIALS_RESULTS, "results.jsonl")
+    monkeypatch.setenv(envvars.TRIALS_SETTLE_S, value)
+    with pytest.raises(ValueError, match=envvars.TRIALS_SETTLE_S):
+        from_environment(optimizer=None, hvd=None)

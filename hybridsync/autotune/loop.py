@@ -18,7 +18,8 @@ the incumbent best (in the first round, the rival the simulator expects to be fa
 loop ranks strategies by ``hybridsync.trials.levels`` (each job's level and drift taken out),
 and the simulator is refit on those normalized times. The best of many strategies measured once
 is mostly the luckiest, so each job also measures again the best few search strategies measured
-only once (``recheck``), and one short job after the last round does so for that round's finds.
+only once (``recheck``), and one short job after the last round does so for that round's finds
+and for the rivals the confirmation may take (every trial job first waits ``TrialProtocol.settle_s``).
 
 Rounds go on until ``trial_budget`` strategies have been measured (rivals included).
 Then one confirmation job measures the best few search strategies, plain Horovod and the
@@ -76,9 +77,9 @@ class AutotuneSettings:
     """Candidates between two passes over the controls in a trial job."""
     recheck: int = 3
     """Best search strategies measured only once that each later job measures again (and one short
-    job after the last round, before the confirmation, with the rivals it may take measured once): the best of ~30 trials measured once is
-    mostly the luckiest (a trial's noise is ~11% here), and looked 9-39% better in the trials than in
-    the confirmation job; a second measurement in another job tells lucky from fast."""
+    job after the last round, before the confirmation, with the rivals it may take measured once):
+    the best of ~30 trials measured once is mostly the luckiest (a trial's noise is ~10% on shared
+    cores); a second measurement in another job tells lucky from fast."""
     confirm_top: int = 2
     """Best measured search strategies measured again in the confirmation job; as many of the
     fastest baselines, and of their fp16 twins (by the trials), join them, and the reference rows.

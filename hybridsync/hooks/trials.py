@@ -3,7 +3,7 @@
 The zoo's trial worker (``hybridsync.trials.worker``) knows its model; a user's
 ``train.py`` is known only through its ``hybridsync.DistributedOptimizer``. When the trial
 runner starts a script with ``HYBRIDSYNC_TRIALS=<schedule.jsonl>`` (and
-``HYBRIDSYNC_TRIALS_RESULTS``, ``_WARMUP``, ``_STEPS``), the first optimizer of each rank
+``HYBRIDSYNC_TRIALS_RESULTS``, ``_WARMUP``, ``_STEPS``, ``_SETTLE_S``), the first optimizer of each rank
 drives the trials from ``step()``, whatever loop the script runs:
 
 - rank 0 reads the schedule and broadcasts it; the optimizer switches to the first
@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
+import math
 import os
 import socket
 import time
@@ -53,8 +54,8 @@ def from_environment(optimizer: Any, hvd: Any) -> "ScriptTrials | None":
     try:
         settle_s = float(settle)
     except ValueError:
-        settle_s = -1.0
-    if settle_s < 0:
+        settle_s = math.nan
+    if not (math.isfinite(settle_s) and settle_s >= 0):
         raise ValueError(f"{envvars.TRIALS_SETTLE_S}={settle!r}: expected seconds >= 0 (set by the trial runner)")
     return ScriptTrials(optimizer, hvd, schedule, results, warmup=_count(envvars.TRIALS_WARMUP, 0),
                         timed=_count(envvars.TRIALS_STEPS, 1), settle_s=settle_s)
