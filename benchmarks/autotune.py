@@ -50,14 +50,13 @@ import tempfile
 import time
 
 import numpy as np
-from scipy.stats import kendalltau
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from hybridsync.autotune.launch import run_on  # noqa: E402
 from hybridsync.autotune.loop import AutotuneSettings  # noqa: E402
-from hybridsync.autotune.result import TAU_TARGET  # noqa: E402
+from hybridsync.autotune.result import TAU_TARGET, kendall_tau_between  # noqa: E402
 from hybridsync.autotune.session import autotune  # noqa: E402
 from hybridsync.cluster.spec import ClusterSpec  # noqa: E402
 from hybridsync.description import description_id, load_description  # noqa: E402
@@ -174,14 +173,12 @@ def measure_ceiling(target: EmulatedTarget, model: str, description, result, wor
     over, best_s = rival, rival_s
     if is_rival(winner) and rival_s and winner_s and winner_s < rival_s:
         over, best_s = winner, winner_s
-    again = [kind for kind in result.confirmed_s if kind in measured]
     return {"rival": rival, "ceiling_over": over, "ms": {kind: s * 1e3 for kind, s in measured.items()},
             "ceiling": best_s / local_s if best_s and local_s else None,
             "winner_vs_rival": rival_s / winner_s if rival_s and winner_s else None,
             "comm_share": (best_s - local_s) / best_s if best_s and local_s else None,
-            "repeat_tau": kendalltau([result.confirmed_s[k] for k in again], [measured[k] for k in again]).statistic
-            if len(again) >= 3 else None,
-            "repeat_winner": min(again, key=measured.__getitem__) if again else None}
+            "repeat_tau": kendall_tau_between(result.confirmed_s, measured),
+            "repeat_winner": min((k for k in result.confirmed_s if k in measured), key=measured.__getitem__, default=None)}
 
 
 def add_to_report(report_dir: str, key: str, value: dict) -> None:

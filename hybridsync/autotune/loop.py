@@ -219,18 +219,18 @@ class Autotuner:
         trial only, less this job's ``controls`` (they are measured in every pass anyway)."""
         if self.settings.recheck == 0:
             return []
-        counts = self._measurements()
-        search = {r.fingerprint: r for r in self._records()
-                  if r.status == "ok" and r.kind.startswith(SEARCH_KIND) and r.strategy is not None}
+        records = self._records()
+        counts, search = self._measurements(records), self._search_records(records)
         skip = {c.fingerprint for c in controls}
         once = [f for f, _ in self.levels.ranked(search) if counts[f] == 1 and f not in skip]
         return [Candidate(kind=search[f].kind, strategy=Strategy.from_dict(search[f].strategy))
                 for f in once[:self.settings.recheck]]
 
-    def _measurements(self) -> dict[str, int]:
-        """Successful trials per fingerprint (controls and rechecks included)."""
+    @staticmethod
+    def _measurements(records: list[TrialRecord]) -> dict[str, int]:
+        """Successful trials per fingerprint among ``records`` (controls and rechecks included)."""
         counts: dict[str, int] = {}
-        for record in self._records():
+        for record in records:
             if record.status == "ok":
                 counts[record.fingerprint] = counts.get(record.fingerprint, 0) + 1
         return counts
@@ -254,7 +254,7 @@ class Autotuner:
         """``_recheck_last``'s list: ``_rechecks`` and the rivals measured once among the
         ``confirm_top + 1`` fastest of each kind (not ``controls``)."""
         rechecks = self._rechecks(controls)
-        counts, skip = self._measurements(), {c.fingerprint for c in [*controls, *rechecks]}
+        counts, skip = self._measurements(self._records()), {c.fingerprint for c in [*controls, *rechecks]}
         return rechecks + [c for c in self._fastest_references(self.settings.confirm_top + 1)
                            if counts.get(c.fingerprint) == 1 and c.fingerprint not in skip]
 
@@ -314,9 +314,14 @@ class Autotuner:
 
     def _best_measured(self, count: int) -> list[tuple[float, Strategy]]:
         """The ``count`` search strategies fastest at an average job's level."""
-        search = {r.fingerprint: r.strategy for r in self._records()
-                  if r.status == "ok" and r.strategy is not None and r.kind.startswith(SEARCH_KIND)}
-        return [(s, Strategy.from_dict(search[f])) for f, s in self.levels.ranked(search)][:count]
+        search = self._search_records(self._records())
+        return [(s, Strategy.from_dict(search[f].strategy)) for f, s in self.levels.ranked(search)][:count]
+
+    @staticmethod
+    def _search_records(records: list[TrialRecord]) -> dict[str, TrialRecord]:
+        """The search's successful trials among ``records`` (hand mixes included), by fingerprint."""
+        return {r.fingerprint: r for r in records
+                if r.status == "ok" and r.strategy is not None and r.kind.startswith(SEARCH_KIND)}
 
     def _confirm(self) -> tuple[Candidate, dict[str, float], dict[str, list[float]], list[Candidate]]:
         """Measures the best search strategies, the fastest rivals and the reference rows again in one

@@ -8,7 +8,7 @@ Every number of the verdict comes from the confirmation job (one job, interleave
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.strategy import Strategy
@@ -103,12 +103,7 @@ class AutotuneResult:
     def kendall_tau(self) -> float | None:
         """Kendall tau (tau-b) of the trials' ranking against the confirmation job's, over the
         strategies measured in both (``None`` for fewer than 3)."""
-        kinds = [kind for kind in self.confirmed_s if kind in self.trial_s]
-        if len(kinds) < 3:
-            return None
-        from scipy.stats import kendalltau
-        tau = kendalltau([self.trial_s[k] for k in kinds], [self.confirmed_s[k] for k in kinds]).statistic
-        return None if tau != tau else float(tau)  # NaN when one side is constant
+        return kendall_tau_between(self.confirmed_s, self.trial_s)
 
     def resolved_pairs(self) -> list[tuple[str, str]]:
         """Pairs ``(faster, slower)`` of kinds measured in the trials and the confirmation job whose
@@ -154,6 +149,17 @@ class AutotuneResult:
         if best is not None:
             line += f"; best fair rival {best[0]} {best[1] * 1e3:.1f} ms: {self.speedup:.2f}x"
         return line + f" ({rival_rule(self)})"
+
+
+def kendall_tau_between(first: Mapping[str, float], second: Mapping[str, float]) -> float | None:
+    """Kendall tau (tau-b) of two measurements' rankings (step time per kind) over the kinds both
+    hold (``None`` for fewer than 3, or when one side is constant)."""
+    kinds = [kind for kind in first if kind in second]
+    if len(kinds) < 3:
+        return None
+    from scipy.stats import kendalltau
+    tau = kendalltau([first[k] for k in kinds], [second[k] for k in kinds]).statistic
+    return None if tau != tau else float(tau)  # NaN when one side is constant
 
 
 def rival_rule(result: AutotuneResult | dict[str, Any]) -> str:

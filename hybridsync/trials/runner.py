@@ -232,7 +232,6 @@ class TrialRunner:
             done = {c.fingerprint for c, r in measured if is_control(r.kind)}
             rechecks = [c for c in rechecks if c.fingerprint not in done]
             if failure is None or not (remaining or rechecks):
-                rechecks = []  # a job that ended cleanly measured its whole schedule
                 continue
             if not started:
                 false_starts += 1
