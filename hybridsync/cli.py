@@ -54,7 +54,7 @@ def _baseline(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridsync", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="subcommand", required=True)  # "command" is a script's argv
     p = commands.add_parser("explain", help="print what a strategy does to each variable")
     p.add_argument("strategy", help="strategy file (.json/.yaml)")
     p.add_argument("--model", help="model description JSON: {\"variables\": [{\"name\", \"shape\", ...}]}, "
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as e:
-        print(f"hybridsync {args.command}: error: {e}", file=sys.stderr)
+        print(f"hybridsync {args.subcommand}: error: {e}", file=sys.stderr)
         return 2
 
 
