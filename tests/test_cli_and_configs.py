@@ -42,9 +42,10 @@ def test_explain_reports_bad_files(tmp_path, capsys):
 @pytest.mark.unit
 def test_an_error_names_its_subcommand(tmp_path, capsys):
     """``search`` has a positional ``command`` (the training script): the error still says ``search``."""
-    (tmp_path / "c.yaml").write_text("nodes: 1\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
     ncf = REPO / "data" / "descriptions" / "ncf.json"
-    assert main(["search", "--model", str(ncf), "--cluster", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "s.json")]) == 2
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("nodes: 1\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
+    assert main(["search", "--model", str(ncf), "--cluster", str(cluster), "-o", str(tmp_path / "s.json")]) == 2
     assert capsys.readouterr().err.startswith("hybridsync search: error: the cluster has 1 worker(s)")
 
 
