@@ -7,7 +7,9 @@ script works unchanged) and the variables Horovod's launchers set per rank.
 """
 from __future__ import annotations
 
+import math
 import os
+from typing import overload
 
 # --- hybridsync's own -----------------------------------------------------------------
 STRATEGY = "HYBRIDSYNC_STRATEGY"
@@ -84,6 +86,26 @@ TRIALS_STEPS = "HYBRIDSYNC_TRIALS_STEPS"
 """Timed steps per trial."""
 TRIALS_SETTLE_S = "HYBRIDSYNC_TRIALS_SETTLE_S"
 """Seconds a trial job runs before its first trial counts (``TrialProtocol.settle_s``)."""
+
+
+@overload
+def seconds_from_env(name: str, default: float) -> float: ...
+@overload
+def seconds_from_env(name: str, default: None) -> float | None: ...
+def seconds_from_env(name: str, default: float | None) -> float | None:
+    """The seconds in environment variable ``name`` (``default`` if unset or blank); ``ValueError``
+    naming the variable for anything else than a finite number >= 0 (``sleep(nan)`` and a negative
+    timeout would fail later, far from the variable that caused them)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
 def int_from_env(name: str, default: int, minimum: int) -> int:

@@ -88,6 +88,26 @@ def test_wait_mode_comes_from_the_environment(monkeypatch):
         waiting._sleeping()
 
 
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf"])
+def test_every_seconds_variable_refuses_what_is_not_seconds_and_names_itself(monkeypatch, value):
+    """The stall watch, the PS ping and recovery timeouts, the trial settle wait and the store's
+    test hold all read seconds through ``envvars.seconds_from_env``: one rule, one message."""
+    from hybridsync import envvars
+    from hybridsync.backends.ps import client, recovery
+    readers = {envvars.STALL_CHECK_S: stalls.stable_seconds,
+               envvars.PS_PING_TIMEOUT: lambda: client._ping_timeout(None),
+               envvars.PS_RECOVERY_TIMEOUT: recovery._recovery_timeout_from_env}
+    for name, read in readers.items():
+        monkeypatch.setenv(name, " 2.5 ")
+        assert read() == 2.5
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name} must be a number of seconds >= 0, got '{value}'"):
+            read()
+        monkeypatch.delenv(name)
+    assert (stalls.stable_seconds(), client._ping_timeout(None), recovery._recovery_timeout_from_env()) == \
+        (stalls.DEFAULT_STABLE_S, client.DEFAULT_PING_TIMEOUT_S, None)
+
+
 @pytest.mark.parametrize("value, sleeping", [(None, True), ("sleep", True), ("spin", False)])
 def test_tensorflow_jobs_wait_without_spinning_unless_told_to_spin(monkeypatch, restore_waiting, value, sleeping):
     if value is None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import time
 import warnings
 from typing import Any
@@ -49,14 +48,7 @@ class RanksOutOfStepError(RuntimeError):
 
 def stable_seconds() -> float:
     """``HYBRIDSYNC_STALL_CHECK_S`` (default ``DEFAULT_STABLE_S``; 0 turns the watch off)."""
-    text = os.environ.get(envvars.STALL_CHECK_S, "").strip()
-    try:
-        value = float(text) if text else DEFAULT_STABLE_S
-    except ValueError:
-        raise ValueError(f"{envvars.STALL_CHECK_S} must be a number of seconds, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"{envvars.STALL_CHECK_S} must be >= 0, got {value}")
-    return value
+    return envvars.seconds_from_env(envvars.STALL_CHECK_S, DEFAULT_STABLE_S)
 
 
 @dataclasses.dataclass

@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
-import math
 import os
 import socket
 import time
@@ -50,13 +49,7 @@ def from_environment(optimizer: Any, hvd: Any) -> "ScriptTrials | None":
     results = os.environ.get(envvars.TRIALS_RESULTS)
     if not results:
         raise ValueError(f"{envvars.TRIALS} is set but {envvars.TRIALS_RESULTS} is not: the trial runner sets both")
-    settle = os.environ.get(envvars.TRIALS_SETTLE_S) or "0"
-    try:
-        settle_s = float(settle)
-    except ValueError:
-        settle_s = math.nan
-    if not (math.isfinite(settle_s) and settle_s >= 0):
-        raise ValueError(f"{envvars.TRIALS_SETTLE_S}={settle!r}: expected seconds >= 0 (set by the trial runner)")
+    settle_s = envvars.seconds_from_env(envvars.TRIALS_SETTLE_S, 0.0)
     return ScriptTrials(optimizer, hvd, schedule, results, warmup=_count(envvars.TRIALS_WARMUP, 0),
                         timed=_count(envvars.TRIALS_STEPS, 1), settle_s=settle_s)
 

@@ -344,7 +344,7 @@ class TrialStore:
     # --- writing ------------------------------------------------------------------------
     def add(self, record: TrialRecord) -> None:
         """Stores one trial in one transaction, committed when this returns."""
-        hold_s = float(os.environ.get(envvars.STORE_HOLD_S) or 0)
+        hold_s = envvars.seconds_from_env(envvars.STORE_HOLD_S, 0.0)
         try:
             with self._transaction() as db:
                 self._insert(db, record, ignore=False)

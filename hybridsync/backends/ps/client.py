@@ -264,11 +264,7 @@ _PUSHES = ("rpc_push_pull", "rpc_push_pull_sparse", "rpc_push_delta")
 def _ping_timeout(given: float | None) -> float:
     if given is not None:
         return given
-    text = os.environ.get(envvars.PS_PING_TIMEOUT, "").strip()
-    try:
-        return float(text) if text else DEFAULT_PING_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"{envvars.PS_PING_TIMEOUT} must be a number of seconds, got {text!r}") from None
+    return envvars.seconds_from_env(envvars.PS_PING_TIMEOUT, DEFAULT_PING_TIMEOUT_S)
 
 
 def _first_line(error: BaseException) -> str:

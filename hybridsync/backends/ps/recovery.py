@@ -15,7 +15,6 @@ link fails and every wait on it raises ``PSServerError`` naming the server.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import threading
 import time
@@ -331,13 +330,7 @@ class Links:
 
 
 def _recovery_timeout_from_env() -> float | None:
-    text = os.environ.get(envvars.PS_RECOVERY_TIMEOUT, "").strip()
-    if not text:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{envvars.PS_RECOVERY_TIMEOUT} must be a number of seconds, got {text!r}") from None
+    return envvars.seconds_from_env(envvars.PS_RECOVERY_TIMEOUT, None)
 
 
 def _parse_server(name: str) -> tuple[int, int]:
