@@ -166,6 +166,18 @@ def test_teardown_after_exception_inside_with() -> None:
     assert leftovers(cluster.prefix) == []
 
 
+@pytest.mark.multiprocess
+def test_a_killed_job_leaves_no_zombie() -> None:
+    """``Job.kill`` reaps what it killed: the cluster holds every ``Popen`` until its teardown,
+    and a trial job's servers, killed at its end, stayed zombies that long."""
+    from hybridsync.run.emulated import Job
+
+    job = Job(processes=[subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(3)])
+    job.kill()
+    assert [proc.returncode for proc in job.processes] == [-signal.SIGTERM] * 3
+    assert not any(os.path.exists(f"/proc/{proc.pid}") for proc in job.processes)
+
+
 @needs_root
 @pytest.mark.emulated
 def test_failing_job_is_stopped_and_torn_down() -> None:

@@ -29,6 +29,7 @@ from hybridsync.run.ps_servers import ps_environment, server_command, server_env
 
 _RENDEZVOUS_START_TIMEOUT_S = 30.0
 DEFAULT_PS_ROOT_PORT = 9000
+_REAP_TIMEOUT_S = 1.0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -61,8 +62,15 @@ class Job:
             self.stop_helpers()
 
     def kill(self) -> None:
-        """SIGTERM, then SIGKILL, every process still running (by pid)."""
+        """SIGTERM, then SIGKILL, every process still running (by pid), and reaps them: the cluster
+        keeps every ``Popen`` until its teardown, so a killed process nobody waits for stays a
+        zombie that long (an autotune's trial jobs left 4-8 per job)."""
         kill_pids([proc.pid for proc in self.processes if proc.poll() is None], grace_s=2.0, groups=True)
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=_REAP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass  # SIGKILLed in uninterruptible sleep: the teardown reaps it
 
     def stop_helpers(self) -> None:
         """Closes the helpers' stdin (their signal to exit), then kills any that linger."""
