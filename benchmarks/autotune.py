@@ -231,6 +231,7 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
     return {"model": model, "mode": "exact" if args.exact else "default", "winner": result.winner_kind,
             "winner_levers": sorted(result.winner_levers), "best_rival": best_kind,
             "speedup_over_best_rival": over_rivals, "speedup_over_horovod_autotune": over_tuned,
+            "unresolved_lead": result.unresolved_lead,
             "speedup": min(over_rivals, over_tuned or over_rivals), "horovod_autotune_env": tuned,
             "not_runnable": result.not_runnable, "tau": result.kendall_tau,
             "resolved_tau": result.resolved_tau, "resolved_pairs": len(result.resolved_pairs()),

@@ -103,6 +103,46 @@ def test_the_resolved_tau_counts_only_pairs_the_confirmation_repeats_separate():
 
 
 @pytest.mark.unit
+def test_a_search_strategy_wins_only_on_a_lead_the_confirmation_resolves(tmp_path):
+    from hybridsync.autotune.loop import Autotuner
+    from hybridsync.description import load_description
+    from hybridsync.trials.candidates import Candidate
+    from hybridsync.trials.store import TrialStore
+    description = load_description(DESCRIPTIONS / "ncf.json")
+    tuner = Autotuner(description=description, cluster=CLUSTER, store=TrialStore(str(tmp_path / "t.db")),
+                      runner_for=lambda *_: None, settings=AutotuneSettings(), progress=False)
+    fp16 = Strategy.from_dict({"version": 1, "default": {"route": "allreduce", "compression": "fp16"}})
+    lineup = [Candidate(kind="search:top1", strategy=fp16), Candidate(kind="horovod", strategy=None),
+              Candidate(kind="baseline:allreduce", strategy=Strategy.from_dict({"version": 1})),
+              Candidate(kind="baseline:allreduce-fp16", strategy=fp16)]
+    def medians(repeats):
+        return {kind: float(np.median(times)) for kind, times in repeats.items()}
+    apart = {"search:top1": [0.150, 0.152, 0.149, 0.151], "baseline:allreduce-fp16": [0.160, 0.161, 0.159, 0.162],
+             "baseline:allreduce": [0.180, 0.182, 0.179, 0.181], "horovod": [0.2] * 4}
+    confirmed = medians(apart)
+    winner, lead = tuner._winner(lineup, confirmed, apart)
+    assert (winner.kind, lead) == ("search:top1", None)  # every repeat faster than the best fair rival's
+    overlapping = {**apart, "search:top1": [0.150, 0.163, 0.149, 0.158]}
+    winner, lead = tuner._winner(lineup, medians(overlapping), overlapping)
+    assert winner.kind == "baseline:allreduce-fp16", "a lead inside the job's noise goes to the rival"
+    assert lead["kind"] == "search:top1" and lead["over"] == "baseline:allreduce-fp16" and lead["p"] >= 0.05
+    exact = Candidate(kind="search:top1", strategy=Strategy.from_dict({"version": 1, "default": {"route": "ps"}}))
+    near = {**apart, "search:top1": [0.165, 0.181, 0.168, 0.183],
+            "baseline:allreduce-fp16": [0.174, 0.176, 0.175, 0.177]}
+    winner, lead = tuner._winner([exact, *lineup[1:]], medians(near), near)
+    assert winner.kind == "baseline:allreduce", "an fp16 twin is no fair rival of an exact strategy"
+    assert lead["over"] == "baseline:allreduce"
+    rival_won = {**confirmed, "baseline:allreduce": 0.13}
+    assert tuner._winner(lineup, rival_won, apart) == (lineup[2], None)
+    result = dataclasses.replace(a_result(), winner_kind="baseline:horovod-hierarchical-fp16",
+                                 unresolved_lead={"kind": "search:top1", "step_s": 0.15, "p": 0.34,
+                                                  "over": "baseline:horovod-hierarchical-fp16"})
+    assert "search:top1 measured 150.0 ms, faster than baseline:horovod-hierarchical-fp16 but within the " \
+           "confirmation job's noise (p = 0.34): not taken" in result.verdict()
+    assert "Not taken: search:top1" in markdown(to_dict(result))
+
+
+@pytest.mark.unit
 def test_report_files_say_what_won_over_which_rival_and_how_well_trials_ranked(tmp_path):
     paths = write_report(a_result(), tmp_path / "report")
     assert [p.name for p in paths] == ["report.json", "report.md", "report.png"]

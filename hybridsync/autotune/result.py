@@ -8,7 +8,7 @@ Every number of the verdict comes from the confirmation job (one job, interleave
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.strategy import Strategy
@@ -65,6 +65,9 @@ class AutotuneResult:
     job_levels: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """Trial job -> its level and drift per minute (``hybridsync.trials.levels.JobLevel``)."""
     exact: bool = False
+    unresolved_lead: dict[str, Any] | None = None
+    """A search strategy the confirmation job measured faster than the winner, a rival, but within
+    the job's noise, so not taken (``{"kind", "step_s", "over", "p"}``; ``Autotuner`` docstring)."""
     seconds: dict[str, float]
     """Wall time of each phase (search, trials, refit, confirm) and the total."""
 
@@ -110,14 +113,13 @@ class AutotuneResult:
         confirmation repeats separate them beyond the job's noise (Mann-Whitney U on the repeats'
         medians, two-sided p < ``RESOLVED_P``: with four repeats each, every repeat of one faster than
         every repeat of the other). Pairs inside the noise have no order a ranking could reproduce."""
-        from scipy.stats import mannwhitneyu
         kinds = sorted(kind for kind in self.confirmed_s if kind in self.trial_s
                        and len(self.confirmed_repeats_s.get(kind, ())) >= MIN_RESOLVING_REPEATS)
         pairs = []
         for i, a in enumerate(kinds):
             for b in kinds[i + 1:]:
-                ra, rb = self.confirmed_repeats_s[a], self.confirmed_repeats_s[b]
-                if mannwhitneyu(ra, rb, alternative="two-sided").pvalue < RESOLVED_P:
+                p = repeats_p(self.confirmed_repeats_s[a], self.confirmed_repeats_s[b])
+                if p is not None and p < RESOLVED_P:
                     pairs.append((a, b) if self.confirmed_s[a] < self.confirmed_s[b] else (b, a))
         return pairs
 
@@ -148,7 +150,24 @@ class AutotuneResult:
         line = f"winner {self.winner_kind}, {self.confirmed_s[self.winner_kind] * 1e3:.1f} ms per step"
         if best is not None:
             line += f"; best fair rival {best[0]} {best[1] * 1e3:.1f} ms: {self.speedup:.2f}x"
-        return line + f" ({rival_rule(self)})"
+        line += f" ({rival_rule(self)})"
+        return line + (f"; {lead_text(self.unresolved_lead)}" if self.unresolved_lead else "")
+
+
+def repeats_p(first: Sequence[float], second: Sequence[float]) -> float | None:
+    """Two-sided Mann-Whitney U p-value of two kinds' confirmation repeats (``None`` when either has
+    fewer than ``MIN_RESOLVING_REPEATS``): below ``RESOLVED_P`` the job tells them apart."""
+    if min(len(first), len(second)) < MIN_RESOLVING_REPEATS:
+        return None
+    from scipy.stats import mannwhitneyu
+    return float(mannwhitneyu(first, second, alternative="two-sided").pvalue)
+
+
+def lead_text(lead: Mapping[str, Any]) -> str:
+    """``unresolved_lead`` said plainly."""
+    p = "too few repeats to tell" if lead["p"] is None else f"p = {lead['p']:.2f}"
+    return (f"{lead['kind']} measured {lead['step_s'] * 1e3:.1f} ms, faster than {lead['over']} but within the "
+            f"confirmation job's noise ({p}): not taken")
 
 
 def kendall_tau_between(first: Mapping[str, float], second: Mapping[str, float]) -> float | None:
