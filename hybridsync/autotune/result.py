@@ -67,7 +67,7 @@ class AutotuneResult:
     exact: bool = False
     unresolved_lead: dict[str, Any] | None = None
     """A search strategy the confirmation job measured faster than the winner, a rival, but within
-    the job's noise, so not taken (``{"kind", "step_s", "over", "p"}``; ``Autotuner`` docstring)."""
+    the job's noise, so not taken (``{"kind", "step_s", "over", "p"}``; ``hybridsync.autotune.loop``)."""
     seconds: dict[str, float]
     """Wall time of each phase (search, trials, refit, confirm) and the total."""
 
