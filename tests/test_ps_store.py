@@ -175,3 +175,15 @@ def test_a_late_restore_never_replaces_a_value_in_use():
     store.push_delta("p", 0, 1, torch.ones(1)).wait()
     store.restore(1, RestoreState(parameters={"p": (Pulled(torch.full((1,), 9.0), (5, 5)), None)}), parameters=False)
     assert store.init_async("p", torch.zeros(1), None).value.tolist() == [1.0]
+
+
+def test_a_worker_reports_the_server_it_lost_first():
+    """A server that dies takes its worker down, and the other servers' failures that follow (they
+    saw that worker go away) must not hide it: ``Links.failure`` is the earliest, not the lowest index."""
+    from types import SimpleNamespace
+    from hybridsync.backends.ps.recovery import Links
+    links = Links(SimpleNamespace(config=SimpleNamespace(index=1, num_servers=3)))
+    assert links.failure() is None
+    links._fail(2, "parameter server server2 is unreachable")
+    links._fail(0, "parameter server server0 is unreachable (server0: worker1 stopped answering)")
+    assert links.failure() == "parameter server server2 is unreachable"

@@ -93,6 +93,8 @@ class _Link:
     state: str = "up"
     """``up``, ``recovering`` or ``failed``."""
     failure: str | None = None
+    failed_at: float = 0.0
+    """``time.monotonic()`` when it was given up (``failure`` reports the earliest)."""
 
 
 class Links:
@@ -208,8 +210,10 @@ class Links:
         return not any(_error(call.future) for call in calls)
 
     def failure(self) -> str | None:
-        """Why a server was given up for good (the first), if one was."""
-        return next((link.failure for link in self._links if link.state == "failed"), None)
+        """Why a server was given up for good (the first in time, if several were: a server that died
+        takes this worker down, and the others' failures that follow name it, not the cause)."""
+        failed = [link for link in self._links if link.state == "failed"]
+        return min(failed, key=lambda link: link.failed_at).failure if failed else None
 
     def forget_prefix(self, prefix: str) -> None:
         """A released namespace: nothing of it is restored any more."""
@@ -324,7 +328,7 @@ class Links:
     def _fail(self, index: int, message: str) -> None:
         with self._cond:
             link = self._links[index]
-            link.state, link.failure = "failed", message
+            link.state, link.failure, link.failed_at = "failed", message, time.monotonic()
             self._cond.notify_all()
         _log(self._worker, message)
 
