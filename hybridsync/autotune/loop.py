@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hybridsync import baselines
-from hybridsync.autotune.result import RESOLVED_P, AutotuneResult, TrialOutcome, repeats_p
+from hybridsync.autotune.result import RESOLVED_P, AutotuneResult, TrialOutcome, fair_rivals, repeats_p
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id
 from hybridsync.strategy import Strategy
@@ -360,11 +360,10 @@ class Autotuner:
         fastest = by_kind[min(confirmed, key=confirmed.__getitem__)]
         if is_rival(fastest.kind):
             return fastest, None
-        levers = self._levers(fastest)
-        fair = [kind for kind in confirmed if is_rival(kind) and rival_levers(kind) <= levers]
+        fair = fair_rivals(confirmed, self._levers(fastest))
         if not fair:
             return fastest, None
-        rival = min(fair, key=confirmed.__getitem__)
+        rival = min(fair, key=fair.__getitem__)
         p = repeats_p(repeats.get(fastest.kind, []), repeats.get(rival, []))
         if p is not None and p < RESOLVED_P:
             return fastest, None

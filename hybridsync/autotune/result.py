@@ -74,8 +74,7 @@ class AutotuneResult:
     @property
     def fair_rivals(self) -> dict[str, float]:
         """Confirmed step time of every rival that uses no lever the winner does not use."""
-        return {kind: s for kind, s in self.confirmed_s.items()
-                if is_rival(kind) and rival_levers(kind) <= self.winner_levers}
+        return fair_rivals(self.confirmed_s, self.winner_levers)
 
     @property
     def best_rival(self) -> tuple[str, float] | None:
@@ -152,6 +151,12 @@ class AutotuneResult:
             line += f"; best fair rival {best[0]} {best[1] * 1e3:.1f} ms: {self.speedup:.2f}x"
         line += f" ({rival_rule(self)})"
         return line + (f"; {lead_text(self.unresolved_lead)}" if self.unresolved_lead else "")
+
+
+def fair_rivals(step_s: Mapping[str, float], levers: frozenset[str]) -> dict[str, float]:
+    """The rivals among ``step_s`` (kind -> step time) fair to a strategy using ``levers``: those
+    that use no lever it does not use."""
+    return {kind: s for kind, s in step_s.items() if is_rival(kind) and rival_levers(kind) <= levers}
 
 
 def repeats_p(first: Sequence[float], second: Sequence[float]) -> float | None:
