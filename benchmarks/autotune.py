@@ -56,7 +56,7 @@ sys.path.insert(0, REPO)
 
 from hybridsync.autotune.launch import run_on  # noqa: E402
 from hybridsync.autotune.loop import AutotuneSettings  # noqa: E402
-from hybridsync.autotune.result import TAU_TARGET, kendall_tau_between  # noqa: E402
+from hybridsync.autotune.result import TAU_TARGET, kendall_tau_between, lead_text, runoff_text  # noqa: E402
 from hybridsync.autotune.session import autotune  # noqa: E402
 from hybridsync.cluster.spec import ClusterSpec  # noqa: E402
 from hybridsync.description import description_id, load_description  # noqa: E402
@@ -231,7 +231,7 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
     return {"model": model, "mode": "exact" if args.exact else "default", "winner": result.winner_kind,
             "winner_levers": sorted(result.winner_levers), "best_rival": best_kind,
             "speedup_over_best_rival": over_rivals, "speedup_over_horovod_autotune": over_tuned,
-            "unresolved_lead": result.unresolved_lead,
+            "unresolved_lead": result.unresolved_lead, "runoff": result.runoff,
             "speedup": min(over_rivals, over_tuned or over_rivals), "horovod_autotune_env": tuned,
             "not_runnable": result.not_runnable, "tau": result.kendall_tau,
             "resolved_tau": result.resolved_tau, "resolved_pairs": len(result.resolved_pairs()),
@@ -281,6 +281,8 @@ def table(rows: list[dict]) -> str:
                      f"{len(ceilings) - len(capped)} of {len(ceilings)} models"
                      + (f"; no strategy can reach {TARGET_SPEEDUP}x on {', '.join(capped)}" if capped else ""))
     lines += [f"not runnable: {r['model']}: {kind}: {reason}" for r in rows for kind, reason in r["not_runnable"].items()]
+    lines += [f"not taken: {r['model']}: {lead_text(r['unresolved_lead'])}" for r in rows if r.get("unresolved_lead")]
+    lines += [f"runoff: {r['model']}: {runoff_text(r['runoff'])}" for r in rows if r.get("runoff")]
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import pytest
 from conftest import BIN, REPO, launcher_argv, run_job
 from hybridsync.autotune.loop import AutotuneResult, AutotuneSettings, TrialOutcome
 from hybridsync.autotune.report import markdown, to_dict, write_report
+from hybridsync.autotune.result import RESOLVED_P
 from hybridsync.cli import main
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.run.config import load_run_config
@@ -360,3 +361,66 @@ def test_rechecks_are_the_best_search_strategies_measured_once_less_the_controls
                      settings=AutotuneSettings(recheck=0), progress=False)._rechecks([]) == []
     with pytest.raises(ValueError, match="recheck"):
         AutotuneSettings(recheck=-1)
+
+
+
+class _DriftingJob:
+    """Stands in for the trial runner of one runoff job (unit test): stores each scheduled trial with
+    step times ``times[kind][pass]``, as a job on shared cores whose level drifts from pass to pass would."""
+
+    def __init__(self, store, tuner, times: dict[str, list[float]]) -> None:
+        self.store, self.tuner, self.times = store, tuner, times
+
+    def run(self, schedule) -> None:
+        import datetime
+        from hybridsync.description import description_id
+        from hybridsync.trials.store import TrialRecord
+        start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+        for index, candidate in enumerate(schedule):
+            at = (start + datetime.timedelta(seconds=index)).isoformat()
+            self.store.add(TrialRecord(
+                uid=f"t{index}", model=self.tuner.model, description_id=description_id(self.tuner.description),
+                cluster=CLUSTER.to_dict(), kind=candidate.kind, strategy=candidate.strategy.to_dict(),
+                fingerprint=candidate.fingerprint, status="ok", reason=None, warmup_steps=0,
+                step_times=[self.times[candidate.kind][index // 2]] * 3, versions={}, started=at, finished=at,
+                host="h", job="runoff"))
+
+
+@pytest.mark.unit
+def test_a_runoff_job_takes_a_lead_only_if_it_holds_pass_by_pass(tmp_path):
+    from hybridsync.autotune.loop import Autotuner
+    from hybridsync.autotune.result import repeats_p
+    from hybridsync.description import load_description
+    from hybridsync.trials.candidates import Candidate
+    from hybridsync.trials.store import TrialStore
+    description = load_description(DESCRIPTIONS / "ncf.json")
+    fp16 = Strategy.from_dict({"version": 1, "default": {"route": "allreduce", "compression": "fp16"}})
+    ps = Strategy.from_dict({"version": 1, "default": {"route": "ps", "compression": "fp16"}})
+    lineup = [Candidate(kind="search:top1", strategy=ps), Candidate(kind="baseline:allreduce-fp16", strategy=fp16)]
+    lead = {"kind": "search:top1", "step_s": 0.15, "over": "baseline:allreduce-fp16", "p": 0.34}
+    drift = np.array([1.0, 1.15, 0.9, 1.1, 0.95, 1.05, 0.85, 1.12])  # +-15% from pass to pass, as within a job
+
+    def runoff(times: dict[str, np.ndarray], elapsed_s: float = 100.0):
+        tuner = Autotuner(description=description, cluster=CLUSTER, store=TrialStore(str(tmp_path / "t.db")),
+                          runner_for=lambda protocol, store: _DriftingJob(store, tuner, times), progress=False)
+        tuner.seconds["confirm"] = 60.0  # 8 kinds x 4 repeats in the confirmation: ~1.9 s a trial
+        return tuner._runoff(lineup * 4, lead, elapsed_s)
+
+    held = {"search:top1": 0.150 * drift, "baseline:allreduce-fp16": 0.156 * drift}  # 4% faster in every pass
+    winner, left, found = runoff(held)
+    assert winner.kind == "search:top1" and left is None and found["taken"]
+    assert found["ratio"] == pytest.approx(1.04) and found["p"] < 0.01 and len(found["step_s"]["search:top1"]) == 8
+    assert repeats_p(*found["step_s"].values()) > RESOLVED_P, "unpaired, the same repeats would not resolve it"
+    assert "runoff job, 8 passes: search:top1 1.04x as fast as baseline:allreduce-fp16 (p = 0.008): the lead " \
+           "held: taken" in dataclasses.replace(a_result(), runoff=found).verdict()
+    alternating = {"search:top1": 0.150 * drift * np.array([0.96, 1.04] * 4), "baseline:allreduce-fp16": 0.152 * drift}
+    winner, left, found = runoff(alternating)  # ahead in half the passes, behind in the others
+    assert winner.kind == "baseline:allreduce-fp16" and left == lead and not found["taken"] and found["p"] > RESOLVED_P
+    even = {"search:top1": 0.15 * drift, "baseline:allreduce-fp16": 0.15 * drift}
+    assert runoff(even)[2]["p"] == 1.0, "identical passes: nothing to resolve, not an error"
+    winner, left, found = runoff(held, elapsed_s=580.0)  # 16 trials of ~1.9 s would pass 600 s
+    assert winner.kind == "baseline:allreduce-fp16" and left == lead
+    assert found["skipped"] == "about 30 s more would pass the 600 s limit" and "no runoff of" in \
+        markdown(to_dict(dataclasses.replace(a_result(), runoff=found)))
+    with pytest.raises(ValueError, match="runoff_passes"):
+        AutotuneSettings(runoff_passes=-1)

@@ -27,7 +27,8 @@ fastest rivals of each kind again, ``confirm_repeats`` times each in passes of s
 final comparison comes from one job, side by side. The winner is the fastest of that job,
 rivals included: an autotuned run is never slower than the best hand-made choice by more
 than that job's noise. A search strategy beats its best fair rival only on a lead the job's
-repeats resolve; a lead inside the noise goes to the rival, and the report names it. The
+repeats resolve, or, when they do not, that a runoff job (the two alone, pass by pass) confirms;
+otherwise the rival wins, and the report names the lead not taken. The
 result (``hybridsync.autotune.result``) names the best fair rival and the Kendall tau of the
 trials' ranking against the confirmation job's.
 """
@@ -44,7 +45,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hybridsync import baselines
-from hybridsync.autotune.result import RESOLVED_P, AutotuneResult, TrialOutcome, fair_rivals, repeats_p
+from hybridsync.autotune.result import (RESOLVED_P, AutotuneResult, TrialOutcome, fair_rivals, paired_p,
+                                        repeats_p)
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id
 from hybridsync.strategy import Strategy
@@ -93,6 +95,15 @@ class AutotuneSettings:
     random order, ``trials.runner.shuffled_passes``): on shared cores the step time drifts by +-15%
     within a job, and four short passes average that drift out better than two long ones for the
     same steps."""
+    runoff_passes: int = 8
+    """When a search strategy leads the confirmation job within its noise, one more job measures it and
+    its best fair rival in this many passes (each pass both, in random order); it wins only if the
+    per-pass ratios there favour it beyond the noise (``result.paired_p`` < ``RESOLVED_P``): a lead
+    must hold in a second job. Pairs within a pass share the job's drift, so eight passes resolve
+    a few percent where four unpaired repeats did not. 0: no runoff."""
+    time_limit_s: float | None = 600.0
+    """Wall time the runoff may not push the autotune past (its length estimated from the confirmation
+    job's seconds per trial); ``None``: no limit. The loop before it is bounded by its budgets."""
     calibrate: bool = True
     """Before the first search, measure the cluster's collectives in a seconds-long job
     (``model.calibration``) so that the simulator prices its paths as measured, not as its spec says."""
@@ -103,8 +114,8 @@ class AutotuneSettings:
                              f"{self.per_round}, {self.search_budget}")
         if self.confirm_top < 1 or self.confirm_repeats < 1 or self.block_size < 1:
             raise ValueError("confirm_top, confirm_repeats and block_size must be >= 1")
-        if self.recheck < 0:
-            raise ValueError(f"recheck must be >= 0, got {self.recheck}")
+        if self.recheck < 0 or self.runoff_passes < 0:
+            raise ValueError(f"recheck and runoff_passes must be >= 0, got {self.recheck}, {self.runoff_passes}")
 
 
 class Autotuner:
@@ -169,11 +180,14 @@ class Autotuner:
         self._recheck_last(round_index)
         confirmed, repeats, lineup = self._confirm()
         winner, unresolved_lead = self._winner(lineup, confirmed, repeats)
+        runoff = None
+        if unresolved_lead is not None and self.settings.runoff_passes:
+            winner, unresolved_lead, runoff = self._runoff(lineup, unresolved_lead, time.monotonic() - start)
         self.seconds["total"] = time.monotonic() - start
         return AutotuneResult(
             model=self.model, cluster=self.cluster, winner_kind=winner.kind, winner=self._training_strategy(winner),
             winner_levers=self._levers(winner), trials=self._normalized(self.trials),
-            confirmed_s=confirmed, confirmed_repeats_s=repeats, unresolved_lead=unresolved_lead,
+            confirmed_s=confirmed, confirmed_repeats_s=repeats, unresolved_lead=unresolved_lead, runoff=runoff,
             trial_s={c.kind: self.levels.strategy_s[c.fingerprint] for c in lineup if c.fingerprint in self.levels.strategy_s},
             not_runnable=dict(self.not_runnable), exact=self.settings.exact, seconds=dict(self.seconds),
             job_levels={job: {"level": level.level, "drift_per_min": level.drift_per_min, "trials": level.trials}
@@ -369,6 +383,33 @@ class Autotuner:
             return fastest, None
         return by_kind[rival], {"kind": fastest.kind, "step_s": confirmed[fastest.kind], "over": rival, "p": p}
 
+    def _runoff(self, lineup: list[Candidate], lead: dict[str, Any],
+                elapsed_s: float) -> tuple[Candidate, dict[str, Any] | None, dict[str, Any]]:
+        """Measures an unresolved lead against its rival again in a job of their own, pass by pass;
+        returns the winner, the lead still not taken (``None`` once taken) and what the runoff found."""
+        by_kind = {c.kind: c for c in lineup}
+        leader, rival = by_kind[lead["kind"]], by_kind[lead["over"]]
+        passes = self.settings.runoff_passes
+        record: dict[str, Any] = {"kind": leader.kind, "over": rival.kind, "passes": passes}
+        expected_s = self.seconds["confirm"] / (len(lineup) * self.settings.confirm_repeats) * 2 * passes
+        limit = self.settings.time_limit_s
+        if limit is not None and elapsed_s + expected_s > limit:
+            record["skipped"] = f"about {expected_s:.0f} s more would pass the {limit:.0f} s limit"
+            return rival, lead, record
+        store = TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-runoff-"), "runoff.db"))
+        schedule = shuffled_passes([leader, rival], passes, self.rng)
+        started = time.monotonic()
+        self.runner_for(self.settings.confirm_protocol, store).run(schedule)
+        self.seconds["runoff"] = time.monotonic() - started
+        steps = pass_medians(store.trials(model=self.model, cluster=self.cluster.to_dict()), schedule)
+        ratios = [by[rival.kind] / by[leader.kind] for by in steps if len(by) == 2]
+        p = paired_p(ratios)
+        ratio = statistics.median(ratios) if ratios else None
+        taken = ratio is not None and ratio > 1 and p is not None and p < RESOLVED_P
+        record.update(ratio=ratio, p=p, taken=taken,
+                      step_s={kind: [by[kind] for by in steps if kind in by] for kind in (leader.kind, rival.kind)})
+        return (leader, None, record) if taken else (rival, lead, record)
+
     def _levers(self, candidate: Candidate) -> frozenset[str]:
         """What ``candidate`` uses beyond plain Horovod's numerics (its strategy's levers, or a rival's)."""
         return baselines.levers(candidate.strategy, self.description.variables) | rival_levers(candidate.kind)
@@ -399,6 +440,18 @@ class Autotuner:
         if winner.kind == HOROVOD_FP16_KIND:
             return baselines.fp16_twin("allreduce", self.description.variables, self.cluster.num_servers)
         return Strategy(variables={})
+
+
+def pass_medians(records: Sequence[TrialRecord], schedule: Sequence[Candidate]) -> list[dict[str, float]]:
+    """Per pass of a job that ran ``schedule`` in passes over the same lineup: kind -> median timed
+    step of the trials that succeeded there. ``records``: that job's trials in the order measured
+    (one per scheduled candidate; a job that died early has fewer)."""
+    size = len({c.kind for c in schedule})
+    out: list[dict[str, float]] = [{} for _ in range(len(schedule) // size)]
+    for index, record in enumerate(records[:len(schedule)]):
+        if record.status == "ok" and record.timed_steps:
+            out[index // size][record.kind] = statistics.median(record.timed_steps)
+    return out
 
 
 def seed_candidates(description: ModelDescription, cluster: ClusterSpec, *, exact: bool,

@@ -4,7 +4,7 @@
   and the speedup over it (``hybridsync.autotune.result``: fp16 rivals count when the winner
   uses fp16), the rivals that cannot run on this model and why, the confirmation job's step
   time per kind, the speedup over each, a search strategy's lead the confirmation did not
-  resolve (so a rival won), the Kendall tau of the trials' ranking against the
+  resolve (so a rival won) and the runoff job that measured it again, the Kendall tau of the trials' ranking against the
   confirmation job's (over every strategy in both, and over the pairs the confirmation's repeats
   resolve beyond its noise), each confirmation repeat's median step time, every trial (round,
   job, kind, predicted, measured and job-normalized step time), every trial job's level and
@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hybridsync.autotune.result import TAU_TARGET, AutotuneResult, lead_text, rival_rule
+from hybridsync.autotune.result import TAU_TARGET, AutotuneResult, lead_text, rival_rule, runoff_text
 from hybridsync.model.evaluate import describe_live, live_accuracy
 from hybridsync.trials.store import cluster_label
 
@@ -37,6 +37,7 @@ def to_dict(result: AutotuneResult) -> dict[str, Any]:
         "best_rival": None if best is None else {"kind": best[0], "step_s": best[1]},
         "speedup_over_best_rival": result.speedup,
         "unresolved_lead": result.unresolved_lead,
+        "runoff": result.runoff,
         "not_runnable": dict(result.not_runnable),
         "speedups": {kind: result.speedup_over(kind) for kind in sorted(result.confirmed_s)},
         "confirmed_s": dict(sorted(result.confirmed_s.items(), key=lambda item: item[1])),
@@ -75,7 +76,9 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"**{doc['speedup_over_best_rival']:.2f}x** as fast ({rival_rule(doc)}).")
     if doc.get("unresolved_lead"):
         lines.append(f"Not taken: {lead_text(doc['unresolved_lead'])} (a search strategy replaces a hand-made "
-                     "one only on a lead the confirmation job resolves).")
+                     "one only on a lead the confirmation job resolves, or a runoff job confirms).")
+    if doc.get("runoff"):
+        lines.append(f"Runoff: {runoff_text(doc['runoff'])}.")
     for kind, reason in doc["not_runnable"].items():
         lines.append(f"Not runnable on this model: {kind}: {reason}.")
     tau = doc["kendall_tau"]

@@ -8,6 +8,7 @@ Every number of the verdict comes from the confirmation job (one job, interleave
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence
 
 from hybridsync.cluster.spec import ClusterSpec
@@ -68,6 +69,10 @@ class AutotuneResult:
     unresolved_lead: dict[str, Any] | None = None
     """A search strategy the confirmation job measured faster than the winner, a rival, but within
     the job's noise, so not taken (``{"kind", "step_s", "over", "p"}``; ``hybridsync.autotune.loop``)."""
+    runoff: dict[str, Any] | None = None
+    """The second job that measured such a lead again, pass by pass beside its rival
+    (``{"kind", "over", "passes", "ratio", "p", "taken", "step_s"}``, or ``{"kind", "over", "skipped"}``
+    when it would have run past the time limit); ``taken``: the lead held, and the search strategy won."""
     seconds: dict[str, float]
     """Wall time of each phase (search, trials, refit, confirm) and the total."""
 
@@ -150,7 +155,8 @@ class AutotuneResult:
         if best is not None:
             line += f"; best fair rival {best[0]} {best[1] * 1e3:.1f} ms: {self.speedup:.2f}x"
         line += f" ({rival_rule(self)})"
-        return line + (f"; {lead_text(self.unresolved_lead)}" if self.unresolved_lead else "")
+        line += f"; {lead_text(self.unresolved_lead)}" if self.unresolved_lead else ""
+        return line + (f"; {runoff_text(self.runoff)}" if self.runoff else "")
 
 
 def fair_rivals(step_s: Mapping[str, float], levers: frozenset[str]) -> dict[str, float]:
@@ -166,6 +172,31 @@ def repeats_p(first: Sequence[float], second: Sequence[float]) -> float | None:
         return None
     from scipy.stats import mannwhitneyu
     return float(mannwhitneyu(first, second, alternative="two-sided").pvalue)
+
+
+def paired_p(ratios: Sequence[float]) -> float | None:
+    """Two-sided Wilcoxon signed-rank p-value that per-pass step-time ratios (one strategy's over
+    another's, each pair measured in the same pass of one job) differ from 1 (``None`` for fewer than
+    ``MIN_RESOLVING_REPEATS``). Pairing takes out the job's drift, which moves both alike within a pass."""
+    if len(ratios) < MIN_RESOLVING_REPEATS:
+        return None
+    logs = [math.log(r) for r in ratios]
+    if not any(logs):
+        return 1.0  # every pass a tie
+    from scipy.stats import wilcoxon
+    return float(wilcoxon(logs, alternative="two-sided").pvalue)
+
+
+def runoff_text(runoff: Mapping[str, Any]) -> str:
+    """``runoff`` said plainly."""
+    if "skipped" in runoff:
+        return f"no runoff of {runoff['kind']} against {runoff['over']}: {runoff['skipped']}"
+    if runoff["ratio"] is None:
+        return f"runoff job: no pass measured both {runoff['kind']} and {runoff['over']}: not taken"
+    p = "too few passes to tell" if runoff["p"] is None else f"p = {runoff['p']:.3f}"
+    held = "the lead held: taken" if runoff["taken"] else "the lead did not hold: not taken"
+    return (f"runoff job, {runoff['passes']} passes: {runoff['kind']} {runoff['ratio']:.2f}x as fast as "
+            f"{runoff['over']} ({p}): {held}")
 
 
 def lead_text(lead: Mapping[str, Any]) -> str:
