@@ -1,10 +1,21 @@
-"""The server's key logic in-process (no RPC): BSP rounds, sparse union, the SSP bound."""
+"""The server's key logic in-process (no RPC): BSP rounds, sparse union, the SSP bound; and which
+lost server a worker names."""
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
+from hybridsync import envvars
+from hybridsync.backends.base import Reduction
+from hybridsync.backends.ps.client import PSBackend, PSClient
+from hybridsync.backends.ps.config import PSConfig
+from hybridsync.backends.ps.recovery import PSServerError
+from hybridsync.backends.ps.server import Server
 from hybridsync.backends.ps.store import KeyStore, Pulled, RestoreState
+from test_router_inprocess import InProcessClient
 
 pytestmark = pytest.mark.unit
 
@@ -177,13 +188,68 @@ def test_a_late_restore_never_replaces_a_value_in_use():
     assert store.init_async("p", torch.zeros(1), None).value.tolist() == [1.0]
 
 
-def test_a_worker_reports_the_server_it_lost_first():
-    """A server that dies takes its worker down, and the other servers' failures that follow (they
-    saw that worker go away) must not hide it: ``Links.failure`` is the earliest, not the lowest index."""
-    from types import SimpleNamespace
-    from hybridsync.backends.ps.recovery import Links
-    links = Links(SimpleNamespace(config=SimpleNamespace(index=1, num_servers=3)))
-    assert links.failure() is None
-    links._fail(2, "parameter server server2 is unreachable")
-    links._fail(0, "parameter server server0 is unreachable (server0: worker1 stopped answering)")
-    assert links.failure() == "parameter server server2 is unreachable"
+# -- which lost server a worker names (recovery.Links, through the real client and servers' stores) ----
+
+def _servers_and_worker(monkeypatch) -> tuple[list[Server], PSClient]:
+    """Servers 0 and 1 of a 2-worker job, not serving (no RPC), and worker 1's client, whose calls go
+    straight into the servers' stores (``InProcessClient``); nothing replaces a lost server."""
+    monkeypatch.delenv(envvars.PS_RECOVERY_TIMEOUT, raising=False)
+    shape = dict(num_workers=2, num_servers=2, root_uri="in-process", root_port=1, partition_bytes=4000)
+    servers = [Server(PSConfig(role="server", index=s, **shape)) for s in range(2)]
+    return servers, InProcessClient(PSConfig(role="worker", index=1, **shape), [s.store for s in servers])
+
+
+def _push_both(client: PSClient) -> list:
+    """Worker 1's push of a key on each server: neither round completes (worker 0 never pushes)."""
+    backend = PSBackend(client)
+    for s in range(2):
+        backend.declare(f"key{s}", [torch.ones(4)], server=s)
+    return [backend.submit(f"key{s}", [torch.ones(4)], Reduction()) for s in range(2)]
+
+
+def _raised_by(wait) -> tuple[str, float]:
+    started = time.monotonic()
+    with pytest.raises(PSServerError) as error:
+        wait()
+    return str(error.value), time.monotonic() - started
+
+
+def test_a_dead_server_fails_a_wait_on_another_server_at_once(monkeypatch):
+    """Server 1 died under worker 1 while it waits on server 0, whose round will never complete
+    (worker 0 was failed too): the wait ends now, naming server1, not once server 0 quits over
+    worker 0 (the secondary loss, which would otherwise end it and be named)."""
+    servers, client = _servers_and_worker(monkeypatch)
+    on_server0, _ = _push_both(client)
+    servers[1].store.fail_all("ECONNRESET: connection reset by peer")  # what a killed server's calls get
+    quits = threading.Timer(5.0, servers[0].fail, args=("worker0", "EOF: end of file"))
+    quits.start()
+    try:
+        message, took = _raised_by(on_server0.wait)
+    finally:
+        quits.cancel()
+    assert message.startswith("parameter server server1 is unreachable (") and "ECONNRESET" in message, message
+    assert took < 2.0, took
+
+
+def test_a_server_that_quit_over_a_worker_is_named_only_if_no_server_died(monkeypatch):
+    """Server 0 quits because worker 0 left (a secondary loss) just before worker 1 learns that
+    server 1 died (the primary): worker 1 names server1. With no primary loss, it names server 0's
+    quit after the grace (two ping rounds and a second: 3 s), never waiting longer."""
+    servers, client = _servers_and_worker(monkeypatch)
+    on_server0, _ = _push_both(client)
+    servers[0].fail("worker0", "EOF: end of file")
+    dies = threading.Timer(0.5, servers[1].store.fail_all, args=("EOF: end of file",))
+    dies.start()
+    message, took = _raised_by(on_server0.wait)
+    assert message.startswith("parameter server server1 is unreachable (") and "EOF" in message, message
+    assert 0.4 < took < 2.0, took
+    with pytest.raises(PSServerError, match="server1 is unreachable"):
+        client.check_usable()
+
+    servers, client = _servers_and_worker(monkeypatch)
+    on_server0, _ = _push_both(client)
+    servers[0].fail("worker0", "EOF: end of file")
+    message, took = _raised_by(on_server0.wait)
+    assert message.startswith("parameter server server0 quit: ") and (
+        "hybridsync PS server0: worker0 stopped answering (EOF: end of file); exiting" in message), message
+    assert 2.9 < took < 4.5, took

@@ -23,7 +23,7 @@ from hybridsync import envvars
 from hybridsync.backends.base import KeyedBackend, Reduction, SparseBackend, wire_of
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
-from hybridsync.backends.ps.recovery import Call, Links, PSServerError, Recovery
+from hybridsync.backends.ps.recovery import Call, Links, PSServerError, Recovery  # noqa: F401 - re-exported
 from hybridsync.backends.ps.store import WireCounters, payload_bytes
 from hybridsync.backends.ps.watchdog import Watchdog
 from hybridsync.placement import Chunk, Declaration, KeyTable, Layout, WireTensor, namespaced, part_key
@@ -48,7 +48,8 @@ class PSClient:
         """Namespaces (``"<namespace>/"``) this worker released: their keys are never sent again."""
         self._steps: dict[str, int] = {}
         self._closed = False
-        self._links = Links(self)
+        # a primary loss shows within a ping round (a dead server refuses the ping); two, and a second to spare
+        self._links = Links(self, secondary_grace_s=2 * ping_interval_s + 1.0)
         self._store = None
         self._watchdog: Watchdog | None = None
         self._connect(join_timeout_s, ping_interval_s, _ping_timeout(ping_timeout_s))
@@ -236,9 +237,7 @@ class PSClient:
     def check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("the PS client was shut down")
-        failure = self._links.failure()
-        if failure is not None:
-            raise PSServerError(failure)
+        self._links.check()
 
     def wait_all(self, calls: Sequence[Call], what: str) -> list[Any]:
         """Results of ``calls`` in order, across server replacements; raises ``PSServerError``

@@ -10,7 +10,12 @@ verdict), sends it what this worker holds of its keys (``store.RestoreState``: t
 and ASP/SSP pull of each), and sends every unanswered call again, with its step, to the new
 server. Replays and deduplication on the server (``store.py``) make a resent push count
 exactly once, so training goes on as if nothing happened. If nobody replaces the server, the
-link fails and every wait on it raises ``PSServerError`` naming the server.
+link fails and every wait raises ``PSServerError`` naming the server.
+
+One loss brings others: a worker failed by a dead server leaves, and every other server then
+quits because that worker stopped answering. Those later losses are *secondary*; the error
+names the primary one, the server that died, even when a secondary loss reached this worker
+first (it waits up to ``secondary_grace_s`` for a primary loss to show).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from hybridsync import envvars
 from hybridsync.backends import stalls
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.store import Pulled, RestoreState
-from hybridsync.backends.ps.watchdog import PeerFailure
+from hybridsync.backends.ps.watchdog import SERVER_QUITS, PeerFailure
 
 SUPERVISED_RECOVERY_TIMEOUT_S = 60.0
 """How long a worker waits for a supervised server's replacement (start-up on a busy host included)."""
@@ -95,13 +100,18 @@ class _Link:
     failure: str | None = None
     failed_at: float = 0.0
     """``time.monotonic()`` when it was given up (``failure`` reports the earliest)."""
+    secondary: bool = False
+    """Given up because the server quit over a worker that stopped answering (``SERVER_QUITS``)."""
 
 
 class Links:
     """This worker's view of every server: current incarnation, calls in flight, what to restore."""
 
-    def __init__(self, client: Transport, *, store: Any = None) -> None:
+    def __init__(self, client: Transport, *, store: Any = None, secondary_grace_s: float = 3.0) -> None:
+        """``secondary_grace_s``: how long a secondary loss waits for the primary one to show before
+        it is reported (a dead server's connection fails at the next ping round)."""
         self._client = client
+        self._secondary_grace_s = secondary_grace_s
         self._timeout_override = _recovery_timeout_from_env()
         self._store = store
         self._store_lock = threading.Lock()
@@ -137,14 +147,16 @@ class Links:
         return [self.name(i) for i, link in enumerate(self._links) if link.state == "up"]
 
     def submit(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Call:
-        """Send ``function(*args)`` to server ``index`` now, or once its replacement is ready."""
+        """Send ``function(*args)`` to server ``index`` now, or once its replacement is ready;
+        ``PSServerError`` if a server is lost for good."""
+        self.check()
         call = Call(index, function, args, timeout)
         if function == "rpc_init_async":
             self._staleness[args[0]] = args[3]
         with self._cond:
             link = self._links[index]
             if link.state == "failed":
-                raise PSServerError(link.failure)
+                raise PSServerError(self.failure())
             self._inflight.add(call)
             if link.state == "up":
                 self._send(call)
@@ -165,6 +177,9 @@ class Links:
             if error is None:
                 self._record(call, future.value())
                 self._inflight.discard(call)
+            elif _quits(error):  # final: no supervisor replaces a server that quit over a worker
+                self._fail(call.server, f"parameter server {group.server_name(call.server)} quit: "
+                                        f"{_first_line(error)}", secondary=True)
             elif _connection_lost(error):
                 self._lost(call.server, call.incarnation, _first_line(error), hung=False)
             else:
@@ -193,16 +208,27 @@ class Links:
                     self._cond.wait(0.1)
                 watch.tick()
 
+    def check(self) -> None:
+        """``PSServerError`` if a server is lost for good (waiting out a secondary loss's grace)."""
+        with self._cond:
+            while (failure := self._verdict()) is None and self.failure() is not None:
+                self._cond.wait(0.1)
+        if failure is not None:
+            raise PSServerError(failure)
+
     def _answered(self, calls: Sequence[Call], what: str) -> bool:
-        """Whether every call is answered (under ``_cond``); ``PSServerError`` if one cannot be."""
-        for call in calls:
-            link = self._links[call.server]
-            if link.state == "failed":
-                raise PSServerError(link.failure)
+        """Whether every call is answered (under ``_cond``); ``PSServerError`` if one cannot be.
+
+        Any server lost for good fails the wait, not only those of ``calls``: the others' rounds
+        will not complete either once the other workers fail too."""
+        failure = self._verdict()
+        if failure is not None:
+            raise PSServerError(failure)
         if not all(call.future.done() for call in calls):
             return False
         refused = [(call, error) for call in calls if (error := _error(call.future)) is not None
-                   and not _connection_lost(error) and call.incarnation == self._links[call.server].incarnation]
+                   and not _connection_lost(error) and not _quits(error)
+                   and call.incarnation == self._links[call.server].incarnation]
         if refused:
             call, error = refused[0]
             raise PSServerError(f"parameter server {group.server_name(call.server)} failed during "
@@ -210,10 +236,23 @@ class Links:
         return not any(_error(call.future) for call in calls)
 
     def failure(self) -> str | None:
-        """Why a server was given up for good (the first in time, if several were: a server that died
-        takes this worker down, and the others' failures that follow name it, not the cause)."""
+        """Why a server was given up for good: a primary loss before a secondary one (a server that
+        quit because a worker it served left), then the first in time (a server that died takes the
+        other workers down, and the losses that follow must not hide it)."""
+        first = self._first_failed()
+        return first.failure if first is not None else None
+
+    def _first_failed(self) -> _Link | None:
         failed = [link for link in self._links if link.state == "failed"]
-        return min(failed, key=lambda link: link.failed_at).failure if failed else None
+        return min(failed, key=lambda link: (link.secondary, link.failed_at)) if failed else None
+
+    def _verdict(self) -> str | None:
+        """``failure()`` once it is final: a secondary loss only after ``secondary_grace_s``, in case
+        the primary loss it followed from shows meanwhile (under ``_cond``)."""
+        first = self._first_failed()
+        if first is None or first.secondary and time.monotonic() - first.failed_at < self._secondary_grace_s:
+            return None
+        return first.failure
 
     def forget_prefix(self, prefix: str) -> None:
         """A released namespace: nothing of it is restored any more."""
@@ -325,10 +364,12 @@ class Links:
             except Exception:  # noqa: BLE001 - an unreachable store means no replacement can join
                 return None
 
-    def _fail(self, index: int, message: str) -> None:
+    def _fail(self, index: int, message: str, *, secondary: bool = False) -> None:
         with self._cond:
             link = self._links[index]
-            link.state, link.failure, link.failed_at = "failed", message, time.monotonic()
+            if link.state == "failed":
+                return
+            link.state, link.failure, link.failed_at, link.secondary = "failed", message, time.monotonic(), secondary
             self._cond.notify_all()
         _log(self._worker, message)
 
@@ -349,6 +390,11 @@ def _error(future: Future) -> BaseException | None:
         return None
     except Exception as e:  # noqa: BLE001 - RPC errors come in several types
         return e
+
+
+def _quits(error: BaseException) -> bool:
+    """Whether ``error`` is a server's word that it quits over a worker that stopped answering."""
+    return SERVER_QUITS in str(error)
 
 
 def _connection_lost(error: BaseException) -> bool:

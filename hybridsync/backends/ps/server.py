@@ -31,7 +31,7 @@ from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
 from hybridsync.backends.ps.coordinator import Schedule, SwitchCoordinator
 from hybridsync.backends.ps.store import KeyStore, RestoreState, SparsePayload
-from hybridsync.backends.ps.watchdog import PeerFailure, Watchdog
+from hybridsync.backends.ps.watchdog import SERVER_QUITS, PeerFailure, Watchdog
 
 log = logging.getLogger("hybridsync.ps.server")
 
@@ -96,8 +96,7 @@ class Server:
 
     def fail(self, peer: str, error: str) -> None:
         """A worker stopped answering: fail pending pulls and end the server."""
-        self.failure = (f"hybridsync PS {self.config.name}: {peer} stopped answering ({error}); exiting, since "
-                        f"pushes will never arrive")
+        self.failure = f"hybridsync PS {self.config.name}: {peer} stopped answering ({error}){SERVER_QUITS}"
         self.store.fail_all(self.failure)
         self._finished.set()
 

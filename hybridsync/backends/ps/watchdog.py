@@ -13,6 +13,14 @@ import time
 from typing import Callable, Sequence
 
 
+SERVER_QUITS = "; exiting, since pushes will never arrive"
+"""Ends the error of a server that quits because a worker stopped answering (``Server.fail``).
+
+Its loss is secondary: the worker went away because of an earlier failure, most often another
+server's death that failed it, so a worker that gets this error names that primary loss when it
+knows of one (``recovery.Links.failure``)."""
+
+
 def ping() -> bool:
     """Runs on the pinged process; answering at all is the point."""
     return True
