@@ -172,12 +172,28 @@ def test_the_autotune_example_config_is_complete():
     ("autotune:\n    trial_budgt: 3", "unknown key\\(s\\) in 'hybridsync.autotune': trial_budgt"),
     ("autotune:\n    trial_budget: many", "trial_budget must be int"),
     ("autotune:\n    per_round: 0", "per_round must be >= 1"),
+    ("autotune:\n    runoff_passes: -1", "runoff_passes must be >= 0"),
+    ("autotune:\n    time_limit_s: soon", "time_limit_s must be float"),
+    ("autotune:\n    time_limit_s: .nan", "time_limit_s must be a finite number"),
 ])
 def test_bad_autotune_sections_are_named(tmp_path, section, message):
     path = tmp_path / "run.yaml"
     path.write_text(f"hybridsync:\n  {section}\n")
     with pytest.raises(ValueError, match=message):
         load_run_config(path)
+
+
+@pytest.mark.unit
+def test_the_runoff_settings_come_from_the_run_config(tmp_path):
+    from hybridsync.autotune.launch import _plan
+    from hybridsync.run.launcher import LaunchOptions
+    cluster = "    cluster: {nodes: 2, workers_per_node: 2, inter_node_bandwidth: 250mbit}\n"
+    for entries, passes, limit in [("", 8, 600.0), ("      runoff_passes: 0\n      time_limit_s: 900\n", 0, 900),
+                                   ("      time_limit_s: null\n", 8, None)]:
+        path = tmp_path / "run.yaml"
+        path.write_text("hybridsync:\n" + cluster + "    autotune:\n      seed: 1\n" + entries)
+        plan = _plan(LaunchOptions(autotune=True), ["-np", "4", "--config-file", str(path), "python", "train.py"])
+        assert (plan.settings.runoff_passes, plan.settings.time_limit_s) == (passes, limit)
 
 
 @pytest.mark.unit

@@ -106,7 +106,9 @@ def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
     settings = AutotuneSettings(trial_budget=options.trial_budget or tune.get("trial_budget", DEFAULT_TRIAL_BUDGET),
                                 per_round=tune.get("per_round", AutotuneSettings.per_round),
                                 search_budget=tune.get("search_budget", AutotuneSettings.search_budget),
-                                seed=tune.get("seed", 0), exact=tune.get("exact", False))
+                                seed=tune.get("seed", 0), exact=tune.get("exact", False),
+                                runoff_passes=tune.get("runoff_passes", AutotuneSettings.runoff_passes),
+                                time_limit_s=tune.get("time_limit_s", AutotuneSettings.time_limit_s))
     return _Plan(cluster=cluster, command=job.command, hosts=job.hosts_arg, hostfile=job.hostfile, settings=settings,
                  store=options.store or tune.get("store", DEFAULT_STORE),
                  report_dir=os.path.abspath(options.autotune_report or tune.get("report", DEFAULT_REPORT_DIR)),

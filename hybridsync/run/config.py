@@ -18,6 +18,8 @@ flags, and for emulated or described clusters a ``cluster:`` spec (see
         search_budget: 20000           # simulator evaluations per round
         seed: 0
         exact: false                   # true: no fp16, BSP only (plain Horovod's numerics)
+        runoff_passes: 8               # a lead the confirmation does not resolve: passes of its runoff job (0: none)
+        time_limit_s: 600              # wall time the runoff may not push the autotune past (null: none)
         enabled: true                  # default true when the section is there; false keeps it off
 
 The strategy is a file, never an inline mapping: every rank reads it from
@@ -26,6 +28,7 @@ The strategy is a file, never an inline mapping: every rank reads it from
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -33,7 +36,8 @@ from hybridsync.strategy import Strategy
 
 _KEYS = {"strategy", "num_servers", "partition_bytes", "cluster", "autotune"}
 AUTOTUNE_KEYS = {"enabled": bool, "trial_budget": int, "store": str, "report": str, "per_round": int,
-                 "search_budget": int, "seed": int, "simulator": str, "exact": bool}
+                 "search_budget": int, "seed": int, "simulator": str, "exact": bool, "runoff_passes": int,
+                 "time_limit_s": float}
 """The ``autotune:`` entries and their types (``hybridsync.autotune.launch`` reads them)."""
 
 
@@ -100,11 +104,19 @@ def _autotune(section: dict, path: str) -> dict:
                          f"(allowed: {', '.join(sorted(AUTOTUNE_KEYS))})")
     for key, kind in AUTOTUNE_KEYS.items():
         value = raw.get(key)
-        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        accepted = (int, float) if kind is float else kind  # 600 is a float setting's value too
+        if value is not None and (not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool))):
             raise ValueError(f"{path}: hybridsync.autotune.{key} must be {kind.__name__}, got {value!r}")
-        if kind is int and key != "seed" and value is not None and value < 1:
-            raise ValueError(f"{path}: hybridsync.autotune.{key} must be >= 1, got {value}")
+        if kind is float and value is not None and not math.isfinite(value):
+            raise ValueError(f"{path}: hybridsync.autotune.{key} must be a finite number, got {value!r}")
+        minimum = _AUTOTUNE_MINIMUM.get(key, 1)
+        if kind in (int, float) and minimum is not None and value is not None and value < minimum:
+            raise ValueError(f"{path}: hybridsync.autotune.{key} must be >= {minimum}, got {value}")
     return {"enabled": True, **raw}
+
+
+_AUTOTUNE_MINIMUM: dict[str, float | None] = {"seed": None, "runoff_passes": 0, "time_limit_s": 1}
+"""Least value of a numeric ``autotune:`` entry when not 1 (``None``: any)."""
 
 
 def _integer(section: dict, key: str, minimum: int, path: str) -> int | None:
