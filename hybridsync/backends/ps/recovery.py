@@ -149,16 +149,13 @@ class Links:
     def submit(self, index: int, function: str, args: tuple, *, timeout: float = 0) -> Call:
         """Send ``function(*args)`` to server ``index`` now, or once its replacement is ready;
         ``PSServerError`` if a server is lost for good."""
-        self.check()
         call = Call(index, function, args, timeout)
-        if function == "rpc_init_async":
-            self._staleness[args[0]] = args[3]
         with self._cond:
-            link = self._links[index]
-            if link.state == "failed":
-                raise PSServerError(self.failure())
+            self._raise_if_lost()  # under the same lock as the send: no link fails in between
+            if function == "rpc_init_async":
+                self._staleness[args[0]] = args[3]
             self._inflight.add(call)
-            if link.state == "up":
+            if self._links[index].state == "up":
                 self._send(call)
         return call
 
@@ -211,8 +208,12 @@ class Links:
     def check(self) -> None:
         """``PSServerError`` if a server is lost for good (waiting out a secondary loss's grace)."""
         with self._cond:
-            while (failure := self._verdict()) is None and self.failure() is not None:
-                self._cond.wait(0.1)
+            self._raise_if_lost()
+
+    def _raise_if_lost(self) -> None:
+        """``check`` under ``_cond``."""
+        while (failure := self._verdict()) is None and self.failure() is not None:
+            self._cond.wait(0.1)
         if failure is not None:
             raise PSServerError(failure)
 
