@@ -396,12 +396,13 @@ class Autotuner:
         if limit is not None and elapsed_s + expected_s > limit:
             record["skipped"] = f"about {expected_s:.0f} s more would pass the {limit:.0f} s limit"
             return rival, lead, record
-        store = TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-runoff-"), "runoff.db"))
         schedule = shuffled_passes([leader, rival], passes, self.rng)
         started = time.monotonic()
-        self.runner_for(self.settings.confirm_protocol, store).run(schedule)
+        with TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-runoff-"), "runoff.db")) as store:
+            self.runner_for(self.settings.confirm_protocol, store).run(schedule)
+            records = store.trials(model=self.model, cluster=self.cluster.to_dict())
         self.seconds["runoff"] = time.monotonic() - started
-        steps = pass_medians(store.trials(model=self.model, cluster=self.cluster.to_dict()), schedule)
+        steps = pass_medians(records, schedule)
         ratios = [by[rival.kind] / by[leader.kind] for by in steps if len(by) == 2]
         p = paired_p(ratios)
         ratio = statistics.median(ratios) if ratios else None
