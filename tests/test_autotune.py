@@ -434,9 +434,13 @@ def test_a_runoff_job_takes_a_lead_only_if_it_holds_pass_by_pass(tmp_path):
     assert winner.kind == "baseline:allreduce-fp16" and left == lead and not found["taken"] and found["p"] > RESOLVED_P
     even = {"search:top1": 0.15 * drift, "baseline:allreduce-fp16": 0.15 * drift}
     assert runoff(even)[2]["p"] == 1.0, "identical passes: nothing to resolve, not an error"
-    winner, left, found = runoff(held, elapsed_s=580.0)  # 16 trials of ~1.9 s would pass 600 s
+    winner, left, found = runoff(held, elapsed_s=575.0)  # a pass ~3.75 s: 6 of the 8 passes fit in 600 s
+    assert winner.kind == "search:top1" and found["passes"] == 6 and len(found["step_s"]["search:top1"]) == 6
+    assert found["p"] == pytest.approx(0.031, abs=1e-3), "six passes one way: the least p that resolves"
+    winner, left, found = runoff(held, elapsed_s=580.0)  # 5 passes fit: too few to resolve anything
     assert winner.kind == "baseline:allreduce-fp16" and left == lead
-    assert found["skipped"] == "about 30 s more would pass the 600 s limit" and "no runoff of" in \
+    assert found["skipped"] == "its 6 passes, about 22 s, would pass the 600 s limit" and "no runoff of" in \
         markdown(to_dict(dataclasses.replace(a_result(), runoff=found)))
-    with pytest.raises(ValueError, match="runoff_passes"):
-        AutotuneSettings(runoff_passes=-1)
+    for passes in (-1, 5):
+        with pytest.raises(ValueError, match="runoff_passes must be 0 .no runoff. or >= 6"):
+            AutotuneSettings(runoff_passes=passes)

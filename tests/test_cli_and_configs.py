@@ -50,6 +50,22 @@ def test_an_error_names_its_subcommand(tmp_path, capsys):
 
 
 @pytest.mark.unit
+def test_search_refuses_runoff_knobs_that_cannot_work_before_any_trial(tmp_path, capsys):
+    ncf = REPO / "data" / "descriptions" / "ncf.json"
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("nodes: 2\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
+    search = ["search", "--model", str(ncf), "--cluster", str(cluster), "-o", str(tmp_path / "s.json"), "--trials", "10"]
+    assert main(search + ["--runoff-passes", "5"]) == 2
+    assert "runoff_passes must be 0 (no runoff) or >= 6, the fewest passes that can resolve a lead" in \
+        capsys.readouterr().err
+    for limit in ("soon", "0", "inf"):
+        with pytest.raises(SystemExit):
+            main(search + ["--time-limit", limit])
+        assert f"--time-limit: must be a number of seconds >= 1 or 'none', got '{limit}'" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()
+
+
+@pytest.mark.unit
 def test_baseline_writes_a_loadable_strategy(tmp_path):
     (tmp_path / "m.json").write_text(MODEL)
     out = tmp_path / "p.json"

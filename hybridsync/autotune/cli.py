@@ -22,6 +22,8 @@ from hybridsync.autotune.session import (autotune, load_cluster, load_or_profile
 from hybridsync.trials.store import DEFAULT_STORE
 
 DEFAULT_SEARCH_BUDGET = 20_000
+RUNOFF_KNOBS = ("runoff_passes", "time_limit_s")
+"""``AutotuneSettings`` fields with a flag of the same name; not given, they keep the settings' defaults."""
 
 
 def add_parser(commands: Any) -> None:
@@ -39,7 +41,7 @@ def add_parser(commands: Any) -> None:
 
 
 def add_autotune_arguments(p: argparse.ArgumentParser) -> None:
-    """The knobs ``hybridsync search`` and ``hybridsync-run --autotune`` share."""
+    """``hybridsync search``'s knobs of the autotune loop (``hybridsync-run --autotune`` reads its config's)."""
     p.add_argument("--trials", "--trial-budget", dest="trials", type=int, default=0,
                    help="real trials to spend, baselines included (default 0: simulator only)")
     p.add_argument("--store", default=DEFAULT_STORE, help=f"trial store URL (default {DEFAULT_STORE})")
@@ -51,6 +53,25 @@ def add_autotune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulator", help="a saved simulator (default: the one shipped with hybridsync)")
     p.add_argument("--exact", action="store_true",
                    help="only strategies with plain Horovod's numerics: no fp16 compression, BSP only")
+    p.add_argument("--runoff-passes", type=int, default=argparse.SUPPRESS,
+                   help="a search lead the confirmation job does not resolve gets a runoff job of up to this many "
+                        "passes (default 8; 0: no runoff; else at least 6)")
+    p.add_argument("--time-limit", dest="time_limit_s", type=_seconds_or_none, default=argparse.SUPPRESS,
+                   metavar="SECONDS",
+                   help="wall time the runoff may not push the autotune past (default 600; none: no limit)")
+
+
+def _seconds_or_none(text: str) -> float | None:
+    """``--time-limit``'s value: a positive number of seconds, or ``none``."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 1 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 1 or 'none', got {text!r}")
+    return value
 
 
 def _search(args: argparse.Namespace) -> int:
@@ -63,7 +84,8 @@ def _search(args: argparse.Namespace) -> int:
         return _simulator_only(args, description, cluster)
     from hybridsync.autotune.loop import AutotuneSettings
     settings = AutotuneSettings(trial_budget=args.trials, per_round=args.per_round, search_budget=args.search_budget,
-                                seed=args.seed, exact=args.exact)
+                                seed=args.seed, exact=args.exact, **{knob: getattr(args, knob) for knob in RUNOFF_KNOBS
+                                                                     if hasattr(args, knob)})
     workload = workload_for(description.name, command)
     report = args.report or os.path.join(os.path.dirname(os.path.abspath(args.output)), "autotune-report")
     with trial_target(cluster, hosts=args.hosts, hostfile=args.hostfile) as target:

@@ -34,6 +34,7 @@ trials' ranking against the confirmation job's.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -45,8 +46,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hybridsync import baselines
-from hybridsync.autotune.result import (RESOLVED_P, AutotuneResult, TrialOutcome, fair_rivals, paired_p,
-                                        repeats_p)
+from hybridsync.autotune.result import (MIN_RUNOFF_PASSES, RESOLVED_P, AutotuneResult, TrialOutcome, fair_rivals,
+                                        paired_p, repeats_p)
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id
 from hybridsync.strategy import Strategy
@@ -97,13 +98,14 @@ class AutotuneSettings:
     same steps."""
     runoff_passes: int = 8
     """When a search strategy leads the confirmation job within its noise, one more job measures it and
-    its best fair rival in this many passes (each pass both, in random order); it wins only if the
-    per-pass ratios there favour it beyond the noise (``result.paired_p`` < ``RESOLVED_P``): a lead
-    must hold in a second job. Pairs within a pass share the job's drift, so eight passes resolve
-    a few percent where four unpaired repeats did not. 0: no runoff."""
+    its best fair rival in up to this many passes (each pass both, in random order); it wins only if
+    the per-pass ratios there favour it beyond the noise (``result.paired_p`` < ``RESOLVED_P``): a
+    lead must hold in a second job. Pairs within a pass share the job's drift, so eight passes resolve
+    a few percent where four unpaired repeats did not. 0: no runoff; else >= ``MIN_RUNOFF_PASSES``."""
     time_limit_s: float | None = 600.0
-    """Wall time the runoff may not push the autotune past (its length estimated from the confirmation
-    job's seconds per trial); ``None``: no limit. The loop before it is bounded by its budgets."""
+    """Wall time the runoff may not push the autotune past (its passes estimated from the confirmation
+    job's seconds per trial): it runs as many passes as fit, and none if fewer than
+    ``MIN_RUNOFF_PASSES`` fit; ``None``: no limit. The loop before it is bounded by its budgets."""
     calibrate: bool = True
     """Before the first search, measure the cluster's collectives in a seconds-long job
     (``model.calibration``) so that the simulator prices its paths as measured, not as its spec says."""
@@ -114,8 +116,11 @@ class AutotuneSettings:
                              f"{self.per_round}, {self.search_budget}")
         if self.confirm_top < 1 or self.confirm_repeats < 1 or self.block_size < 1:
             raise ValueError("confirm_top, confirm_repeats and block_size must be >= 1")
-        if self.recheck < 0 or self.runoff_passes < 0:
-            raise ValueError(f"recheck and runoff_passes must be >= 0, got {self.recheck}, {self.runoff_passes}")
+        if self.recheck < 0:
+            raise ValueError(f"recheck must be >= 0, got {self.recheck}")
+        if 0 < self.runoff_passes < MIN_RUNOFF_PASSES or self.runoff_passes < 0:
+            raise ValueError(f"runoff_passes must be 0 (no runoff) or >= {MIN_RUNOFF_PASSES}, the fewest passes "
+                             f"that can resolve a lead at p < {RESOLVED_P}; got {self.runoff_passes}")
 
 
 class Autotuner:
@@ -348,13 +353,16 @@ class Autotuner:
                       for i, (_, s) in enumerate(self._best_measured(self.settings.confirm_top))]
         lineup = self._fastest_references() + contenders
         schedule = shuffled_passes(lineup, self.settings.confirm_repeats, self.rng)
+        own_store = self.confirm_store is None  # a temporary store, closed once read
         store = self.confirm_store or TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-confirm-"), "confirm.db"))
-        started = time.monotonic()
-        self.runner_for(self.settings.confirm_protocol, store).run(schedule)
-        self.seconds["confirm"] = time.monotonic() - started
+        with store if own_store else contextlib.nullcontext(store):
+            started = time.monotonic()
+            self.runner_for(self.settings.confirm_protocol, store).run(schedule)
+            self.seconds["confirm"] = time.monotonic() - started
+            records = store.trials(model=self.model, cluster=self.cluster.to_dict(), status="ok")
         steps: dict[str, list[float]] = {}
         repeats: dict[str, list[float]] = {}
-        for record in store.trials(model=self.model, cluster=self.cluster.to_dict(), status="ok"):
+        for record in records:
             if record.timed_steps:
                 steps.setdefault(record.kind, []).extend(record.timed_steps)
                 repeats.setdefault(record.kind, []).append(statistics.median(record.timed_steps))
@@ -389,12 +397,14 @@ class Autotuner:
         returns the winner, the lead still not taken (``None`` once taken) and what the runoff found."""
         by_kind = {c.kind: c for c in lineup}
         leader, rival = by_kind[lead["kind"]], by_kind[lead["over"]]
-        passes = self.settings.runoff_passes
+        pass_s = self.seconds["confirm"] / (len(lineup) * self.settings.confirm_repeats) * 2
+        passes, limit = self.settings.runoff_passes, self.settings.time_limit_s
+        if limit is not None:  # as many passes as fit, down to the fewest that can resolve a lead
+            passes = min(passes, int((limit - elapsed_s) / pass_s))
         record: dict[str, Any] = {"kind": leader.kind, "over": rival.kind, "passes": passes}
-        expected_s = self.seconds["confirm"] / (len(lineup) * self.settings.confirm_repeats) * 2 * passes
-        limit = self.settings.time_limit_s
-        if limit is not None and elapsed_s + expected_s > limit:
-            record["skipped"] = f"about {expected_s:.0f} s more would pass the {limit:.0f} s limit"
+        if passes < MIN_RUNOFF_PASSES:
+            record.update(passes=MIN_RUNOFF_PASSES, skipped=f"its {MIN_RUNOFF_PASSES} passes, about "
+                          f"{pass_s * MIN_RUNOFF_PASSES:.0f} s, would pass the {limit:.0f} s limit")
             return rival, lead, record
         schedule = shuffled_passes([leader, rival], passes, self.rng)
         started = time.monotonic()

@@ -19,6 +19,9 @@ TAU_TARGET = 0.8
 """Kendall tau between the trials' ranking and the confirmation job's that the loop aims for."""
 RESOLVED_P = 0.05
 """Significance at which the confirmation job's repeats tell two strategies apart (``resolved_pairs``)."""
+MIN_RUNOFF_PASSES = 6
+"""Fewest runoff passes at which a two-sided Wilcoxon signed-rank test can reach ``RESOLVED_P``
+(every pass one way: p = 2 / 2**6 = 0.031; five passes cannot go below 0.0625)."""
 MIN_RESOLVING_REPEATS = 3
 """Repeats a kind needs in the confirmation job before its pairs can count as resolved."""
 
