@@ -54,7 +54,8 @@ def test_search_refuses_runoff_knobs_that_cannot_work_before_any_trial(tmp_path,
     ncf = REPO / "data" / "descriptions" / "ncf.json"
     cluster = tmp_path / "c.yaml"
     cluster.write_text("nodes: 2\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n")
-    search = ["search", "--model", str(ncf), "--cluster", str(cluster), "-o", str(tmp_path / "s.json"), "--trials", "10"]
+    search = ["search", "--model", str(ncf), "--cluster", str(cluster), "-o", str(tmp_path / "s.json"),
+              "--trials", "10"]
     assert main(search + ["--runoff-passes", "5"]) == 2
     assert "runoff_passes must be 0 (no runoff) or >= 6, the fewest passes that can resolve a lead" in \
         capsys.readouterr().err

@@ -18,7 +18,7 @@ flags, and for emulated or described clusters a ``cluster:`` spec (see
         search_budget: 20000           # simulator evaluations per round
         seed: 0
         exact: false                   # true: no fp16, BSP only (plain Horovod's numerics)
-        runoff_passes: 8               # a lead the confirmation does not resolve: passes of its runoff job (0: none)
+        runoff_passes: 8               # an unresolved lead: up to 8 runoff passes (0: none; else >= 6)
         time_limit_s: 600              # wall time the runoff may not push the autotune past (null: none)
         enabled: true                  # default true when the section is there; false keeps it off
 
