@@ -111,7 +111,7 @@ def with_fp16(strategy: Strategy, variables: Mapping[str, VariableInfo]) -> Stra
 
 
 FP16_SUFFIX = "-fp16"
-FP16_TWINS = ("allreduce", "horovod-hierarchical", "parallax")
+FP16_TWINS = ("allreduce", "hierarchical", "horovod-hierarchical", "parallax")
 """Baselines with an fp16 twin (``<name>-fp16``): the fair rivals of a strategy that uses fp16."""
 NOT_RUNNABLE_SPARSE_FP16 = ("Horovod 0.28.1's compression=hvd.Compression.fp16 crashes on sparse gradients "
                             "(decompress gets no dtype)")

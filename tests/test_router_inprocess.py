@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.futures import Future
 
-from hybridsync.backends import KeyedBackend, Reduction, SparseBackend
+from hybridsync.backends import KeyedBackend, Reduction, SparseBackend, StagedBackend
 from hybridsync.backends.ps import route
 from hybridsync.backends.ps.client import PSBackend, PSClient
 from hybridsync.backends.ps.config import PSConfig
@@ -451,9 +451,10 @@ class _RecordingBackend:
 
 @pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
 def test_ring_waits_follow_submission_other_routes_the_plan(algorithm):
-    """Horovod's ring handles complete on Horovod's thread: taken in the order they were submitted
-    (the backward pass's), as Horovod does; a route whose wait meets the other ranks in a
-    collective (here one hierarchical variable) makes every wait of the step follow the plan."""
+    """Horovod's ring handles complete on Horovod's thread: taken in the order they were submitted,
+    as Horovod does; a route whose wait meets the other ranks in a collective (here one
+    hierarchical variable) makes every wait of the step follow one order on every rank, the
+    plan's reversed (the backward pass's usual order), whatever order the gradients came in."""
     waited: list[str] = []
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     named = list(model.named_parameters())
@@ -464,8 +465,78 @@ def test_ring_waits_follow_submission_other_routes_the_plan(algorithm):
     plan = build_plan(variables_from_model(model), strategy)
     router = Router(plan, [p for _, p in named], compression=Compression.none, reduction=Reduction(),
                     backends=lambda *_, **__: _RecordingBackend(waited))
-    for var_index in reversed(range(len(named))):  # as a backward pass makes them ready
+    for var_index in range(len(named)):  # not the backward pass's order: rank-dependent orders happen
         router.mark_ready(var_index)
     router.finish()
     in_plan_order = [m.name for m in plan.messages]
-    assert waited == (in_plan_order[::-1] if algorithm == "ring" else in_plan_order)
+    assert waited == (in_plan_order if algorithm == "ring" else in_plan_order[::-1])
+
+
+class _StagedHandle:
+    """Starts in ``advance`` once its name is in ``can_start`` (its node's other ranks submitted
+    too), else in ``wait``; records the order of starts and of waits."""
+
+    def __init__(self, name: str, log: dict[str, list[str]], can_start: set[str]) -> None:
+        self.name, self.log, self.can_start, self.started = name, log, can_start, False
+
+    def advance(self) -> bool:
+        if not self.started and self.name in self.can_start:
+            self._start()
+        return self.started
+
+    def _start(self) -> None:
+        self.log["started"].append(self.name)
+        self.started = True
+
+    def wait(self) -> None:
+        if not self.started:
+            self._start()
+        self.log["waited"].append(self.name)
+
+
+class _StagedRecorder(StagedBackend):
+    def __init__(self, log: dict[str, list[str]], can_start: set[str]) -> None:
+        self.log, self.can_start = log, can_start
+
+    def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> _StagedHandle:
+        return _StagedHandle(name, self.log, self.can_start)
+
+    def advance(self, handle: _StagedHandle) -> bool:
+        return handle.advance()
+
+    def close(self) -> None:
+        """Nothing outlives a step here."""
+
+
+def test_staged_messages_start_during_the_backward_pass_in_one_order():
+    """Hierarchical messages start across nodes from the gradient hooks, not in ``finish()``, so that
+    they travel while the backward pass goes on; every rank starts them in one order (reverse plan
+    order), so a message whose node is not ready holds back the ones after it, never overtaken."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3), nn.Linear(3, 2))
+    params = list(model.parameters())
+    for param in params:
+        param.grad = torch.ones_like(param)
+    plan = build_plan(variables_from_model(model), Strategy.from_dict(
+        {"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}))
+    names = [m.name for m in plan.messages]
+    order = names[::-1]
+    log: dict[str, list[str]] = {"started": [], "waited": []}
+    can_start = set(names)
+    router = Router(plan, params, compression=Compression.none, reduction=Reduction(),
+                    backends=lambda *_, **__: _StagedRecorder(log, can_start))
+
+    def step(var_order: Sequence[int], before_finish: Callable[[int], list[str]]) -> None:
+        for count, var_index in enumerate(var_order, 1):
+            router.mark_ready(var_index)
+            assert log["started"] == before_finish(count), f"after {count} gradients"
+        router.finish()
+        assert log["started"] == log["waited"] == order
+        log["started"].clear()
+        log["waited"].clear()
+
+    backward = list(reversed(range(len(params))))
+    step(backward, lambda count: order[:count])  # each starts at its own gradient's hook
+    can_start.discard(order[0])  # the last layer's node peer is late: nothing overtakes it
+    step(backward, lambda count: [])
+    can_start.add(order[0])
+    step(range(len(params)), lambda count: order if count == len(params) else [])  # gradients in forward order

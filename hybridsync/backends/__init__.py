@@ -6,10 +6,12 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from hybridsync.backends.base import (Backend, BackendFactory, Handle, KeyedBackend, ParameterSync,
-                                     ParameterSyncFactory, Reduction, RouteUnavailableError, SparseBackend)
+                                     ParameterSyncFactory, Reduction, RouteUnavailableError, SparseBackend,
+                                     StagedBackend)
 
 __all__ = ["Backend", "BackendFactory", "Handle", "KeyedBackend", "ParameterSync", "ParameterSyncFactory",
-           "Reduction", "RouteUnavailableError", "SparseBackend", "forget_world", "make_backend", "make_parameter_sync"]
+           "Reduction", "RouteUnavailableError", "SparseBackend", "StagedBackend", "forget_world", "make_backend",
+           "make_parameter_sync"]
 
 
 def make_backend(route: str, variant: str, variables: Iterable[str] = (), namespace: str = "",

@@ -17,6 +17,11 @@ the router asks once, with ``isinstance``, when it builds its backends, never pe
   tensors' sizes on the wire (``hybridsync.placement``), so every worker places keys alike;
   ``submit_parts`` sends a message holding sparse gradients (a row shard, a merge group)
   as one key per part, sparse parts as touched rows.
+- ``StagedBackend``: a handle's collective work starts only once the other ranks of its node
+  submitted too (hierarchical all-reduce: the node's sum, then the all-reduce across nodes).
+  ``advance`` starts it without waiting when it can; the router advances such messages
+  during the backward pass, in one order on every rank (the collectives across nodes must
+  meet in the same order), so that their transfers overlap the rest of the backward pass.
 
 The protocols are ``runtime_checkable``: a backend from elsewhere needs only the methods
 (structural typing); hybridsync's own backends also name them as bases, so what each
@@ -99,6 +104,16 @@ class KeyedBackend(Backend, Protocol):
     def submit_parts(self, name: str, parts: Sequence[tuple[str, torch.Tensor]], reduction: Reduction) -> PartsResult:
         """Send ``(part, tensor)`` pairs of message ``name`` each under its own key; sparse tensors
         as touched rows, dense ones reduced in place."""
+        ...
+
+
+@runtime_checkable
+class StagedBackend(Backend, Protocol):
+    """A backend whose handles start their collective work in a later stage than ``submit``."""
+
+    def advance(self, handle: Handle) -> bool:
+        """Starts ``handle``'s next stage if it can without waiting; true once nothing is left to start
+        (``wait`` then only waits). Called in one order on every rank."""
         ...
 
 

@@ -2,7 +2,11 @@
 wait for every message in ``synchronize()``, and write results back into ``p.grad``.
 
 Messages start as soon as their last gradient is ready, so communication overlaps the
-rest of the backward pass, exactly as Horovod's per-parameter hooks do. Messages on the
+rest of the backward pass, exactly as Horovod's per-parameter hooks do. A hierarchical
+message's all-reduce across nodes must meet the other ranks' in one order, and can start only
+once its node's ranks all submitted it: the router advances those messages from the gradient
+hooks in reverse plan order (``_staged``), each as soon as the ones before it started, and
+``finish()`` waits in that order. Messages on the
 parameter server under ASP/SSP exchange no gradients: their variables are stepped
 locally and their parameters pushed and pulled after ``step()`` (``after_step``).
 
@@ -37,7 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hybridsync.backends import (Backend, BackendFactory, Handle, KeyedBackend, ParameterSync, ParameterSyncFactory,
-                                 Reduction, SparseBackend, make_backend, make_parameter_sync)
+                                 Reduction, SparseBackend, StagedBackend, make_backend, make_parameter_sync)
 from hybridsync.backends import stalls
 from hybridsync.backends.base import wire_of
 from hybridsync.compression import compressor_named
@@ -132,9 +136,19 @@ class Router:
         """Per message, how many variables feed it: ``_waiting_on``'s value at the start of a step."""
         self._waiting_on = list(self._sizes)
         self._in_plan_order = any(_backend_key(m) != _RING for m, skip in zip(plan.messages, self._async) if not skip)
-        """Whether ``finish()`` waits in plan order: a route whose wait blocks on a collective needs it
-        (every rank meets the others at the same message); Horovod's ring handles complete on
-        Horovod's own thread, so a ring-only plan waits in the order it submitted, as Horovod does."""
+        """Whether ``finish()`` waits in reverse plan order: a route whose wait blocks on a collective
+        needs one order on every rank (every rank meets the others at the same message); Horovod's
+        ring handles complete on Horovod's own thread, so a ring-only plan waits in the order it
+        submitted, as Horovod does."""
+        self._staged = [m for m in reversed(range(len(plan.messages))) if isinstance(self._backends[m], StagedBackend)]
+        """Messages whose collectives start after submit (``StagedBackend``: hierarchical all-reduce), in
+        the order every rank starts them: reverse plan order, the backward pass's usual order (a plan
+        lists variables in the model's order), which ``finish()`` keeps. Advanced on every gradient
+        hook, so that they travel while the backward pass goes on."""
+        self._next_staged = 0
+        """This step's first message of ``_staged`` not started yet."""
+        self._staged_flights: dict[int, _InFlight] = {}
+        """This step's submitted messages by index, while the plan has staged messages."""
         self._ready: set[int] = set()
         self._all_vars = frozenset(range(len(self._params)))
         self._in_flight: list[_InFlight] = []
@@ -236,12 +250,18 @@ class Router:
         collectives cannot complete. ``close`` of each backend lets go of the hierarchical
         route's groups (``backends.forget_world`` closes them whoever holds them). Idempotent.
         """
+        self._forget_step()
+        self.close()
+
+    def _forget_step(self) -> None:
+        """Nothing of this step stays: the next starts afresh."""
         self._in_flight.clear()
+        self._staged_flights.clear()
+        self._next_staged = 0
         self._ready.clear()
         self._sparse_results.clear()
         self._densified.clear()
         self._waiting_on = list(self._sizes)
-        self.close()
 
     @property
     def pending(self) -> bool:
@@ -257,6 +277,19 @@ class Router:
             self._waiting_on[m_index] -= 1
             if self._waiting_on[m_index] == 0 and not self._async[m_index] and m_index not in self._held:
                 self._submit(m_index)
+        if self._staged:
+            self._advance_staged()
+
+    def _advance_staged(self) -> None:
+        """Starts the staged messages that can start without waiting, in ``_staged``'s order; stops at
+        the first that cannot (not submitted yet, or its node's other ranks not there yet)."""
+        order, flights = self._staged, self._staged_flights
+        while self._next_staged < len(order):
+            m_index = order[self._next_staged]
+            flight = flights.get(m_index)
+            if flight is None or not self._backends[m_index].advance(flight.handle):
+                return
+            self._next_staged += 1
 
     def finish(self) -> None:
         """Start what never became ready (zero gradients), wait for all, write results back."""
@@ -282,10 +315,10 @@ class Router:
                 for m_index in sorted(held):
                     if self._waiting_on[m_index] == 0:  # not a frozen variable's own message
                         self._submit(m_index)
-            # Plan order, identical on every rank, where a route needs it (``_in_plan_order``); else
-            # the order of submission, so that results are taken while later messages still travel.
+            # Reverse plan order, identical on every rank, where a route needs it (``_in_plan_order``);
+            # else the order of submission, so that results are taken while later messages still travel.
             if self._in_plan_order:
-                self._in_flight.sort(key=_plan_position)
+                self._in_flight.sort(key=_plan_position, reverse=True)
             for flight in self._in_flight:
                 stalls.where = ("step", self.instance, self._steps, flight.message.name)
                 self._complete(flight)
@@ -295,11 +328,7 @@ class Router:
             self._steps += 1
             for param in lent:
                 param.grad = None
-            self._in_flight.clear()
-            self._ready.clear()
-            self._sparse_results.clear()
-            self._densified.clear()
-            self._waiting_on = list(self._sizes)
+            self._forget_step()
 
     def _agree_on_kinds(self, held: frozenset[int], missing: list[int]) -> None:
         """Every rank says, per undecided variable of ``held``, whether it has a dense, a sparse or no
@@ -341,7 +370,10 @@ class Router:
             if not grad.is_sparse:
                 sent, ctx = compressor.compress(grad)
                 handle = backend.submit(message.name, (sent,), self._reduction)
-                self._in_flight.append(_InFlight(m_index, message, handle, None, [grad], [sent], [ctx], compressor))
+                flight = _InFlight(m_index, message, handle, None, [grad], [sent], [ctx], compressor)
+                self._in_flight.append(flight)
+                if self._staged:
+                    self._staged_flights[m_index] = flight
                 return
         grads = [self._gradient(piece) for piece in pieces]
         if any(grad.is_sparse for grad in grads):
@@ -353,7 +385,10 @@ class Router:
         views = [self._piece_of(piece, grad) for piece, grad in zip(message.pieces, grads)]
         sent, contexts = zip(*(compressor.compress(view) for view in views))
         handle = backend.submit(message.name, sent, self._reduction)
-        self._in_flight.append(_InFlight(m_index, message, handle, None, views, list(sent), list(contexts), compressor))
+        flight = _InFlight(m_index, message, handle, None, views, list(sent), list(contexts), compressor)
+        self._in_flight.append(flight)
+        if self._staged:
+            self._staged_flights[m_index] = flight
 
     def _submit_sparse(self, m_index: int, grads: list[torch.Tensor]) -> bool:
         """Send a message holding sparse gradients as sparse where its backend can; False: densify it."""

@@ -40,7 +40,7 @@ import torch
 
 from hybridsync.backends.hierarchical import node_memory
 from hybridsync import envvars
-from hybridsync.backends.base import Reduction, RouteUnavailableError
+from hybridsync.backends.base import Reduction, RouteUnavailableError, StagedBackend
 from hybridsync.backends.hierarchical.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
 from hybridsync.backends.hierarchical.shm import SharedMemoryHandle
 from hybridsync.backends.hierarchical.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
@@ -72,9 +72,10 @@ def finish_across_nodes(node_sum: torch.Tensor, groups: HierarchicalGroups, name
 class _GlooIntraNodeHandle:
     """``horovod`` intra-node transport: all three steps run in ``wait()``.
 
-    The router waits messages in plan order on every rank, and a group's collectives must be
+    The router waits messages in one order on every rank, and a group's collectives must be
     issued in the same order by all its members, so nothing starts at submit (the order in
-    which gradients become ready is not guaranteed to be the same on every rank).
+    which gradients become ready is not guaranteed to be the same on every rank), and nothing
+    in ``advance`` (its first step is a collective within the node, which would block).
     """
 
     def __init__(self, backend: "HierarchicalAllreduce", name: str, tensors: Sequence[torch.Tensor],
@@ -92,7 +93,7 @@ class _GlooIntraNodeHandle:
         copy_out(total, self._tensors, self._reduction.result_factor(self._backend.hvd.size()))
 
 
-class HierarchicalAllreduce:
+class HierarchicalAllreduce(StagedBackend):
     """Per-message hierarchical all-reduce over the node / local-rank groups (``groups``)."""
 
     def __init__(self, intra_node: str | None = None) -> None:
@@ -193,6 +194,11 @@ class HierarchicalAllreduce:
             return SharedMemoryHandle(self.groups.cross_node, segment, use, name, tensors,
                                       reduction.prescale_factor, reduction.result_factor(self.hvd.size()))
         return _GlooIntraNodeHandle(self, name, tensors, reduction)
+
+    def advance(self, handle: Any) -> bool:
+        """A ``shm`` message starts across nodes once its node's inputs are written; ``horovod`` ones
+        start in ``wait()``."""
+        return handle.advance() if isinstance(handle, SharedMemoryHandle) else False
 
 
 def _probe_problem(probe: NodeSegment, node_ranks: list[int], rank: int) -> str | None:

@@ -4,11 +4,12 @@ Per use of a message, on every rank of the node (``node_memory`` describes the s
 
 1. submit: copy the parts of the message the other ranks sum (their slices) into this
    rank's input region, then publish "input written".
-2. wait: once every rank's input is written, sum this rank's slice (its own part straight
-   from its tensors, the others' from their regions) into the output region, and start
-   its all-reduce across nodes.
-3. While that runs, copy each other rank's slice out as soon as that rank publishes it
-   final; when this rank's own is final, publish it and copy it out.
+2. advance (the router calls it during the backward pass; ``wait`` does it if it has not
+   happened): once every rank's input is written, sum this rank's slice (its own part
+   straight from its tensors, the others' from their regions) into the output region, and
+   start its all-reduce across nodes, which then travels while the backward pass goes on.
+3. wait: while that runs, copy each other rank's slice out as soon as that rank publishes
+   it final; when this rank's own is final, publish it and copy it out.
 
 No collective among the node's ranks and no barrier: a rank waits only for the slices it
 reads. Counters are use numbers, so the same segment serves every step: a rank cannot
@@ -29,7 +30,8 @@ from hybridsync.backends.hierarchical.node_memory import NodeSegment
 
 class SharedMemoryHandle:
     """One message's hierarchical all-reduce through ``segment``: the copy in at construction
-    (submit), the rest in ``wait()``."""
+    (submit), the node's sum and the start across nodes in ``advance()`` (or ``wait()``), the
+    rest in ``wait()``."""
 
     def __init__(self, cross_node: Group | None, segment: NodeSegment, use: int, name: str,
                  tensors: Sequence[torch.Tensor], prescale: float, postscale: float) -> None:
@@ -44,19 +46,38 @@ class SharedMemoryHandle:
         others = [r for i, r in enumerate(self._ranges) if i != me]
         copy_into(tensors, segment.inputs[me], prescale, others if self._by_slice else ((0, padded),))
         segment.inputs_done[me] = use
+        self._in_flight: list | None = None
+        """The all-reduce across nodes once started (empty on a single node); ``None`` before."""
+
+    def advance(self) -> bool:
+        """Sums this rank's slice and starts its all-reduce across nodes if every rank of the node has
+        written its input; never waits. True once started."""
+        if self._in_flight is None:
+            if not self._inputs_written():
+                return False
+            self._start()
+        return True
+
+    def _inputs_written(self) -> bool:
+        return bool((self._segment.inputs_done >= self._use).all())
+
+    def _start(self) -> None:
+        lo, hi = self._ranges[self._segment.local_rank]
+        self._segment.unlink()  # every rank of the node has mapped it: each wrote its input
+        shard = self._segment.output[lo:hi]
+        self._sum_slice(shard, lo, hi)
+        self._in_flight = [] if self._cross_node is None else [
+            self._cross_node.allreduce_async(shard, f"{self._name}.ar")]
 
     def wait(self) -> None:
         segment, use, me = self._segment, self._use, self._segment.local_rank
         lo, hi = self._ranges[me]
-        segment.wait_until(lambda: bool((segment.inputs_done >= use).all()),
-                           lambda: [i for i, n in enumerate(segment.inputs_done.tolist()) if n < use],
-                           f"waiting for its inputs to message {self._name!r}")
-        segment.unlink()  # every rank of the node has mapped it: each wrote its input
-        shard = segment.output[lo:hi]
-        self._sum_slice(shard, lo, hi)
-        in_flight = []
-        if self._cross_node is not None:
-            in_flight.append(self._cross_node.allreduce_async(shard, f"{self._name}.ar"))
+        if self._in_flight is None:
+            segment.wait_until(self._inputs_written,
+                               lambda: [i for i, n in enumerate(segment.inputs_done.tolist()) if n < use],
+                               f"waiting for its inputs to message {self._name!r}")
+            self._start()
+        in_flight = self._in_flight
         unread = [i for i in range(len(self._ranges)) if i != me]
 
         def read_final_slices() -> bool:

@@ -240,8 +240,9 @@ class Links:
         """Why a server was given up for good: a primary loss before a secondary one (a server that
         quit because a worker it served left), then the first in time (a server that died takes the
         other workers down, and the losses that follow must not hide it)."""
-        first = self._first_failed()
-        return first.failure if first is not None else None
+        with self._cond:  # links fail on the RPC threads (re-entrant: ``_raise_if_lost`` holds it)
+            first = self._first_failed()
+            return first.failure if first is not None else None
 
     def _first_failed(self) -> _Link | None:
         failed = [link for link in self._links if link.state == "failed"]
