@@ -27,8 +27,8 @@ gradient is ready (profiled ``ready_s``, scaled like compute). Horovod's ring ru
 background thread: its units run one after the other, and the messages that become ready
 while an op runs are fused into the next op, which pays one latency (tensor fusion). PS
 push-pulls start at submit and queue per channel (max_j(ready_j + cost of the units from j
-on), the textbook single-server queue). Hierarchical messages run in ``synchronize()``,
-one after the other, once the backward pass is done. The channels share cores and uplinks
+on), the textbook single-server queue). Hierarchical messages queue the same way: the router
+starts them from the gradient hooks, one after the other. The channels share cores and uplinks
 (``concurrency_penalty``). ASP/SSP parameters travel after ``synchronize()`` and the local
 step, exposed (``async_scale``). The step is compute + the part of communication not hidden
 behind the backward pass (the critical path), and never faster than the busiest uplink
@@ -194,9 +194,10 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec, constant
     is_async = (route == PS_ASYNC) & active
     ring_alpha = c.ring_alpha_scale * links.ring_alpha_s if cluster.num_workers > 1 else 0.0
     ring_end, ring_ops = _fused_channel_end(ready, cost, (is_ring | is_gather) & active, ring_alpha)
-    # hierarchical messages run in synchronize(), one after the other, once the backward pass is done
+    # hierarchical messages start as their node's ranks submit them, one after the other (the router's
+    # staged order, reverse plan order: the ready order, approximately)
     hier_busy = np.where(is_hier & active, cost, 0.0).sum(axis=1)
-    hier_end = np.where(hier_busy > 0, backward + hier_busy, 0.0)
+    hier_end = _channel_end(ready, cost, is_hier & active)
     ps_end = _channel_end(ready, cost, (route == PS) & active)
     busy = np.stack([np.where((is_ring | is_gather) & active, cost, 0.0).sum(axis=1) + ring_ops * ring_alpha,
                      hier_busy, np.where((route == PS) & active, cost, 0.0).sum(axis=1)], axis=1)
