@@ -136,10 +136,10 @@ class Router:
         """Per message, how many variables feed it: ``_waiting_on``'s value at the start of a step."""
         self._waiting_on = list(self._sizes)
         self._in_plan_order = any(_backend_key(m) != _RING for m, skip in zip(plan.messages, self._async) if not skip)
-        """Whether ``finish()`` waits in reverse plan order: a route whose wait blocks on a collective
-        needs one order on every rank (every rank meets the others at the same message); Horovod's
-        ring handles complete on Horovod's own thread, so a ring-only plan waits in the order it
-        submitted, as Horovod does."""
+        """Whether ``finish()`` waits in one order on every rank (reverse plan order with staged messages,
+        else plan order): a route whose wait blocks on a collective needs it (every rank meets the
+        others at the same message); Horovod's ring handles complete on Horovod's own thread, so a
+        ring-only plan waits in the order it submitted, as Horovod does."""
         self._staged = [m for m in reversed(range(len(plan.messages))) if isinstance(self._backends[m], StagedBackend)]
         """Messages whose collectives start after submit (``StagedBackend``: hierarchical all-reduce), in
         the order every rank starts them: reverse plan order, the backward pass's usual order (a plan
@@ -315,10 +315,11 @@ class Router:
                 for m_index in sorted(held):
                     if self._waiting_on[m_index] == 0:  # not a frozen variable's own message
                         self._submit(m_index)
-            # Reverse plan order, identical on every rank, where a route needs it (``_in_plan_order``);
-            # else the order of submission, so that results are taken while later messages still travel.
+            # One order on every rank where a route needs it (``_in_plan_order``): reverse plan order with
+            # staged messages (the order they start in), else plan order; otherwise the order of
+            # submission, so that results are taken while later messages still travel.
             if self._in_plan_order:
-                self._in_flight.sort(key=_plan_position, reverse=True)
+                self._in_flight.sort(key=_plan_position, reverse=bool(self._staged))
             for flight in self._in_flight:
                 stalls.where = ("step", self.instance, self._steps, flight.message.name)
                 self._complete(flight)
