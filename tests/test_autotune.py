@@ -444,3 +444,6 @@ def test_a_runoff_job_takes_a_lead_only_if_it_holds_pass_by_pass(tmp_path):
     for passes in (-1, 5):
         with pytest.raises(ValueError, match="runoff_passes must be 0 .no runoff. or >= 6"):
             AutotuneSettings(runoff_passes=passes)
+    for limit in (float("nan"), float("inf"), 0.5):
+        with pytest.raises(ValueError, match="time_limit_s must be None .no limit. or a finite number of seconds"):
+            AutotuneSettings(time_limit_s=limit)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import tempfile
@@ -121,6 +122,9 @@ class AutotuneSettings:
         if 0 < self.runoff_passes < MIN_RUNOFF_PASSES or self.runoff_passes < 0:
             raise ValueError(f"runoff_passes must be 0 (no runoff) or >= {MIN_RUNOFF_PASSES}, the fewest passes "
                              f"that can resolve a lead at p < {RESOLVED_P}; got {self.runoff_passes}")
+        if self.time_limit_s is not None and not (math.isfinite(self.time_limit_s) and self.time_limit_s >= 1):
+            raise ValueError(f"time_limit_s must be None (no limit) or a finite number of seconds >= 1, "
+                             f"got {self.time_limit_s!r}")
 
 
 class Autotuner:
