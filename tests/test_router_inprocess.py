@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.futures import Future
 
-from hybridsync.backends import KeyedBackend, Reduction, SparseBackend, StagedBackend
+from hybridsync.backends import KeyedBackend, Reduction, SparseBackend, StagedBackend, stalls
 from hybridsync.backends.ps import route
 from hybridsync.backends.ps.client import PSBackend, PSClient
 from hybridsync.backends.ps.config import PSConfig
@@ -515,8 +515,8 @@ class _StagedRecorder(StagedBackend):
 
 def test_staged_messages_start_during_the_backward_pass_in_one_order():
     """Hierarchical messages start across nodes from the gradient hooks, not in ``finish()``, so that
-    they travel while the backward pass goes on; every rank starts them in one order (reverse plan
-    order), so a message whose node is not ready holds back the ones after it, never overtaken."""
+    they travel while the backward pass goes on; every rank starts them in one order (the first
+    step's, here reverse plan order), so a message whose node is not ready holds back the ones after it, never overtaken."""
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3), nn.Linear(3, 2))
     params = list(model.parameters())
     for param in params:
@@ -528,7 +528,7 @@ def test_staged_messages_start_during_the_backward_pass_in_one_order():
     log: dict[str, list[str]] = {"started": [], "waited": []}
     can_start = set(names)
     router = Router(plan, params, compression=Compression.none, reduction=Reduction(),
-                    backends=lambda *_, **__: _StagedRecorder(log, can_start))
+                    backends=lambda *_, **__: _StagedRecorder(log, can_start), exchange=_alone)
 
     def step(var_order: Sequence[int], before_finish: Callable[[int], list[str]]) -> None:
         for count, var_index in enumerate(var_order, 1):
@@ -545,3 +545,70 @@ def test_staged_messages_start_during_the_backward_pass_in_one_order():
     step(backward, lambda count: [])
     can_start.add(order[0])
     step(range(len(params)), lambda count: order if count == len(params) else [])  # gradients in forward order
+
+
+def _alone(states: list[int], name: str) -> list[list[int]]:
+    """A process set of one rank: an all-gather returns this rank's states."""
+    return [states]
+
+
+@pytest.mark.parametrize("first_rank_order", ["same", "other"])
+def test_staged_messages_follow_the_first_steps_order_from_the_second_step_on(first_rank_order):
+    """A model that declares its layers in another order than it uses them (here the gradients come
+    in forward order): reverse plan order would hold every message back until the backward pass
+    ends. After the first step every rank adopts the order the first rank submitted its messages
+    in, for starts and waits; a rank whose own order differed takes the first rank's."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3), nn.Linear(3, 2))
+    params = list(model.parameters())
+    for param in params:
+        param.grad = torch.ones_like(param)
+    plan = build_plan(variables_from_model(model), Strategy.from_dict(
+        {"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}))
+    names = [m.name for m in plan.messages]
+    first_rank = list(range(len(names))) if first_rank_order == "same" else [1, 0, 3, 2, 5, 4]
+    exchanged: list[tuple[list[int], str, Any]] = []
+
+    def exchange(states: list[int], name: str) -> list[list[int]]:
+        exchanged.append((list(states), name, stalls.where))
+        return [states if first_rank_order == "same" else first_rank, states]
+
+    log: dict[str, list[str]] = {"started": [], "waited": []}
+    router = Router(plan, params, compression=Compression.none, reduction=Reduction(),
+                    backends=lambda *_, **__: _StagedRecorder(log, set(names)), exchange=exchange)
+    forward = range(len(params))
+    for step in range(3):
+        started_at_hooks = []
+        for var_index in forward:
+            router.mark_ready(var_index)
+            started_at_hooks.append(len(log["started"]))
+        router.finish()
+        expected = names[::-1] if step == 0 else [names[m] for m in first_rank]
+        assert log["started"] == log["waited"] == expected, f"step {step}"
+        if step > 0 and first_rank_order == "same":
+            assert started_at_hooks == list(range(1, len(names) + 1)), "each starts at its own gradient's hook"
+        log["started"].clear()
+        log["waited"].clear()
+    assert exchanged == [(list(forward), f"hybridsync.opt{router.instance}.message_order",
+                          ("step", router.instance, 0, None, "order"))], "one agreement, in step 0, named for the watch"
+
+
+def test_plans_without_staged_messages_agree_on_no_order():
+    """A plan without hierarchical messages never pays the agreement's all-gather."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    params = list(model.parameters())
+    for param in params:
+        param.grad = torch.ones_like(param)
+    plan = build_plan(variables_from_model(model), Strategy.from_dict(
+        {"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}))
+    waited: list[str] = []
+
+    def exchange(states: list[int], name: str) -> list[list[int]]:
+        raise AssertionError(f"no exchange expected, got {name}")
+
+    router = Router(plan, params, compression=Compression.none, reduction=Reduction(),
+                    backends=lambda *_, **__: _RecordingBackend(waited), exchange=exchange)
+    for _ in range(2):
+        for var_index in range(len(params)):
+            router.mark_ready(var_index)
+        router.finish()
+    assert waited == [m.name for m in plan.messages] * 2

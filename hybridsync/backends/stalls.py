@@ -39,7 +39,12 @@ where: tuple | None = None
 """Where this rank waits now, set by the code that waits (``Router.finish``, ``agreement``):
 ``("build", plan)`` while optimizers compare strategies at construction, ``("set_strategy",
 plan)``, ``("step", plan, step, message)`` (``message`` ``None``: the agreement on sparse
-gradients); ``plan`` is the router number (``opt<N>``), ``step`` its ``finish()`` count."""
+gradients; ``("step", plan, step, None, "order")``: the agreement on the order of hierarchical
+messages); ``plan`` is the router number (``opt<N>``), ``step`` its ``finish()`` count."""
+
+AGREEMENTS = {"kinds": "the agreement on which gradients are sparse",
+              "order": "the agreement on the order of hierarchical messages"}
+"""What the ranks agree on in a step (``where``'s fifth element, default ``kinds``), as errors name it."""
 
 
 class RanksOutOfStepError(RuntimeError):
@@ -296,7 +301,7 @@ def _place(position: tuple) -> str:
     if kind == "set_strategy":
         return f"in set_strategy() (replacing plan opt{plan})"
     step, message = position[2], position[3]
-    what = "the agreement on which gradients are sparse" if message is None else f"message {message!r}"
+    what = AGREEMENTS[position[4] if len(position) > 4 else "kinds"] if message is None else f"message {message!r}"
     return f"in step {step} of plan opt{plan}, waiting for {what}"
 
 

@@ -195,7 +195,7 @@ def analytic_terms(arrays: ModelArrays, u: Units, cluster: ClusterSpec, constant
     ring_alpha = c.ring_alpha_scale * links.ring_alpha_s if cluster.num_workers > 1 else 0.0
     ring_end, ring_ops = _fused_channel_end(ready, cost, (is_ring | is_gather) & active, ring_alpha)
     # hierarchical messages start as their node's ranks submit them, one after the other (the router's
-    # staged order, reverse plan order: the ready order, approximately)
+    # staged order, the first step's ready order, agreed by the ranks)
     hier_busy = np.where(is_hier & active, cost, 0.0).sum(axis=1)
     hier_end = _channel_end(ready, cost, is_hier & active)
     ps_end = _channel_end(ready, cost, (route == PS) & active)

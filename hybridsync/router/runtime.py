@@ -5,8 +5,11 @@ Messages start as soon as their last gradient is ready, so communication overlap
 rest of the backward pass, exactly as Horovod's per-parameter hooks do. A hierarchical
 message's all-reduce across nodes must meet the other ranks' in one order, and can start only
 once its node's ranks all submitted it: the router advances those messages from the gradient
-hooks in reverse plan order (``_staged``), each as soon as the ones before it started, and
-``finish()`` waits in that order. Messages on the
+hooks in one order on every rank (``_staged``), each as soon as the ones before it started, and
+``finish()`` waits in that order. The order is learned: the first step uses reverse plan order
+(a plan lists variables as the model declares them), then every rank adopts the order in which
+the first rank submitted them (its backward pass's), so a model that declares its layers in
+another order than it uses them still overlaps. Messages on the
 parameter server under ASP/SSP exchange no gradients: their variables are stepped
 locally and their parameters pushed and pulled after ``step()`` (``after_step``).
 
@@ -136,15 +139,20 @@ class Router:
         """Per message, how many variables feed it: ``_waiting_on``'s value at the start of a step."""
         self._waiting_on = list(self._sizes)
         self._in_plan_order = any(_backend_key(m) != _RING for m, skip in zip(plan.messages, self._async) if not skip)
-        """Whether ``finish()`` waits in one order on every rank (reverse plan order with staged messages,
+        """Whether ``finish()`` waits in one order on every rank (``_position``'s with staged messages,
         else plan order): a route whose wait blocks on a collective needs it (every rank meets the
         others at the same message); Horovod's ring handles complete on Horovod's own thread, so a
         ring-only plan waits in the order it submitted, as Horovod does."""
         self._staged = [m for m in reversed(range(len(plan.messages))) if isinstance(self._backends[m], StagedBackend)]
         """Messages whose collectives start after submit (``StagedBackend``: hierarchical all-reduce), in
-        the order every rank starts them: reverse plan order, the backward pass's usual order (a plan
-        lists variables in the model's order), which ``finish()`` keeps. Advanced on every gradient
-        hook, so that they travel while the backward pass goes on."""
+        the order every rank starts them, which ``finish()`` keeps. Advanced on every gradient hook, so
+        that they travel while the backward pass goes on. Reverse plan order (the backward pass's
+        usual order) until the ranks agree on the first step's (``_agree_on_order``)."""
+        self._position = {m: len(plan.messages) - 1 - m for m in range(len(plan.messages))}
+        """With staged messages, each message's place in the order ``finish()`` waits in: ``_staged``'s
+        order, the other messages among them."""
+        self._order_agreed = not self._staged
+        """Whether ``_staged`` is the order agreed after the first step (no staged messages: nothing to agree)."""
         self._next_staged = 0
         """This step's first message of ``_staged`` not started yet."""
         self._staged_flights: dict[int, _InFlight] = {}
@@ -315,21 +323,48 @@ class Router:
                 for m_index in sorted(held):
                     if self._waiting_on[m_index] == 0:  # not a frozen variable's own message
                         self._submit(m_index)
-            # One order on every rank where a route needs it (``_in_plan_order``): reverse plan order with
-            # staged messages (the order they start in), else plan order; otherwise the order of
-            # submission, so that results are taken while later messages still travel.
+            # One order on every rank where a route needs it (``_in_plan_order``): with staged messages the
+            # order they start in, else plan order; otherwise the order of submission, so that results
+            # are taken while later messages still travel.
             if self._in_plan_order:
-                self._in_flight.sort(key=_plan_position, reverse=bool(self._staged))
+                self._in_flight.sort(key=self._wait_position if self._staged else _plan_position)
             for flight in self._in_flight:
                 stalls.where = ("step", self.instance, self._steps, flight.message.name)
                 self._complete(flight)
             self._write_back_sparse()
+            if not self._order_agreed:
+                self._agree_on_order()
         finally:
             stalls.where = None
             self._steps += 1
             for param in lent:
                 param.grad = None
             self._forget_step()
+
+    def _wait_position(self, flight: _InFlight) -> int:
+        return self._position[flight.index]
+
+    def _agree_on_order(self) -> None:
+        """After the first step: every rank adopts the order the first rank of the process set submitted
+        this step's messages in (the order its backward pass made them ready), for starts and waits
+        from the next step on; messages it did not submit keep reverse plan order, after the others.
+
+        Reverse plan order is only a guess at the backward pass's: a model that declares its output
+        layer first would have that layer's message, ready last, hold back every staged message
+        after it, and no hierarchical byte would travel before the backward pass ends. One small
+        all-gather per plan; a rank whose own order differs still overlaps most, and never
+        mismatches: the order is the same on every rank.
+        """
+        stalls.where = ("step", self.instance, self._steps, None, "order")
+        first = self._exchange(list(self._staged_flights), f"hybridsync.{self.namespace}.message_order")[0]
+        count = len(self.plan.messages)
+        order = list(dict.fromkeys(m for m in first if 0 <= m < count))
+        taken = set(order)
+        order += [m for m in reversed(range(count)) if m not in taken]
+        self._position = {m: place for place, m in enumerate(order)}
+        staged = set(self._staged)
+        self._staged = [m for m in order if m in staged]
+        self._order_agreed = True
 
     def _agree_on_kinds(self, held: frozenset[int], missing: list[int]) -> None:
         """Every rank says, per undecided variable of ``held``, whether it has a dense, a sparse or no
