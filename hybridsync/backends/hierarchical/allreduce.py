@@ -82,6 +82,10 @@ class _GlooIntraNodeHandle:
                  reduction: Reduction) -> None:
         self._backend, self._name, self._tensors, self._reduction = backend, name, tensors, reduction
 
+    def advance(self) -> bool:
+        """Never starts early (see the class): everything runs in ``wait()``."""
+        return False
+
     def wait(self) -> None:
         groups = self._backend.groups
         flat, _ = flatten_padded(self._tensors, groups.local_size)
@@ -195,10 +199,10 @@ class HierarchicalAllreduce(StagedBackend):
                                       reduction.prescale_factor, reduction.result_factor(self.hvd.size()))
         return _GlooIntraNodeHandle(self, name, tensors, reduction)
 
-    def advance(self, handle: Any) -> bool:
+    def advance(self, handle: SharedMemoryHandle | _GlooIntraNodeHandle) -> bool:
         """A ``shm`` message starts across nodes once its node's inputs are written; ``horovod`` ones
         start in ``wait()``."""
-        return handle.advance() if isinstance(handle, SharedMemoryHandle) else False
+        return handle.advance()
 
 
 def _probe_problem(probe: NodeSegment, node_ranks: list[int], rank: int) -> str | None:
