@@ -63,14 +63,14 @@ def add_autotune_arguments(p: argparse.ArgumentParser) -> None:
 
 def _seconds_or_none(text: str) -> float | None:
     """``--time-limit``'s value: a positive number of seconds, or ``none``."""
+    from hybridsync.autotune.loop import check_time_limit
     if text.lower() == "none":
         return None
     try:
         value = float(text)
+        check_time_limit(value)
     except ValueError:
-        value = float("nan")
-    if not (value >= 1 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 1 or 'none', got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 1 or 'none', got {text!r}") from None
     return value
 
 

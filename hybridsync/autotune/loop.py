@@ -122,9 +122,14 @@ class AutotuneSettings:
         if 0 < self.runoff_passes < MIN_RUNOFF_PASSES or self.runoff_passes < 0:
             raise ValueError(f"runoff_passes must be 0 (no runoff) or >= {MIN_RUNOFF_PASSES}, the fewest passes "
                              f"that can resolve a lead at p < {RESOLVED_P}; got {self.runoff_passes}")
-        if self.time_limit_s is not None and not (math.isfinite(self.time_limit_s) and self.time_limit_s >= 1):
-            raise ValueError(f"time_limit_s must be None (no limit) or a finite number of seconds >= 1, "
-                             f"got {self.time_limit_s!r}")
+        check_time_limit(self.time_limit_s)
+
+
+def check_time_limit(seconds: float | None) -> None:
+    """``ValueError`` unless ``seconds`` is a valid ``AutotuneSettings.time_limit_s``: None (no limit) or a
+    finite number >= 1 (the runoff sizes its passes from it: NaN or infinity cannot be)."""
+    if seconds is not None and not (math.isfinite(seconds) and seconds >= 1):
+        raise ValueError(f"time_limit_s must be None (no limit) or a finite number of seconds >= 1, got {seconds!r}")
 
 
 class Autotuner:
