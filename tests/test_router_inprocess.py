@@ -513,17 +513,23 @@ class _StagedRecorder(StagedBackend):
         """Nothing outlives a step here."""
 
 
-def test_staged_messages_start_during_the_backward_pass_in_one_order():
-    """Hierarchical messages start across nodes from the gradient hooks, not in ``finish()``, so that
-    they travel while the backward pass goes on; every rank starts them in one order (the first
-    step's, here reverse plan order), so a message whose node is not ready holds back the ones after it, never overtaken."""
+def _three_hierarchical_layers() -> tuple[list[nn.Parameter], RoutingPlan, list[str]]:
+    """Three linear layers with gradients, every variable its own hierarchical message; the names."""
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3), nn.Linear(3, 2))
     params = list(model.parameters())
     for param in params:
         param.grad = torch.ones_like(param)
     plan = build_plan(variables_from_model(model), Strategy.from_dict(
         {"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}))
-    names = [m.name for m in plan.messages]
+    return params, plan, [m.name for m in plan.messages]
+
+
+def test_staged_messages_start_during_the_backward_pass_in_one_order():
+    """Hierarchical messages start across nodes from the gradient hooks, not in ``finish()``, so that
+    they travel while the backward pass goes on; every rank starts them in one order (the first
+    step's, here reverse plan order), so a message whose node is not ready holds back the ones
+    after it, never overtaken."""
+    params, plan, names = _three_hierarchical_layers()
     order = names[::-1]
     log: dict[str, list[str]] = {"started": [], "waited": []}
     can_start = set(names)
@@ -558,13 +564,7 @@ def test_staged_messages_follow_the_first_steps_order_from_the_second_step_on(fi
     in forward order): reverse plan order would hold every message back until the backward pass
     ends. After the first step every rank adopts the order the first rank submitted its messages
     in, for starts and waits; a rank whose own order differed takes the first rank's."""
-    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3), nn.Linear(3, 2))
-    params = list(model.parameters())
-    for param in params:
-        param.grad = torch.ones_like(param)
-    plan = build_plan(variables_from_model(model), Strategy.from_dict(
-        {"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}))
-    names = [m.name for m in plan.messages]
+    params, plan, names = _three_hierarchical_layers()
     first_rank = list(range(len(names))) if first_rank_order == "same" else [1, 0, 3, 2, 5, 4]
     exchanged: list[tuple[list[int], str, Any]] = []
 
