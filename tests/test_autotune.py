@@ -294,9 +294,29 @@ def test_a_round_picks_strategies_that_differ_in_more_than_one_variable():
     def strategy(**routes) -> Strategy:
         return Strategy.from_dict({"version": 1, "variables": {n: {"route": routes.get(n, "allreduce")} for n in names}})
     ranked = [(1.0, strategy()), (1.1, strategy(a="ps")), (1.2, strategy(a="ps", b="ps")), (1.3, strategy(c="ps"))]
-    picks = diverse(ranked, 2, names)
+    sizes = dict.fromkeys(names, 4000)
+    picks = diverse(ranked, 2, sizes)
     assert [cost for cost, _ in picks] == [1.0, 1.2]  # 1.1 differs from the best in one variable only
-    assert [cost for cost, _ in diverse(ranked, 4, names)] == [1.0, 1.1, 1.2, 1.3]  # topped up in rank order
+    assert [cost for cost, _ in diverse(ranked, 4, sizes)] == [1.0, 1.1, 1.2, 1.3]  # topped up in rank order
+
+
+@pytest.mark.unit
+def test_a_round_picks_strategies_that_differ_in_more_than_a_few_small_variables():
+    """Picks that differ only in small variables (biases: which server, which group) are one strategy
+    to the simulator and to the network; they count as the same, also against strategies measured
+    in earlier rounds, unless nothing else is left."""
+    from hybridsync.autotune.loop import diverse
+    sizes = {"weight": 4_000_000, "other.weight": 1_000_000, "bias": 4000, "other.bias": 4000}
+
+    def strategy(**routes) -> Strategy:
+        return Strategy.from_dict({"version": 1, "variables": {n: {"route": routes.get(n.replace(".", "_"), "allreduce")}
+                                                               for n in sizes}})
+    best, biases = strategy(), strategy(bias="ps", other_bias="ps")
+    weights = strategy(weight="ps", bias="ps")
+    ranked = [(1.0, best), (1.01, biases), (1.2, weights)]
+    assert [s for _, s in diverse(ranked, 2, sizes)] == [best, weights]  # the biases alone: the same strategy
+    assert [s for _, s in diverse(ranked[1:], 1, sizes, measured=[best])] == [weights]  # measured before
+    assert [s for _, s in diverse(ranked, 3, sizes)] == [best, biases, weights]  # topped up in rank order
 
 
 @pytest.mark.unit

@@ -42,7 +42,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -221,9 +221,12 @@ class Autotuner:
         seeds = [c.strategy for c in self.references + self.seeds if c.strategy is not None]
         seeds += [s for _, s in self._best_measured(self.settings.confirm_top * 2)]
         exclude = self._measured() | {c.fingerprint for c in self.references}  # those are measured anyway
+        measured = {c.fingerprint: c.strategy for c in self.references if c.strategy is not None}
+        measured.update({r.fingerprint: Strategy.from_dict(r.strategy) for r in self._records()
+                         if r.strategy is not None and r.fingerprint not in measured})
         ranked = propose(self.simulator, self.description, self.cluster, seeds=seeds, exclude=exclude,
                          count=count, budget=self.settings.search_budget, rng=self.rng, progress=self.progress,
-                         exact=self.settings.exact)
+                         exact=self.settings.exact, measured=list(measured.values()))
         self.seconds["search"] += time.monotonic() - started
         return [Candidate(kind=f"{SEARCH_KIND}:r{round_index}", strategy=s) for _, s in ranked]
 
@@ -487,9 +490,11 @@ def seed_candidates(description: ModelDescription, cluster: ClusterSpec, *, exac
 
 def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec, *, seeds: Sequence[Strategy],
             exclude: set[str], count: int, budget: int, rng: np.random.Generator,
-            progress: bool = True, exact: bool = False) -> list[tuple[float, Strategy]]:
+            progress: bool = True, exact: bool = False,
+            measured: Sequence[Strategy] = ()) -> list[tuple[float, Strategy]]:
     """The ``count`` strategies with the lowest predicted step time that the evolutionary search
-    found in ``budget`` simulator evaluations, none of them in ``exclude`` (fingerprints);
+    found in ``budget`` simulator evaluations, none of them in ``exclude`` (fingerprints), each
+    materially different from the others and from ``measured`` where the ranking allows (``diverse``);
     ``exact``: only plain Horovod's numerics (no fp16, BSP)."""
     from hybridsync.model.encoding import model_arrays
     from hybridsync.search.evolution import EvolutionarySearch, run_search, simulator_cost
@@ -497,26 +502,47 @@ def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec,
     arrays = model_arrays(description)
     search = EvolutionarySearch(arrays, cluster, bounds_for(cluster, exact=exact), rng, seeds=seeds)
     run_search(search, simulator_cost(simulator, arrays, cluster), budget, progress=progress)
-    return diverse(search.ranked(count * CANDIDATES_PER_PICK, exclude=exclude), count, list(description.variables))
+    sizes = {name: info.nbytes for name, info in description.variables.items()}
+    return diverse(search.ranked(search.settings.archive, exclude=exclude), count, sizes, measured=measured)
 
 
-CANDIDATES_PER_PICK = 20
 MIN_DIFFERENT_VARIABLES = 2
 """A round's picks differ pairwise in at least this many variables' configs where the ranking
 allows: the search's top strategies are mostly one-variable variations of its best, and ten
 trials of nearly one strategy teach the simulator little about the rest of the space."""
+MIN_DIFFERENT_SHARE = 0.05
+"""... and those variables hold at least this share of the model's bytes. Configs of a few biases
+(which server, which merge group) change no message a simulator or a network can tell apart: on a
+held-out wide & deep model a round's ten picks differed only there, the simulator gave all ten
+one step time, and the ten trials measured one strategy ten times (120-182 ms in one job: noise
+that the round's ranking then took for a difference)."""
 
 
-def diverse(ranked: list[tuple[float, Strategy]], count: int, names: Sequence[str]) -> list[tuple[float, Strategy]]:
-    """The best ``count`` of ``ranked`` (ascending cost) such that each differs from every better
-    pick in ``MIN_DIFFERENT_VARIABLES`` variables; topped up in rank order if too few do."""
+def diverse(ranked: list[tuple[float, Strategy]], count: int, sizes: Mapping[str, int],
+            measured: Sequence[Strategy] = ()) -> list[tuple[float, Strategy]]:
+    """The best ``count`` of ``ranked`` (ascending cost) such that each differs materially from every
+    better pick and every ``measured`` strategy: in ``MIN_DIFFERENT_VARIABLES`` variables holding
+    ``MIN_DIFFERENT_SHARE`` of the bytes (``sizes``: bytes per variable); topped up in rank order if too
+    few do."""
+    names = list(sizes)
+    least_bytes = MIN_DIFFERENT_SHARE * sum(sizes.values())
+
+    def configs(strategy: Strategy) -> list[Any]:
+        return [strategy.config_for(name) for name in names]
+
+    def apart(mine: list[Any], other: list[Any]) -> bool:
+        differ = [name for name, a, b in zip(names, mine, other) if a != b]
+        return len(differ) >= MIN_DIFFERENT_VARIABLES and sum(sizes[name] for name in differ) >= least_bytes
+
+    taken = [configs(strategy) for strategy in measured]
     picks: list[tuple[float, Strategy]] = []
     for cost, strategy in ranked:
         if len(picks) == count:
             break
-        if all(sum(strategy.config_for(n) != other.config_for(n) for n in names) >= MIN_DIFFERENT_VARIABLES
-               for _, other in picks):
+        mine = configs(strategy)
+        if all(apart(mine, other) for other in taken):
             picks.append((cost, strategy))
+            taken.append(mine)
     chosen = {s.fingerprint() for _, s in picks}
     picks += [(c, s) for c, s in ranked if s.fingerprint() not in chosen][:count - len(picks)]
     return sorted(picks, key=lambda item: item[0])
