@@ -151,8 +151,6 @@ class Router:
         self._position = {m: len(plan.messages) - 1 - m for m in range(len(plan.messages))}
         """With staged messages, each message's place in the order ``finish()`` waits in: ``_staged``'s
         order, the other messages among them."""
-        self._order_agreed = not self._staged
-        """Whether ``_staged`` is the order agreed after the first step (no staged messages: nothing to agree)."""
         self._next_staged = 0
         """This step's first message of ``_staged`` not started yet."""
         self._staged_flights: dict[int, _InFlight] = {}
@@ -332,7 +330,7 @@ class Router:
                 stalls.where = ("step", self.instance, self._steps, flight.message.name)
                 self._complete(flight)
             self._write_back_sparse()
-            if not self._order_agreed:
+            if self._staged and self._steps == 0:
                 self._agree_on_order()
         finally:
             stalls.where = None
@@ -364,7 +362,6 @@ class Router:
         self._position = {m: place for place, m in enumerate(order)}
         staged = set(self._staged)
         self._staged = [m for m in order if m in staged]
-        self._order_agreed = True
 
     def _agree_on_kinds(self, held: frozenset[int], missing: list[int]) -> None:
         """Every rank says, per undecided variable of ``held``, whether it has a dense, a sparse or no
