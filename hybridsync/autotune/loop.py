@@ -220,9 +220,10 @@ class Autotuner:
         started = time.monotonic()
         seeds = [c.strategy for c in self.references + self.seeds if c.strategy is not None]
         seeds += [s for _, s in self._best_measured(self.settings.confirm_top * 2)]
-        exclude = self._measured() | {c.fingerprint for c in self.references}  # those are measured anyway
+        records = self._records()
+        exclude = {r.fingerprint for r in records} | {c.fingerprint for c in self.references}  # measured anyway
         measured = {c.fingerprint: c.strategy for c in self.references if c.strategy is not None}
-        measured.update({r.fingerprint: Strategy.from_dict(r.strategy) for r in self._records()
+        measured.update({r.fingerprint: Strategy.from_dict(r.strategy) for r in records
                          if r.strategy is not None and r.fingerprint not in measured})
         ranked = propose(self.simulator, self.description, self.cluster, seeds=seeds, exclude=exclude,
                          count=count, budget=self.settings.search_budget, rng=self.rng, progress=self.progress,
