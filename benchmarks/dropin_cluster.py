@@ -28,11 +28,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
+from gloo_job import run_worker
 from steps import timed_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,21 +102,11 @@ def worker(variant: str, model_kind: str, out_path: str) -> None:
 # -- controller (root, outside the namespaces) ----------------------------------------------------
 def run_job(cluster, variant: str, model_kind: str, wait: str, logs: str, timeout: float) -> float:
     """One job of ``variant``; its median step time in seconds."""
-    from hybridsync.run.emulated import launch_gloo
-    out_path = os.path.join(logs, f"{variant}-{model_kind}-{wait}-{time.monotonic_ns()}.json")
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HYBRIDSYNC_WAIT": wait}
     if variant == "horovod-dynamic":
         env["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-    with open(os.path.join(logs, "ranks.log"), "a") as log:
-        job = launch_gloo(cluster, [sys.executable, os.path.abspath(__file__), "--worker", variant, model_kind,
-                                    out_path], env=env, stdout=log, stderr=subprocess.STDOUT)
-        codes = job.wait(timeout=timeout)
-    if any(codes) or not os.path.exists(out_path):
-        with open(os.path.join(logs, "ranks.log"), errors="replace") as handle:
-            tail = handle.read()[-3000:]
-        raise RuntimeError(f"{variant} job ({model_kind}, {wait}) failed: exit codes {codes}\n{tail}")
-    with open(out_path) as handle:
-        return json.load(handle)["median"]
+    return run_worker(cluster, __file__, [variant, model_kind], env, logs, timeout,
+                      f"{variant} job ({model_kind}, {wait})")["median"]
 
 
 def abba_order(variants: list[str], rounds: int) -> list[list[str]]:

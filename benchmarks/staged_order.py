@@ -24,11 +24,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
+from gloo_job import run_worker
 from steps import timed_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,19 +100,8 @@ def worker(config_path: str, out_path: str) -> None:
 # -- controller (root, outside the namespaces) ----------------------------------------------------
 def run_job(cluster, config_path: str, logs: str, timeout: float) -> dict[str, list[float]]:
     """One job; per model, the slowest rank's time of each timed step."""
-    from hybridsync.run.emulated import launch_gloo
-    out_path = os.path.join(logs, f"job-{time.monotonic_ns()}.json")
-    env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    with open(os.path.join(logs, "ranks.log"), "a") as log:
-        job = launch_gloo(cluster, [sys.executable, os.path.abspath(__file__), "--worker", config_path, out_path],
-                          env=env, stdout=log, stderr=subprocess.STDOUT)
-        codes = job.wait(timeout=timeout)
-    if any(codes) or not os.path.exists(out_path):
-        with open(os.path.join(logs, "ranks.log"), errors="replace") as handle:
-            tail = handle.read()[-3000:]
-        raise RuntimeError(f"job failed: exit codes {codes}\n{tail}")
-    with open(out_path) as handle:
-        return json.load(handle)
+    return run_worker(cluster, __file__, [config_path], {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}, logs, timeout,
+                      "job")
 
 
 def main(argv: list[str] | None = None) -> int:

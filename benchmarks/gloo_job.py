@@ -1,0 +1,30 @@
+"""One Gloo job of a benchmark's own worker on an emulated cluster, its result read back as JSON."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+
+def run_worker(cluster: Any, script: str, worker_args: Sequence[str], env: dict[str, str], logs: str,
+               timeout: float, what: str) -> Any:
+    """Runs ``script --worker *worker_args OUT`` on every worker slot of the entered emulated ``cluster``
+    (``hybridsync.run.emulated.launch_gloo``), the ranks' output appended to ``logs``/ranks.log, and
+    returns what the worker wrote to OUT as JSON. ``RuntimeError`` naming ``what``, with the log's
+    tail, if a rank failed, the job outlived ``timeout`` or nothing was written."""
+    from hybridsync.run.emulated import launch_gloo
+    out_path = os.path.join(logs, f"result-{time.monotonic_ns()}.json")
+    log_path = os.path.join(logs, "ranks.log")
+    with open(log_path, "a") as log:
+        job = launch_gloo(cluster, [sys.executable, os.path.abspath(script), "--worker", *worker_args, out_path],
+                          env=env, stdout=log, stderr=subprocess.STDOUT)
+        codes = job.wait(timeout=timeout)
+    if any(codes) or not os.path.exists(out_path):
+        with open(log_path, errors="replace") as handle:
+            tail = handle.read()[-3000:]
+        raise RuntimeError(f"{what} failed: exit codes {codes}\n{tail}")
+    with open(out_path) as handle:
+        return json.load(handle)
