@@ -298,6 +298,14 @@ def test_a_round_picks_strategies_that_differ_in_more_than_one_variable():
     picks = diverse(ranked, 2, sizes)
     assert [cost for cost, _ in picks] == [1.0, 1.2]  # 1.1 differs from the best in one variable only
     assert [cost for cost, _ in diverse(ranked, 4, sizes)] == [1.0, 1.1, 1.2, 1.3]  # topped up in rank order
+    read = []
+
+    def lazily():
+        for item in ranked:
+            read.append(item[0])
+            yield item
+    assert [cost for cost, _ in diverse(lazily(), 2, sizes)] == [1.0, 1.2] and read == [1.0, 1.1, 1.2]  # no further
+    assert diverse(iter(ranked), 0, sizes) == []
 
 
 @pytest.mark.unit

@@ -116,6 +116,8 @@ def test_seeds_come_first_and_come_back_as_given():
     assert ranked[0][1].fingerprint() == seeds[1].fingerprint()  # its own group numbering, not the canonical one
     assert ranked[1][1].fingerprint() == seeds[3].fingerprint()
     assert ranked[2][1] == baselines.all_allreduce(description.variables)  # None: plain Horovod
+    assert [(c, s.fingerprint()) for c, s in search.iter_ranked(exclude={seeds[2].fingerprint()})][:3] == \
+        [(c, s.fingerprint()) for c, s in ranked]
     with pytest.raises(ValueError, match="a seed does not fit"):
         EvolutionarySearch(arrays, ONE_PER_NODE, bounds_for(ONE_PER_NODE), np.random.default_rng(0),
                            seeds=[seeds[3]])

@@ -42,7 +42,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -504,7 +504,7 @@ def propose(simulator: Any, description: ModelDescription, cluster: ClusterSpec,
     search = EvolutionarySearch(arrays, cluster, bounds_for(cluster, exact=exact), rng, seeds=seeds)
     run_search(search, simulator_cost(simulator, arrays, cluster), budget, progress=progress)
     sizes = {name: info.nbytes for name, info in description.variables.items()}
-    return diverse(search.ranked(search.settings.archive, exclude=exclude), count, sizes, measured=measured)
+    return diverse(search.iter_ranked(exclude=exclude), count, sizes, measured=measured)
 
 
 MIN_DIFFERENT_VARIABLES = 2
@@ -519,12 +519,12 @@ one step time, and the ten trials measured one strategy ten times (120-182 ms in
 that the round's ranking then took for a difference)."""
 
 
-def diverse(ranked: list[tuple[float, Strategy]], count: int, sizes: Mapping[str, int],
+def diverse(ranked: Iterable[tuple[float, Strategy]], count: int, sizes: Mapping[str, int],
             measured: Sequence[Strategy] = ()) -> list[tuple[float, Strategy]]:
     """The best ``count`` of ``ranked`` (ascending cost) such that each differs materially from every
     better pick and every ``measured`` strategy: in ``MIN_DIFFERENT_VARIABLES`` variables holding
     ``MIN_DIFFERENT_SHARE`` of the bytes (``sizes``: bytes per variable); topped up in rank order if too
-    few do."""
+    few do. ``ranked`` is read only as far as the picks need (``EvolutionarySearch.iter_ranked``)."""
     names = list(sizes)
     least_bytes = MIN_DIFFERENT_SHARE * sum(sizes.values())
 
@@ -537,17 +537,18 @@ def diverse(ranked: list[tuple[float, Strategy]], count: int, sizes: Mapping[str
 
     taken = [configs(strategy) for strategy in measured]
     picks: list[tuple[float, Strategy]] = []
-    for cost, strategy in ranked:
-        if len(picks) == count:
-            break
+    read: list[tuple[float, Strategy]] = []  # all of ``ranked`` whenever the picks fall short
+    for cost, strategy in ranked if count > 0 else ():
+        read.append((cost, strategy))
         mine = configs(strategy)
         if all(apart(mine, other) for other in taken):
             picks.append((cost, strategy))
             taken.append(mine)
+            if len(picks) == count:
+                break
     chosen = {s.fingerprint() for _, s in picks}
-    picks += [(c, s) for c, s in ranked if s.fingerprint() not in chosen][:count - len(picks)]
+    picks += [(c, s) for c, s in read if s.fingerprint() not in chosen][:count - len(picks)]
     return sorted(picks, key=lambda item: item[0])
-
 
 def check_fits(description: ModelDescription, cluster: ClusterSpec) -> None:
     """``ValueError`` now, not after a job started, if the cluster cannot run the model at all."""

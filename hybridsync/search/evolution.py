@@ -25,7 +25,8 @@ given.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
+import itertools
+from typing import TYPE_CHECKING, Callable, Collection, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -247,15 +248,17 @@ class EvolutionarySearch:
     def ranked(self, k: int, exclude: Collection[str] = ()) -> list[tuple[float, Strategy]]:
         """The ``k`` best distinct candidates told with a finite cost (of the ``settings.archive``
         best kept), best first, skipping strategies whose fingerprint is in ``exclude``."""
-        out: list[tuple[float, Strategy]] = []
+        return list(itertools.islice(self.iter_ranked(exclude), k))
+
+    def iter_ranked(self, exclude: Collection[str] = ()) -> Iterator[tuple[float, Strategy]]:
+        """``ranked`` built one strategy at a time, for a caller that stops early: turning the whole
+        archive (1024) into strategies costs about a second on a model of a few hundred variables."""
         for i, key in enumerate(self._archive_keys):
-            if len(out) >= k or not np.isfinite(self._archive_costs[i]):
-                break
+            if not np.isfinite(self._archive_costs[i]):
+                return
             strategy = self._originals.get(key) or self._archive.to_strategy(i, self.arrays.names)
             if strategy.fingerprint() not in exclude:
-                out.append((float(self._archive_costs[i]), strategy))
-        return out
-
+                yield float(self._archive_costs[i]), strategy
 
 def _with_width(batch: StrategyBatch, servers: int) -> StrategyBatch:
     """``batch`` with ``servers`` server columns (the bounds' servers, which may be fewer than the cluster's)."""
