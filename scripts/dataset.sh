@@ -9,8 +9,8 @@
 #    40 timed steps); benchmarks/trial_protocol.py compares shorter protocols against it.
 # 3. The sweeps, cluster by cluster, with the short protocol (3 warm-up + 10 timed steps): every
 #    generated model with SAMPLE random strategies, then every zoo model with ZOO_SAMPLE. Every
-#    (model, cluster) job also measures the plain-Horovod row and every baseline, the controls of
-#    that job. Trials already in the store are skipped. The slowest cluster comes last, so that
+#    (model, cluster) job also measures the fair rivals (plain Horovod, Horovod with fp16 where it
+#    runs, every baseline and its fp16 twin), the controls of that job. Trials already in the store are skipped. The slowest cluster comes last, so that
 #    an interrupted run already covers the others. A trial may take 300 s: the `hierarchical`
 #    baseline all-reduces the sparse tables of recommenders densely, ~2 s a step at 1 Gbit/s.
 # 4. Exports the store to data/trials.jsonl.gz.

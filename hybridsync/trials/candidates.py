@@ -1,4 +1,4 @@
-"""What a trial run measures: the reference rows, every baseline (and its fp16 twin), and random strategies.
+"""What a trial run measures: the reference rows, every baseline and its fp16 twin, and random strategies.
 
 Torch-free: candidates are built from a model description and a cluster spec, so a
 trial list can be written (``--list``) and checked anywhere.
@@ -130,13 +130,13 @@ def random_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec, 
 
 
 def trial_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec, *, sample: int = 0,
-                     seed: int = 0, include_baselines: bool = True, include_horovod: bool = True) -> list[Candidate]:
-    """The reference row, the baselines, then ``sample`` random strategies, without duplicates."""
-    out = [Candidate(kind=HOROVOD_KIND, strategy=None)] if include_horovod else []
-    if include_baselines:
-        out += baseline_candidates(variables, spec)
+                     seed: int = 0) -> list[Candidate]:
+    """Every fair rival that runs here (``rivals``: plain Horovod, Horovod with ``Compression.fp16``,
+    the baselines and their fp16 twins), then ``sample`` random strategies, without duplicates. The
+    random strategies use fp16 where it pays, so their rivals have it too: a dataset's "best trial
+    over the best baseline" then compares like with like."""
+    out, _ = rivals(variables, spec, horovod=True, fp16=True)
     return out + random_candidates(variables, spec, sample, seed, exclude={c.fingerprint for c in out})
-
 
 def load_candidates(path: str) -> list[Candidate]:
     """Strategies to measure from a file: a JSON list of strategy documents or of

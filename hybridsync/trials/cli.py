@@ -50,9 +50,9 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster spec YAML (hybridsync.cluster.ClusterSpec)")
     p.add_argument("--description", help="profiled model description (default: the zoo model's variables)")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--sample", type=int, default=0, help="random strategies besides the baselines")
+    source.add_argument("--sample", type=int, default=0, help="random strategies besides the rivals (reference rows, baselines, fp16 twins)")
     source.add_argument("--strategies", help="JSON/YAML file: a strategy, or a list of strategies or "
-                                              "{kind, strategy} entries (measured instead of baselines + sample)")
+                                              "{kind, strategy} entries (measured instead of rivals + sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random strategies")
 
 
@@ -62,7 +62,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=40, help="timed steps per trial (default 40)")
     p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial counts as hung")
     p.add_argument("--controls", type=int, default=0,
-                   help="re-measure the first N candidates (the reference row, then the baselines) as controls "
+                   help="re-measure the first N candidates (the reference rows, then the baselines) as controls "
                         "between blocks of --block-size candidates in every job, so that jobs can be put on one "
                         "level (hybridsync.trials.levels); default 0: none")
     p.add_argument("--block-size", type=int, help="candidates between two passes over the controls (default: "
