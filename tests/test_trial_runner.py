@@ -37,7 +37,7 @@ def write_inputs(tmp_path, candidates: list[dict]) -> tuple[str, str, str]:
 def trials_argv(spec: str, strategies: str, store: str, tmp_path) -> list[str]:
     return [str(BIN / "hybridsync"), "trials", "run", "--model", "ncf", "--cluster", spec, "-H", "localhost:2",
             "--strategies", strategies, "--store", store, "--warmup", "1", "--steps", "3",
-            "--trial-timeout", "25", "--workdir", str(tmp_path)]
+            "--trial-timeout", "25", "--workdir", str(tmp_path / "jobs" / "logs")]  # made by the run
 
 
 def test_failed_trials_are_recorded_with_their_reason_and_the_run_goes_on(tmp_path):

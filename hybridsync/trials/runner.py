@@ -195,6 +195,7 @@ class TrialRunner:
         self.workload = workload or ZooWorkload(model)
         self.protocol, self.seed = protocol, seed
         self.workdir = workdir or tempfile.mkdtemp(prefix="hybridsync-trials-")
+        os.makedirs(self.workdir, exist_ok=True)  # `trials run --workdir new/dir` failed at its first job
         self.cluster = target.spec.to_dict()
         self.host = socket.gethostname()
         self.versions: dict[str, str] = {}
