@@ -73,6 +73,25 @@ def test_the_hand_mix_puts_embeddings_whole_on_the_ps_and_merges_dense_layers_bu
     assert len({mix.config_for(n).group for n in dense if n != largest}) == 1
 
 
+@pytest.mark.parametrize("cluster", [CLUSTER, ONE_PER_NODE], ids=["2x2", "4x1"])
+def test_the_two_stage_mix_merges_dense_layers_into_two_halves_by_backward_order(cluster):
+    """The first message holds the last layers (ready first) and about half the dense bytes, so it can
+    go out while the backward pass computes the rest (PyTorch DDP's buckets)."""
+    variables = zoo("resnet").variables
+    seeds = dict(structured_seeds(variables, bounds_for(cluster)))
+    two_stage, merged = seeds["sparse-ps-dense-two-stage-fp16"], seeds["sparse-ps-dense-merged-fp16"]
+    algorithm = "hierarchical" if cluster.workers_per_node > 1 else "ring"
+    names = list(variables)
+    groups = [two_stage.config_for(n).group for n in names]
+    assert all(two_stage.config_for(n).algorithm == algorithm for n in names)
+    assert len(set(groups)) == 2 and None not in groups
+    boundary = groups.index(groups[-1])  # the last variables (ready first) are the first stage
+    assert set(groups[boundary:]) == {groups[-1]} and set(groups[:boundary]) == {groups[0]}
+    first = sum(variables[n].nbytes for n in names[boundary:]) / sum(v.nbytes for v in variables.values())
+    assert 0.3 < first < 0.7
+    assert two_stage.fingerprint() != merged.fingerprint()
+
+
 def test_seeds_of_a_model_without_sparse_variables_are_dense_mixes_and_not_the_baselines():
     description = zoo("vgg")
     assert not any(info.sparse for info in description.variables.values())

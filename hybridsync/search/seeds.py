@@ -9,6 +9,8 @@ classes of ``strategy_space.variable_class``: sparse, large dense, small dense):
 - dense gradients hierarchically all-reduced in one merged message, the largest layer in a
   message of its own so that it starts as soon as it is ready;
 - the same with fp16 on the dense gradients, and the dense ring all-reduce fused with fp16;
+- dense gradients merged in two messages of about equal bytes by backward order (PyTorch DDP's
+  buckets), so the last layers' message overlaps the rest of the backward pass;
 - per-class mixes: small dense fused on one route, large dense on another (or on the PS).
 
 ``structured_seeds`` builds these from the variables' classes only (never from a model's
@@ -47,6 +49,10 @@ class ClassPlan:
     """The class's variables merged into one message (all-reduce routes)."""
     largest_alone: bool = False
     """With ``fused``: the class's largest variable stays in a message of its own."""
+    stages: int = 1
+    """With ``fused``: that many merged messages of about equal bytes in backward order (last
+    layer first), as PyTorch DDP's gradient buckets: the first goes out while the backward pass
+    still computes the rest, instead of one message waiting for the last gradient."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +87,11 @@ def seed_recipes(hierarchical: bool) -> list[Seed]:
         Seed(name="sparse-sharded-dense-merged-fp16",
              plans={"sparse": ClassPlan(route="ps-sharded"), **_dense(best, fp16=True, **merged)},
              why="embeddings sharded over every server instead of whole"),
+        Seed(name="sparse-ps-dense-two-stage", plans={"sparse": ps, **_dense(best, fused=True, stages=2)},
+             why="embeddings on the PS; dense layers merged in two messages by backward order, the first "
+                 "overlapping the rest of the backward pass"),
+        Seed(name="sparse-ps-dense-two-stage-fp16", plans={"sparse": ps, **_dense(best, fp16=True, fused=True, stages=2)},
+             why="the same with fp16 on the dense gradients"),
         Seed(name="small-fused-large-alone-fp16",
              plans={"sparse": ps, "small": ClassPlan(route="ring", fp16=True, fused=True),
                     "large": ClassPlan(route=best, fp16=True)},
@@ -108,13 +119,14 @@ def build_seed(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceB
     """``seed``'s strategy for ``variables``: each class's plan, fused classes in one merge group
     per (route, compression), a fused class's largest variable alone when asked."""
     configs = {name: _config(_plan(seed, info, bounds), info, bounds) for name, info in variables.items()}
-    groups: dict[tuple, int] = {}
     alone = _largest_alone(seed, variables, bounds)
-    for name, info in variables.items():
-        config = configs[name]
-        if _plan(seed, info, bounds).fused and name not in alone and not (info.sparse and config == SPARSE_ALLGATHER):
-            group = groups.setdefault(config.message_key, len(groups))
-            configs[name] = dataclasses.replace(config, group=group)
+    merged = [name for name, info in variables.items() if _plan(seed, info, bounds).fused and name not in alone
+              and not (info.sparse and configs[name] == SPARSE_ALLGATHER)]
+    stage = _stages(seed, merged, configs, variables, bounds)
+    groups: dict[tuple, int] = {}
+    for name in merged:
+        group = groups.setdefault((configs[name].message_key, stage[name]), len(groups))
+        configs[name] = dataclasses.replace(configs[name], group=group)
     strategy = Strategy(variables=_without_lone_groups(configs))
     strategy.validate_for(variables)
     return strategy
@@ -141,6 +153,24 @@ def _config(plan: ClassPlan, info: VariableInfo, bounds: SpaceBounds) -> VarConf
         partitions = max(1, shards) if plan.route == "ps-sharded" else 1
         return VarConfig(route="ps", partitions=partitions, compression=compression)
     return VarConfig(route="allreduce", algorithm=plan.route, compression=compression)
+
+
+def _stages(seed: Seed, merged: list[str], configs: Mapping[str, VarConfig], variables: Mapping[str, VariableInfo],
+            bounds: SpaceBounds) -> dict[str, int]:
+    """Stage (0: ready first) of each merged variable: its message's members split by their bytes in
+    backward order (last variable first, as ``baselines.horovod_hierarchical``) into its plan's
+    ``stages`` parts of about equal bytes."""
+    members: dict[tuple, list[str]] = {}
+    for name in reversed(merged):
+        members.setdefault(configs[name].message_key, []).append(name)
+    out: dict[str, int] = {}
+    for names in members.values():
+        stages = _plan(seed, variables[names[0]], bounds).stages
+        total, before = sum(variables[n].nbytes for n in names) or 1, 0
+        for name in names:
+            out[name] = min(stages - 1, before * stages // total)
+            before += variables[name].nbytes
+    return out
 
 
 def _largest_alone(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceBounds) -> set[str]:
