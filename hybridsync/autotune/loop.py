@@ -550,6 +550,7 @@ def diverse(ranked: Iterable[tuple[float, Strategy]], count: int, sizes: Mapping
     picks += [(c, s) for c, s in read if s.fingerprint() not in chosen][:count - len(picks)]
     return sorted(picks, key=lambda item: item[0])
 
+
 def check_fits(description: ModelDescription, cluster: ClusterSpec) -> None:
     """``ValueError`` now, not after a job started, if the cluster cannot run the model at all."""
     if cluster.num_workers < 2:

@@ -260,6 +260,7 @@ class EvolutionarySearch:
             if strategy.fingerprint() not in exclude:
                 yield float(self._archive_costs[i]), strategy
 
+
 def _with_width(batch: StrategyBatch, servers: int) -> StrategyBatch:
     """``batch`` with ``servers`` server columns (the bounds' servers, which may be fewer than the cluster's)."""
     if batch.server_share.shape[2] == servers:

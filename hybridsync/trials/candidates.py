@@ -138,6 +138,7 @@ def trial_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec, *
     out, _ = rivals(variables, spec, horovod=True, fp16=True)
     return out + random_candidates(variables, spec, sample, seed, exclude={c.fingerprint for c in out})
 
+
 def load_candidates(path: str) -> list[Candidate]:
     """Strategies to measure from a file: a JSON list of strategy documents or of
     ``{"kind", "strategy"}`` entries, or a single strategy document (kind ``file``)."""

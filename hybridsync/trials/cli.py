@@ -50,7 +50,8 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster spec YAML (hybridsync.cluster.ClusterSpec)")
     p.add_argument("--description", help="profiled model description (default: the zoo model's variables)")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--sample", type=int, default=0, help="random strategies besides the rivals (reference rows, baselines, fp16 twins)")
+    source.add_argument("--sample", type=int, default=0,
+                        help="random strategies besides the rivals (reference rows, baselines, fp16 twins)")
     source.add_argument("--strategies", help="JSON/YAML file: a strategy, or a list of strategies or "
                                               "{kind, strategy} entries (measured instead of rivals + sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random strategies")
