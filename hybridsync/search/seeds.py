@@ -90,7 +90,8 @@ def seed_recipes(hierarchical: bool) -> list[Seed]:
         Seed(name="sparse-ps-dense-two-stage", plans={"sparse": ps, **_dense(best, fused=True, stages=2)},
              why="embeddings on the PS; dense layers merged in two messages by backward order, the first "
                  "overlapping the rest of the backward pass"),
-        Seed(name="sparse-ps-dense-two-stage-fp16", plans={"sparse": ps, **_dense(best, fp16=True, fused=True, stages=2)},
+        Seed(name="sparse-ps-dense-two-stage-fp16",
+             plans={"sparse": ps, **_dense(best, fp16=True, fused=True, stages=2)},
              why="the same with fp16 on the dense gradients"),
         Seed(name="small-fused-large-alone-fp16",
              plans={"sparse": ps, "small": ClassPlan(route="ring", fp16=True, fused=True),
@@ -117,7 +118,8 @@ def structured_seeds(variables: Mapping[str, VariableInfo], bounds: SpaceBounds)
 
 def build_seed(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceBounds) -> Strategy:
     """``seed``'s strategy for ``variables``: each class's plan, fused classes in one merge group
-    per (route, compression), a fused class's largest variable alone when asked."""
+    per (route, compression) and stage (``ClassPlan.stages``), a fused class's largest variable
+    alone when asked."""
     configs = {name: _config(_plan(seed, info, bounds), info, bounds) for name, info in variables.items()}
     alone = _largest_alone(seed, variables, bounds)
     merged = [name for name, info in variables.items() if _plan(seed, info, bounds).fused and name not in alone
