@@ -31,9 +31,9 @@ class Knob:
 
     name: str
     """The key in strategy files, and the ``VarConfig`` field."""
-    kind: Literal["choice", "integer", "per_shard"]
+    kind: Literal["choice", "integer", "per_shard", "flag"]
     """``choice``: one of ``choices``; ``integer``: an int >= ``minimum``; ``per_shard``: a list of
-    ints >= ``minimum``, one per partition."""
+    ints >= ``minimum``, one per partition; ``flag``: ``true`` or ``false``."""
     doc: str
     """What it says, in a line: the README's table and the validator's hints repeat it."""
     routes: tuple[str, ...] = ROUTE_NAMES
@@ -57,6 +57,9 @@ class Knob:
     """``hybridsync explain``'s column that shows it (knobs of one column are shown together)."""
     text: Callable[[Any], str] = str
     """How ``explain`` shows a value."""
+    rule: Callable[[Mapping[str, Any]], str | None] | None = None
+    """Given every knob's value, why this knob's (not its default) cannot be set there, or ``None``
+    where it can: a constraint on the other knobs that ``only_with`` cannot say."""
 
     def applies(self, values: Mapping[str, Any]) -> bool:
         """Whether the knob means something in a config whose knobs have ``values``."""
@@ -74,6 +77,8 @@ class Knob:
             return []
         if self.kind == "choice":
             return [] if value in self.choices else [f"{self.name} {value!r} is not one of {', '.join(self.choices)}"]
+        if self.kind == "flag":
+            return [] if isinstance(value, bool) else [f"{self.name} must be true or false, got {value!r}"]
         if self.kind == "integer":
             return [] if _is_int(value) and value >= self.minimum else \
                 [f"{self.name} must be an integer >= {self.minimum}, got {value!r}"]
@@ -113,7 +118,25 @@ COMPRESSION = Knob(name="compression", kind="choice", doc="wire compression; abs
                    optional=True, choices=("none", "fp16"), merged_alike=True, draw=(0.0, 0.0, 0.5, 1.0),
                    column="compr")
 
-KNOBS: tuple[Knob, ...] = (ROUTE, ALGORITHM, PROTOCOL, STALENESS, PARTITIONS, SERVERS, GROUP, COMPRESSION)
+
+def _rows_rule(values: Mapping[str, Any]) -> str | None:
+    """Where a dense gradient can travel as its nonzero rows (as a sparse gradient does)."""
+    if values["compression"] == "fp16":
+        return "rows sends the rows' values uncompressed: compression 'fp16' is not supported with it"
+    if values["route"] == "ps":
+        return None if values["protocol"] == "bsp" else \
+            f"rows needs protocol 'bsp' on the parameter servers (asp/ssp exchange parameters), got {values['protocol']!r}"
+    if values["algorithm"] != "ring" or values["partitions"] != 1 or values["group"] is not None:
+        return ("rows on the all-reduce route travels as Horovod's sparse all-gather: algorithm 'ring', one "
+                "message of its own (partitions 1, no group)")
+    return None
+
+
+ROWS = Knob(name="rows", kind="flag", doc="the dense gradient travels as its nonzero rows (indices and values, "
+            "as a sparse gradient does): `ps` with `bsp`, or `allreduce` `ring` alone (no group, partitions 1)",
+            default=False, rule=_rows_rule, column="rows", text=lambda rows: "rows" if rows else "")
+
+KNOBS: tuple[Knob, ...] = (ROUTE, ALGORITHM, PROTOCOL, STALENESS, PARTITIONS, SERVERS, GROUP, COMPRESSION, ROWS)
 """Every knob, in the canonical document's key order."""
 BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
 
@@ -149,6 +172,11 @@ def config_errors(given: Mapping[str, Any]) -> list[str]:
             errors.append(f"{other} {needed!r} needs a {knob.name!r} ({knob.doc})")
         elif not knob.applies(values) and values[knob.name] is not None:
             errors.append(f"{knob.name!r} only applies to {other} {needed!r}")
+    for knob in KNOBS:
+        if knob.rule is not None and route in knob.routes and differs(values[knob.name], knob.default):
+            why = knob.rule(values)
+            if why is not None:
+                errors.append(why)
     return errors
 
 

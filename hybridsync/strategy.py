@@ -29,7 +29,7 @@ import os
 from typing import Any, Literal, Mapping
 
 from hybridsync import envvars, knobs
-from hybridsync.description import VariableInfo
+from hybridsync.description import FLOATING_DTYPES, VariableInfo
 from hybridsync.sync_policy import SyncPolicy, policy_errors
 
 STRATEGY_VERSION = 1
@@ -55,6 +55,9 @@ class VarConfig:
     group: int | None = knobs.GROUP.default
     compression: CompressionName | None = knobs.COMPRESSION.default
     """``None``: the optimizer's ``compression=`` argument decides."""
+    rows: bool = knobs.ROWS.default
+    """The dense gradient travels as its nonzero rows, as a sparse gradient would (``validate_for``:
+    dense floating variables only); the optimizer's ``compression=`` does not apply to the rows."""
 
     def __post_init__(self) -> None:
         """Reject a config that no strategy file could express: ``ValueError`` naming the field.
@@ -208,7 +211,10 @@ class Strategy:
         Sync-Switch policy runs between switches; its ``sync`` section is dropped (the policy's
         controller applies such plans, it does not start another one)."""
         def swap(config: VarConfig) -> VarConfig:
-            return dataclasses.replace(config, protocol=protocol) if config.route == "ps" else config
+            if config.route != "ps":
+                return config
+            # ASP/SSP exchange parameters, not gradients: rows (BSP only) has nothing to send there
+            return dataclasses.replace(config, protocol=protocol, rows=config.rows and protocol == "bsp")
         return Strategy(default=swap(self.default), variables={n: swap(c) for n, c in self.variables.items()})
 
     @classmethod
@@ -259,9 +265,23 @@ class Strategy:
 
 def _fit_errors(name: str, info: VariableInfo, config: VarConfig) -> list[str]:
     rows = info.shape[0] if info.shape else 1
+    errors = []
     if config.partitions > rows:
-        return [f"variable {name!r}: partitions {config.partitions} exceeds its {rows} rows "
-                f"(shape {tuple(info.shape)})"]
+        errors.append(f"variable {name!r}: partitions {config.partitions} exceeds its {rows} rows "
+                      f"(shape {tuple(info.shape)})")
+    if config.rows:
+        errors += [f"variable {name!r}: rows {why}" for why in _rows_fit_errors(info)]
+    return errors
+
+
+def _rows_fit_errors(info: VariableInfo) -> list[str]:
+    """Why a variable's gradient cannot travel as its nonzero rows (``VarConfig.rows``)."""
+    if info.sparse:
+        return ["is for dense gradients: this one is sparse already (it travels as rows without it)"]
+    if info.dtype not in FLOATING_DTYPES:
+        return [f"is for floating gradients, not {info.dtype}"]
+    if not info.shape:
+        return ["needs a gradient with rows (dim 0); this one is a scalar"]
     return []
 
 

@@ -206,3 +206,54 @@ def test_baselines_on_a_sparse_model_route_the_embedding_to_the_servers():
     for strategy in (parallax, partitioned):  # both plan: a shard of a sparse variable is a PS message
         plan = build_plan(found, strategy)
         assert {m.config.route for m in plan.messages if "emb.weight" in m.name} == {"ps"}
+
+
+def test_rows_is_refused_where_a_gradient_cannot_travel_as_rows():
+    doc = {"variables": {"a": {"route": "allreduce", "algorithm": "hierarchical", "rows": True},
+                         "b": {"route": "allreduce", "partitions": 2, "rows": True},
+                         "c": {"route": "allreduce", "group": 1, "rows": True},
+                         "d": {"route": "ps", "protocol": "ssp", "staleness": 1, "rows": True},
+                         "e": {"route": "ps", "compression": "fp16", "rows": True},
+                         "f": {"route": "ps", "rows": "yes"}}}
+    with pytest.raises(ValueError) as info:
+        Strategy.from_dict(doc)
+    message = str(info.value)
+    for name in "abc":
+        assert f"variable {name!r}: rows on the all-reduce route travels as Horovod's sparse all-gather" in message
+    assert "variable 'd': rows needs protocol 'bsp'" in message
+    assert "variable 'e': rows sends the rows' values uncompressed: compression 'fp16' is not supported" in message
+    assert "variable 'f': rows must be true or false, got 'yes'" in message
+
+
+def test_rows_where_it_holds_round_trips_and_changes_the_fingerprint():
+    doc = {"version": 1, "default": {"route": "allreduce", "algorithm": "ring"},
+           "variables": {"fc1.weight": {"route": "ps", "protocol": "bsp", "partitions": 2, "group": 3, "rows": True},
+                         "fc2.weight": {"route": "ps", "protocol": "bsp", "group": 3},
+                         "fc1.bias": {"route": "allreduce", "algorithm": "ring", "rows": True}}}
+    strategy = Strategy.from_dict(doc)
+    assert strategy.to_dict() == doc and strategy.config_for("fc1.weight").rows
+    without = Strategy.from_dict({**doc, "variables": {**doc["variables"], "fc1.bias": {"route": "allreduce",
+                                                                                        "algorithm": "ring"}}})
+    assert without.fingerprint() != strategy.fingerprint()
+    strategy.validate_for(variables())
+    # group members may differ in rows: a PS merge group sends row parts and dense parts alike
+    assert strategy.config_for("fc1.weight").message_key == strategy.config_for("fc2.weight").message_key
+
+
+def test_rows_is_refused_on_sparse_non_floating_and_scalar_variables():
+    infos = parse_model_description({"variables": [
+        {"name": "emb.weight", "shape": [1000, 16], "sparse": True},
+        {"name": "ids", "shape": [10, 4], "dtype": "int64"}, {"name": "scale", "shape": []}]})
+    strategy = Strategy(default=VarConfig(route="ps", rows=True))
+    with pytest.raises(ValueError) as info:
+        strategy.validate_for(infos)
+    message = str(info.value)
+    assert "variable 'emb.weight': rows is for dense gradients: this one is sparse already" in message
+    assert "variable 'ids': rows is for floating gradients, not int64" in message
+    assert "variable 'scale': rows needs a gradient with rows (dim 0); this one is a scalar" in message
+
+
+def test_a_switch_to_asp_drops_rows_and_the_switch_back_keeps_it():
+    strategy = Strategy(variables={"fc1.weight": VarConfig(route="ps", rows=True)})
+    assert not strategy.with_ps_protocol("asp").config_for("fc1.weight").rows
+    assert strategy.with_ps_protocol("bsp").config_for("fc1.weight").rows

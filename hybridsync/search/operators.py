@@ -195,8 +195,9 @@ MUTATIONS = {"route": _move_route, "partitions": _split_or_join, "group": _regro
              "protocol": _change_protocol, "servers": _move_shard, "spread": _spread,
              "class-route": _class_route, "class-compression": _class_fp16, "class-group": _class_group}
 """The moves ``mutate`` picks from (evenly): one per knob the search moves (the algorithm moves with
-the route, the staleness with the protocol), ``spread``, and the class-wide moves."""
-assert set(MUTATIONS) >= {knob.name for knob in knobs.KNOBS} - {"algorithm", "staleness"}
+the route, the staleness with the protocol), ``spread``, and the class-wide moves. ``rows`` is not
+moved: a strategy gets it from its seed (``seeds.py``), and repair clears it where it cannot hold."""
+assert set(MUTATIONS) >= {knob.name for knob in knobs.KNOBS} - {"algorithm", "staleness", "rows"}
 
 
 def crossover(a: StrategyBatch, b: StrategyBatch, rng: np.random.Generator) -> StrategyBatch:
