@@ -16,6 +16,7 @@ some or all ranks), and every key a client pushed must be where ``RoutingPlan.ps
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 from typing import Any, Callable, Sequence
@@ -140,7 +141,25 @@ class InProcessClient(PSClient):
         with self._lock:
             self.calls.append((index, function, key, payload))
         method = store.push_delta if function == "rpc_push_delta" else store.push_pull
-        return method(key, worker, step, payload)
+        return _answered_elsewhere(method(key, worker, step, payload))
+
+
+_ANSWERS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="answers")
+"""Where the stores' answers reach the clients, as RPC answers reach them on the agent's threads: the
+last rank's push completes the other ranks' futures, and their callbacks take those clients' locks,
+which a client calling in at the same moment holds (two ranks would wait on each other)."""
+
+
+def _answered_elsewhere(answer: Future) -> Future:
+    out: Future = Future()
+
+    def forward(done: Future) -> None:
+        try:
+            out.set_result(done.value())
+        except Exception as e:  # noqa: BLE001 - handed to the client, as an RPC error would be
+            out.set_exception(e)
+    answer.add_done_callback(lambda done: _ANSWERS.submit(forward, done))
+    return out
 
 
 class InProcessExchange:
@@ -177,7 +196,7 @@ class World:
                         for rank in range(SIZE)]
 
     def router(self, rank: int, plan: RoutingPlan, model: Net, reduction: Reduction, compression: Any,
-               instance: int) -> Router:
+               instance: int, sparse_as_dense: bool = False) -> Router:
         """Rank ``rank``'s router; ``instance`` numbers it as the ranks' ``Router`` counters would in a job."""
         client = self.clients[rank]
 
@@ -194,7 +213,7 @@ class World:
 
         return Router(plan, list(model.parameters()), compression=compression, reduction=reduction,
                       backends=backends, parameter_syncs=parameter_syncs, exchange=self.exchange.for_rank(rank),
-                      instance=instance)
+                      instance=instance, sparse_as_dense=sparse_as_dense)
 
 
 def run_ranks(work: Callable[[int], Any]) -> list[Any]:
@@ -245,6 +264,16 @@ STRATEGIES = {
     "mixed_routes": strategy(PS, {"emb.weight": RING, "fc1.weight": {**HIER, "partitions": 2},
                                   "fc2.weight": {**RING, "group": 1}, "fc2.bias": {**RING, "group": 1}}),
 }
+ROWS = {"rows": True}
+ROWS_STRATEGIES = {  # dense gradients sent as their nonzero rows (a dense model only)
+    "rows_ring": strategy(RING, {"emb.weight": {**RING, **ROWS}, "fc1.weight": {**RING, **ROWS},
+                                 "rank0_only.weight": {**RING, **ROWS}, "unused.weight": {**RING, **ROWS},
+                                 "fc2.weight": {**HIER, "partitions": 2}}),
+    "rows_ps": strategy(RING, {
+        "emb.weight": {**PS, **ROWS, "partitions": 2, "group": 4}, "fc1.bias": {**PS, "group": 4},
+        "unused.weight": {**PS, **ROWS, "group": 4}, "fc1.weight": {**PS, **ROWS, "partitions": 3},
+        "fc2.weight": {**PS, **ROWS}, "rank0_only.weight": {**PS, **ROWS}, "fc2.bias": {**PS, "compression": "fp16"}}),
+}
 REDUCTIONS = {"average": Reduction(), "sum_scaled": Reduction(op="sum", prescale_factor=0.5, postscale_factor=3.0)}
 
 
@@ -259,7 +288,8 @@ def local_gradients(sparse: bool, step: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def synchronized(name: str, sparse: bool, reduction: Reduction, compression: Any = None):
+def synchronized(name: str, sparse: bool, reduction: Reduction, compression: Any = None, *,
+                 sparse_as_dense: bool = False):
     """Run ``STEPS`` steps on every simulated rank; returns (world, plan, routers, per rank per step grads)."""
     from hybridsync.compression import Compression
     compression = compression or Compression.none
@@ -268,9 +298,10 @@ def synchronized(name: str, sparse: bool, reduction: Reduction, compression: Any
     models = [Net(sparse) for _ in range(SIZE)]
     for model in models[1:]:
         model.load_state_dict(models[0].state_dict())
-    plan = build_plan(variables_from_model(models[0]), STRATEGIES[name],
+    plan = build_plan(variables_from_model(models[0]), {**STRATEGIES, **ROWS_STRATEGIES}[name],
                       compression="fp16" if compression is Compression.fp16 else "none")
-    routers = [world.router(rank, plan, models[rank], reduction, compression, instance=7) for rank in range(SIZE)]
+    routers = [world.router(rank, plan, models[rank], reduction, compression, instance=7,
+                            sparse_as_dense=sparse_as_dense) for rank in range(SIZE)]
 
     def work(rank: int) -> list[list[torch.Tensor]]:
         model, router, grads = models[rank], routers[rank], []
@@ -612,3 +643,71 @@ def test_plans_without_staged_messages_agree_on_no_order():
             router.mark_ready(var_index)
         router.finish()
     assert waited == [m.name for m in plan.messages] * 2
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["", "sparse_as_dense"])
+@pytest.mark.parametrize("reduction", sorted(REDUCTIONS))
+@pytest.mark.parametrize("name", sorted(ROWS_STRATEGIES))
+def test_rows_give_the_true_reduction_as_dense_gradients(name, reduction, sparse_as_dense):
+    """``rows``: each rank's nonzero rows travel (ring: the sparse all-gather; PS: touched-row keys, in
+    shards and merge groups), and every rank's dense gradient is the reduction of the dense ones, rows
+    that no rank touched zero (``unused.weight``: zero everywhere; ``rank0_only``: one rank's rows)."""
+    op = REDUCTIONS[reduction]
+    world, plan, routers, results = synchronized(name, False, op, sparse_as_dense=sparse_as_dense)
+    for step in range(STEPS):
+        local = local_gradients(False, step)
+        for index, var in enumerate(plan.var_names):
+            expected = sum(g[index] for g in local) * op.prescale_factor * op.result_factor(SIZE)
+            for rank in range(SIZE):
+                got = results[rank][step][index]
+                assert not got.is_sparse, (var, "a rows gradient must go back dense")
+                assert torch.allclose(got, expected, atol=2e-3 if var == "fc2.bias" else 1e-6, rtol=1e-5), \
+                    (var, rank, step)
+    assert not any(router.pending for router in routers)
+    assert not any(router._kinds.sparse for router in routers), "rows variables are no sparse ones"
+    if name == "rows_ps":
+        _assert_pushes_as_predicted(world, plan, "opt7")
+        rows_keys = {key.name for keys in plan.ps_keys(num_servers=NUM_SERVERS, partition_bytes=PARTITION_BYTES,
+                                                       namespace="opt7").values() for key in keys if key.sparse}
+        assert len(rows_keys) == 8  # emb 2 shards, unused in group 4, fc1.weight 3 shards, fc2.weight, rank0_only
+        sent = [payload for client in world.clients for _, _, key, payload in client.calls if key in rows_keys]
+        assert sent and all(isinstance(p, tuple) for p in sent), "a rows key was pushed dense"
+        emb_keys = {"opt7/hybridsync.group4.shard0.emb.weight", "opt7/hybridsync.group4.shard1"}
+        emb_rows = [p[0].shape[1] for c in world.clients for _, _, key, p in c.calls if key in emb_keys]
+        assert emb_rows and sum(emb_rows) < 30 * STEPS * SIZE, "every row of the embedding travelled"
+
+
+def test_rows_on_the_ring_travel_as_sparse_all_gathers():
+    calls = []
+    original = SparseStoreAllreduce.submit_sparse
+
+    def recording(self, name, grad, reduction):
+        calls.append((name, grad._nnz()))
+        return original(self, name, grad, reduction)
+    SparseStoreAllreduce.submit_sparse = recording
+    try:
+        synchronized("rows_ring", False, Reduction())
+    finally:
+        SparseStoreAllreduce.submit_sparse = original
+    by_name: dict[str, list[int]] = {}
+    for name, nnz in calls:
+        by_name.setdefault(name, []).append(nnz)
+    assert set(by_name) == {"emb.weight", "fc1.weight", "rank0_only.weight", "unused.weight"}
+    assert all(len(counts) == SIZE * STEPS for counts in by_name.values())
+    assert max(by_name["unused.weight"]) == 0 and sorted(by_name["rank0_only.weight"])[:-STEPS] == [0] * 4
+    assert max(by_name["emb.weight"]) < 30  # a batch of 4 x 5 ids touches at most 20 of the 30 rows
+
+
+def test_nonzero_rows_is_lossless_and_keeps_only_nonzero_rows():
+    from hybridsync.router.runtime import nonzero_rows
+    grad = torch.zeros(6, 2, 3)
+    grad[1, 0, 2], grad[4] = -1.5, 2.0
+    grad[5, 1, 1] = float("nan")
+    rows = nonzero_rows(grad)
+    assert rows.is_sparse and rows.is_coalesced() and rows.indices().tolist() == [[1, 4, 5]]
+    assert torch.equal(rows.to_dense().nan_to_num(), grad.nan_to_num())
+    assert nonzero_rows(torch.zeros(4, 3))._nnz() == 0 and nonzero_rows(torch.zeros(4, 3)).shape == (4, 3)
+    vector = torch.tensor([0.0, 3.0, 0.0])
+    assert nonzero_rows(vector).indices().tolist() == [[1]] and torch.equal(nonzero_rows(vector).to_dense(), vector)
+    strided = torch.arange(12.0).view(3, 4).t()  # not contiguous: a transposed weight's gradient
+    assert torch.equal(nonzero_rows(strided).to_dense(), strided)

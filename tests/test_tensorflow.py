@@ -322,6 +322,7 @@ def test_bad_inputs_get_clear_errors(tmp_path):
         "keras_switch_momentum_scale": "momentum_scale",
         "integer_variable": "counter",
         "missing_strategy_file": "/nonexistent/strategy.json",
+        "rows": "dense/kernel have `rows`, which the TensorFlow front end does not support",
     }
     for case, words in expected.items():
         assert errors[case].startswith("ValueError") and words in errors[case], (case, errors[case])

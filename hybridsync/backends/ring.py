@@ -57,7 +57,13 @@ class RingAllreduce(SparseBackend):
     def submit_sparse(self, name: str, grad: torch.Tensor, reduction: Reduction) -> Callable[[], torch.Tensor]:
         """Sparse gradients as Horovod sends them (``sparse_allreduce_async``): all-gather of the
         indices and of the values, the values divided by the ranks for an average. Waited for
-        with ``waiting.wait``, so ``HYBRIDSYNC_WAIT=sleep`` holds for sparse gradients too."""
+        with ``waiting.wait``, so ``HYBRIDSYNC_WAIT=sleep`` holds for sparse gradients too.
+
+        Horovod's own sparse all-reduce ignores the scale factors; here they apply (the sum is
+        linear: their product, once, on the gathered values), so that a dense gradient sent as its
+        rows (``VarConfig.rows``) reduces as its all-reduce would. The optimizer's factors
+        (``gradient_predivide_factor``: 1/f before, f after) multiply to 1 and change nothing (to rounding)."""
+        scale = reduction.prescale_factor * reduction.postscale_factor
         hvd, process_set = self._hvd, self._process_set
         # all-gather concatenates along dim 0: indices travel as (nnz, sparse_dim).
         indices = hvd.allgather_async(grad._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
@@ -69,6 +75,8 @@ class RingAllreduce(SparseBackend):
             gathered_indices = wait(hvd, indices)
             if reduction.op == "average":
                 gathered_values = gathered_values / process_set.size()
+            if scale != 1.0:
+                gathered_values = gathered_values * scale
             # Every rank's rows of a valid gradient: in range. Saying so explicitly also keeps torch
             # (>= 2.13) from warning, once per process, that the checks are "implicitly disabled".
             if gathered_indices.dim() == 0 or gathered_values.dim() == 0:  # nothing touched anywhere

@@ -11,7 +11,8 @@ complete one: without torch, Horovod or a cluster it says what the router will s
 - ``RoutingPlan.ps_keys`` gives, for every parameter-server message, its keys (name,
   bytes) and their servers, exactly as the running router and servers place them
   (``hybridsync.placement``, the module the PS client uses).
-- A message fed by a sparse variable (``Message.sparse``, from ``VariableInfo.sparse``)
+- A message fed by a sparse variable (``Message.sparse``, from ``VariableInfo.sparse``, or a
+  dense one the strategy sends as its nonzero rows: ``VarConfig.rows``)
   sends fewer bytes than ``wire_bytes`` when it goes sparse: on the parameter servers
   only the touched rows (values at the variable's dtype, uncompressed, plus an int64 index
   per row), and a whole sparse variable on the ring route as Horovod's all-gather of
@@ -49,7 +50,10 @@ class Piece:
     dtype: str
     """The variable's element type (before compression)."""
     sparse: bool = False
-    """The variable's gradient is sparse (``VariableInfo.sparse``)."""
+    """The piece travels as touched rows: the variable's gradient is sparse (``VariableInfo.sparse``), or
+    dense and sent as its nonzero rows (``rows``)."""
+    rows: bool = False
+    """The strategy sends this dense gradient as its nonzero rows (``VarConfig.rows``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,8 +121,8 @@ class RoutingPlan:
 
     def fingerprint(self) -> str:
         """Hash of every message's name, route settings and pieces: equal plans hash equally."""
-        doc = [[m.name, m.config.to_dict(), [[p.var_name, p.start, p.stop] for p in m.pieces]]
-               for m in self.messages]
+        doc = [[m.name, m.config.to_dict(), [[p.var_name, p.start, p.stop, *(["rows"] if p.rows else [])]
+                                              for p in m.pieces]] for m in self.messages]
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def parameter_syncs(self) -> list[tuple[int | None, list[tuple[str, Piece, int | None]]]]:
@@ -211,7 +215,7 @@ def build_plan(variables: Mapping[str, VariableInfo], strategy: Strategy | None,
         for shard, (start, stop) in enumerate(shard_bounds(rows, config.partitions)):
             piece = Piece(var_index=index, var_name=name, shard=shard, start=start, stop=stop,
                           whole=config.partitions == 1, numel=(stop - start) * row_numel,
-                          dtype=info.dtype, sparse=info.sparse)
+                          dtype=info.dtype, sparse=info.sparse or config.rows, rows=config.rows)
             key = ("group", config.group, shard) if config.group is not None else ("var", name, shard)
             buckets.setdefault(key, []).append(piece)
             configs.setdefault(key, config)

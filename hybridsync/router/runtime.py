@@ -22,6 +22,14 @@ sparse gradient, and any sparse gradient on the hierarchical route, is made dens
 the message (as Horovod's ``sparse_as_dense``: correct, at the variable's full bytes).
 The result goes back into ``p.grad`` as a sparse tensor, as the optimizer expects.
 
+A dense gradient the strategy sends as its nonzero rows (``VarConfig.rows``: an
+``nn.Embedding(sparse=False)``, whose gradient is zero but for the rows a batch touched) is
+turned, once per step, into a coalesced sparse gradient of those rows and sent on the same
+sparse paths (the plan allows it only where one can travel: the PS under BSP, or a whole
+variable on the ring); the reduced rows are written back into the zeroed dense ``p.grad``.
+Lossless: rows zero on every rank stay zero. Such a variable stays dense for the gradient-kind
+agreement and the optimizer, and a message holding none pays one list look-up for it.
+
 Whether a variable's gradient is sparse is agreed by the ranks before its first message
 goes out: a rank whose sparse embedding got no gradient in a step must send sparse zeros,
 not dense ones, or it would wait forever for a collective the others never start. Until a
@@ -168,6 +176,10 @@ class Router:
         self._sparse_results: dict[int, list[torch.Tensor]] = {}
         self._densified: dict[int, torch.Tensor] = {}
         """This step's sparse gradients made dense for an all-reduce, by variable index."""
+        self._as_rows = [any(piece.rows for piece in m.pieces) for m in plan.messages]
+        """Per message, whether it holds a dense gradient sent as its nonzero rows (``Piece.rows``)."""
+        self._rows: dict[int, torch.Tensor] = {}
+        """This step's dense gradients as sparse tensors of their nonzero rows, by variable index."""
 
     @staticmethod
     def _make_backends(plan: RoutingPlan, is_async: Sequence[bool], namespace: str,
@@ -267,6 +279,7 @@ class Router:
         self._ready.clear()
         self._sparse_results.clear()
         self._densified.clear()
+        self._rows.clear()
         self._waiting_on = list(self._sizes)
 
     @property
@@ -393,6 +406,8 @@ class Router:
         return all(len(self.plan.messages[m].pieces) == 1 for m in self.plan.messages_of_var[var_index])
 
     def _submit(self, m_index: int) -> None:
+        if self._as_rows[m_index] and self._submit_rows(m_index):
+            return
         message = self.plan.messages[m_index]
         backend, compressor = self._backends[m_index], self._compressors[m_index]
         pieces = message.pieces
@@ -423,6 +438,32 @@ class Router:
         if self._staged:
             self._staged_flights[m_index] = flight
 
+    def _submit_rows(self, m_index: int) -> bool:
+        """A message holding gradients sent as their nonzero rows: those as sparse gradients, the
+        others as they are (a sparse one made dense under ``sparse_as_dense``). False: the backend
+        cannot send sparse gradients (the strategy's validation keeps that from happening)."""
+        grads = []
+        for piece in self.plan.messages[m_index].pieces:
+            if piece.rows:
+                grads.append(self._nonzero_rows(piece.var_index))
+                continue
+            grad = self._gradient(piece)
+            if grad.is_sparse:
+                self._sparse_vars.add(piece.var_index)
+                if self._sparse_as_dense:
+                    grad = self._densify(piece.var_index, grad)
+            grads.append(grad)
+        return self._submit_sparse(m_index, grads)
+
+    def _nonzero_rows(self, var_index: int) -> torch.Tensor:
+        """The variable's dense gradient as a sparse tensor of its nonzero rows (made once per step)."""
+        rows = self._rows.get(var_index)
+        if rows is None:
+            grad = self._params[var_index].grad
+            # sparse already (a model whose description said dense): its rows are what it holds
+            rows = self._rows[var_index] = grad.coalesce() if grad.is_sparse else nonzero_rows(grad)
+        return rows
+
     def _submit_sparse(self, m_index: int, grads: list[torch.Tensor]) -> bool:
         """Send a message holding sparse gradients as sparse where its backend can; False: densify it."""
         message, compressor = self.plan.messages[m_index], self._compressors[m_index]
@@ -437,7 +478,8 @@ class Router:
         parts, rows, views, sent, contexts = [], [], [], [], []
         for piece, grad in zip(pieces, grads):
             if grad.is_sparse:
-                parts.append((piece.var_name, _sparse_rows(self._coalesced(piece.var_index), piece.start, piece.stop)))
+                coalesced = grad if grad.is_coalesced() else self._coalesced(piece.var_index)
+                parts.append((piece.var_name, _sparse_rows(coalesced, piece.start, piece.stop)))
                 rows.append((piece.var_index, piece.start))
             else:  # a dense member of a merge group: its own key, compressed as the message says
                 view = self._piece_of(piece, grad)
@@ -464,10 +506,11 @@ class Router:
         return dense
 
     def _write_back_sparse(self) -> None:
-        """Every sparse gradient of the step from its reduced shards, or from its densified copy."""
+        """Every sparse gradient of the step from its reduced shards, or from its densified copy; a
+        dense one sent as its nonzero rows from its reduced rows (shards), into its zeroed ``p.grad``."""
         for var_index, results in self._sparse_results.items():
             grad = self._params[var_index].grad
-            grad.zero_()  # sparse tensors do not support set_()
+            grad.zero_()  # sparse tensors do not support set_(); a dense gradient adds sparse rows alike
             for result in results:
                 grad.add_(result)
         for var_index, dense in self._densified.items():
@@ -540,6 +583,16 @@ def _at_rows(shard: torch.Tensor, start: int, shape: torch.Size) -> torch.Tensor
     indices = shard._indices().clone()
     indices[0] += start
     return torch.sparse_coo_tensor(indices, shard._values(), shape, check_invariants=False)
+
+
+def nonzero_rows(grad: torch.Tensor) -> torch.Tensor:
+    """A dense gradient as a coalesced sparse tensor of its nonzero rows along dim 0 (a row is
+    nonzero if any element is; NaN counts as nonzero), values a copy: what ``VarConfig.rows`` sends.
+    Its dense form is ``grad`` again; with no nonzero row it holds none."""
+    flat = grad.reshape(grad.shape[0], -1)
+    rows = flat.ne(0).any(dim=1).nonzero().squeeze(1)
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), grad.index_select(0, rows), grad.shape,
+                                   is_coalesced=True, check_invariants=False)
 
 
 def _sparse_zeros(param: torch.Tensor) -> torch.Tensor:

@@ -371,8 +371,15 @@ class GradientBridge:
                 for piece in message.pieces}
 
     def check_plan(self) -> None:
-        """``ValueError`` for a plan this caller cannot run: when nothing calls ``after_update`` (a
-        tape), a dynamic ``sync`` policy or ASP/SSP variables."""
+        """``ValueError`` for a plan this caller cannot run: ``rows`` variables; when nothing calls
+        ``after_update`` (a tape), a dynamic ``sync`` policy or ASP/SSP variables."""
+        rows = sorted({piece.var_name for message in self.optimizer.plan.messages for piece in message.pieces
+                       if piece.rows})
+        if rows:
+            raise ValueError(f"{self._owner}: variables {', '.join(rows[:5])}{' ...' if len(rows) > 5 else ''} have "
+                             f"`rows`, which the TensorFlow front end does not support: TensorFlow's embedding "
+                             f"gradients are tf.IndexedSlices already and travel as their rows without it; "
+                             f"drop `rows` from the strategy")
         if self._allow_parameter_exchange:
             return
         refuse_dynamic_sync(self.optimizer.strategy)  # a strategy switched in by set_strategy (trials)

@@ -128,6 +128,21 @@ PS_CASES = {
                                    {"second_sparse": True}, 1e-5),
 }
 
+# A dense embedding's gradient (nn.Embedding(sparse=False)) sent as its nonzero rows (``rows``): on the
+# ring as Horovod's sparse all-gather, on the servers as touched-row keys (whole, shards, merge group).
+ROWS_RING = {"emb.weight": {"route": "allreduce", "rows": True}, "fc1.weight": {"route": "allreduce", "rows": True}}
+ROWS_PS = {"emb.weight": {"route": "ps", "rows": True}, "fc2.weight": {"route": "ps", "rows": True, "partitions": 2}}
+ROWS_PS_GROUPED = {"emb.weight": {"route": "ps", "partitions": 2, "group": 4, "rows": True},
+                   "fc1.weight": {"route": "ps", "group": 4}, "fc1.bias": {"route": "ps", "group": 4}}
+# Cases that need parameter servers for their PS part (tests/test_rows_route.py).
+ROWS_CASES = {
+    "rows_ring": ({}, {"strategy": strategy(ROWS_RING)}, {}, 1e-5),
+    "rows_ring_adam_predivide": ({"optim": "adam", "gradient_predivide_factor": 2.0},
+                                 {"strategy": strategy(ROWS_RING)}, {}, 1e-5),
+    "rows_ps": ({}, {"strategy": strategy(ROWS_PS)}, {}, 1e-5),
+    "rows_ps_sum_grouped": ({"op": "Sum"}, {"strategy": strategy(ROWS_PS_GROUPED)}, {}, 1e-5),
+}
+
 
 class Net(nn.Module):
     def __init__(self, sparse: bool = False, unused: bool = False) -> None:
@@ -197,7 +212,7 @@ def resolve(common: dict, lib) -> dict:
 
 
 def run_case(name: str) -> dict:
-    common, extra, model_kwargs, tolerance = {**CASES, **PS_CASES}[name]
+    common, extra, model_kwargs, tolerance = {**CASES, **PS_CASES, **ROWS_CASES}[name]
     start = time.perf_counter()
     expected = train(hvd.DistributedOptimizer, model_kwargs, resolve(common, hvd), {})
     pushed_before = ps_pushed_bytes()

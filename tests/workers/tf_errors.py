@@ -56,6 +56,7 @@ def cases(net: tf.keras.Model) -> dict:
                                                            "momentum_scale": 0.5}}),
         "integer_variable": lambda: gradient(net, variables=[*net.trainable_variables, counter]),
         "missing_strategy_file": lambda: gradient(net, strategy="/nonexistent/strategy.json"),
+        "rows": lambda: gradient(net, strategy={"variables": {"dense/kernel": {"route": "allreduce", "rows": True}}}),
     }
 
 
