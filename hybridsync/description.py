@@ -9,8 +9,8 @@ plain description (variables only: ``load_model_description`` and its siblings, 
 any description and ignore its timing) and the profiled one (``ModelDescription``:
 ``load_description`` and its siblings), which adds what the profiler (``hybridsync
 profile``) measures on one process: forward, backward and optimizer time per step, each gradient's
-ready order and time within the backward pass, and rows touched per step of sparse
-gradients. One variable per line, so descriptions diff well::
+ready order and time within the backward pass, and rows touched per step (of sparse
+gradients; of dense ones, the rows with a nonzero element when fewer than all). One variable per line, so descriptions diff well::
 
     {
      "version": 1,
@@ -151,7 +151,10 @@ class VariableTiming:
     ready_s: float
     """Median seconds from the start of the backward pass to this gradient being ready."""
     rows_touched: int | None = None
-    """Sparse variables: median number of distinct rows a step's gradient touches; else None."""
+    """Median rows a step's gradient touches: for a sparse variable its distinct rows; for a dense
+    one the rows with a nonzero element, given only when fewer than all (an ``nn.Embedding(sparse=False)``,
+    whose gradient is zero but for the rows the batch looked up: it can travel as those rows,
+    ``VarConfig.rows``); else None."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -383,16 +386,16 @@ def _parse_timing(raw: Any, errors: list[str]) -> ComputeTiming | None:
 
 def _consistency_errors(variables: Mapping[str, VariableInfo],
                         variable_timing: Mapping[str, VariableTiming]) -> list[str]:
-    """What no single field shows: timing of unknown variables, rows on dense ones, the ready order."""
+    """What no single field shows: timing of unknown variables, rows beyond a variable's, the ready order."""
     errors = [f"variable {name!r}: has timing but is not among the variables"
               for name in variable_timing if name not in variables]
     for name, timing in variable_timing.items():
         info = variables.get(name)
         if info is None or timing.rows_touched is None:
             continue
-        if not info.sparse:
-            errors.append(f"variable {name!r}: rows_touched is only meaningful for a sparse variable")
-        elif info.shape and timing.rows_touched > info.shape[0]:
+        if not info.shape:
+            errors.append(f"variable {name!r}: rows_touched is meaningless for a scalar")
+        elif timing.rows_touched > info.shape[0]:
             errors.append(f"variable {name!r}: rows_touched {timing.rows_touched} exceeds its "
                           f"{info.shape[0]} rows")
     by_order = sorted(variable_timing.items(), key=lambda item: item[1].ready_order)

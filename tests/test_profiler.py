@@ -120,8 +120,8 @@ def test_every_mistake_in_a_description_is_named_in_one_error():
         assert culprit in message, (culprit, message)
     doc = _description().to_dict()
     doc["timing"]["forward_s"] = -0.5
-    doc["variables"][1]["rows_touched"] = 3
-    with pytest.raises(ValueError, match=r"(?s)forward_s must be .* >= 0.*'w': rows_touched is only meaningful"):
+    doc["variables"][1]["rows_touched"] = 5  # a dense variable may have it (its nonzero rows), within its rows
+    with pytest.raises(ValueError, match=r"(?s)forward_s must be .* >= 0.*'w': rows_touched 5 exceeds its 4 rows"):
         parse_description(doc)
 
 
@@ -154,9 +154,9 @@ def test_load_description_names_the_file(tmp_path):
 # --- unit: the profiler in process ---------------------------------------------------------------------
 
 class _Net(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, sparse: bool = True) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(50, 4, sparse=True)
+        self.emb = torch.nn.Embedding(50, 4, sparse=sparse)
         self.fc = torch.nn.Linear(4, 8)
         self.head = torch.nn.Linear(8, 1)
 
@@ -164,9 +164,9 @@ class _Net(torch.nn.Module):
         return self.head(torch.relu(self.fc(self.emb(ids))))
 
 
-def _train(steps: int, prof_path=None) -> tuple[dict, profiler.Profiler | None]:
+def _train(steps: int, prof_path=None, *, sparse: bool = True) -> tuple[dict, profiler.Profiler | None]:
     torch.manual_seed(0)
-    model = _Net()
+    model = _Net(sparse)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prof = None if prof_path is None else profiler.Profiler(prof_path, list(model.named_parameters()), steps=3,
                                                             warmup=1)
@@ -199,6 +199,24 @@ def test_profiler_measures_without_changing_the_updates_and_undoes_its_hooks(tmp
     order = sorted(desc.variable_timing, key=lambda name: desc.variable_timing[name].ready_order)
     assert order[0].startswith("head.") and order[-1] == "emb.weight", order
     assert desc.meta["torch"] == torch.__version__
+
+
+@pytest.mark.unit
+def test_profiler_counts_the_nonzero_rows_of_a_dense_embedding_and_keeps_them_only_when_fewer_than_all(tmp_path):
+    _train(4, tmp_path / "p.json", sparse=False)
+    desc = load_description(tmp_path / "p.json")
+    assert not desc.variables["emb.weight"].sparse
+    assert desc.variable_timing["emb.weight"].rows_touched == 7  # 10 ids, 7 distinct, of 50 rows
+    assert desc.variable_timing["head.weight"].rows_touched is None  # its one row is nonzero
+    assert desc.variable_timing["fc.bias"].rows_touched is None or desc.variable_timing["fc.bias"].rows_touched < 8
+    assert desc.timing.step_s > 0
+
+
+@pytest.mark.unit
+def test_nonzero_row_count():
+    grad = torch.zeros(5, 3)
+    grad[1, 2], grad[3] = 1.0, -2.0
+    assert profiler.nonzero_rows(grad) == 2 and profiler.nonzero_rows(torch.tensor([0.0, 1.0, 0.0])) == 1
 
 
 @pytest.mark.unit

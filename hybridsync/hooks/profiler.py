@@ -10,7 +10,10 @@ of a single-process job records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after
   wrapped for the duration of the profile);
 - each parameter's gradient-ready time from the backward start
   (``register_post_accumulate_grad_hook``), hence its ready order;
-- rows touched by sparse gradients (distinct indices of the step's gradient);
+- rows touched by sparse gradients (distinct indices of the step's gradient), and by dense
+  floating ones (rows with a nonzero element: an ``nn.Embedding(sparse=False)``'s gradient is
+  zero but for the rows its batch looked up), kept for a dense one only when its median is
+  fewer than all its rows; counted before ``step()``'s clock starts and left out of the step;
 - the wrapped optimizer's ``step()``, and the whole step (end of one ``step()`` to the next).
 
 It then writes the description (``hybridsync.description``), prints
@@ -70,6 +73,9 @@ class _StepRecord:
     backward_passes: int = 0
     ready_s: dict[str, float] = dataclasses.field(default_factory=dict)
     rows_touched: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Sparse gradients: distinct rows; dense ones (floating, dim >= 1): rows with a nonzero element."""
+    counting_s: float = 0.0
+    """Time spent counting rows: not the training's, taken out of ``step_s``."""
 
 
 class Profiler(StepHook):
@@ -157,15 +163,22 @@ class Profiler(StepHook):
         return hook
 
     def before_step(self) -> None:
-        """Just before the wrapped optimizer's ``step()``: count the sparse gradients' rows, start its clock."""
+        """Just before the wrapped optimizer's ``step()``: count the gradients' touched rows (sparse:
+        distinct rows; dense: rows with a nonzero element), start its clock."""
         if self.finished:
             return
+        counting_start = self._clock()
         for name, p in self._named:
             grad = p.grad
-            if grad is not None and grad.is_sparse:
+            if grad is None:
+                continue
+            if grad.is_sparse:
                 self._sparse.add(name)
                 self._current.rows_touched[name] = int(grad._indices()[0].unique().numel())
+            elif grad.dim() >= 1 and grad.is_floating_point():
+                self._current.rows_touched[name] = nonzero_rows(grad)
         self._optimizer_start = self._clock()
+        self._current.counting_s += self._optimizer_start - counting_start
         if self._step_start is None:
             self._step_start = self._optimizer_start
 
@@ -176,7 +189,7 @@ class Profiler(StepHook):
             return False
         end = self._clock()
         self._current.optimizer_s = end - self._optimizer_start
-        self._current.step_s = end - self._step_start
+        self._current.step_s = end - self._step_start - self._current.counting_s
         if self._steps_done >= self.warmup:
             self._records.append(self._current)
         self._steps_done += 1
@@ -209,11 +222,15 @@ class Profiler(StepHook):
         medians = {name: statistics.median(times) for name, times in ready.items()}
         first_seen = {name: times[0] for name, times in ready.items()}
         order = sorted(medians, key=lambda name: (medians[name], first_seen[name]))
+        all_rows = {name: p.shape[0] for name, p in self._named if p.dim() >= 1}
         out = {}
         for position, name in enumerate(order):
             rows = [r.rows_touched[name] for r in self._records if name in r.rows_touched]
+            touched = statistics.median_low(rows) if rows else None
+            if name not in self._sparse and touched is not None and touched >= all_rows.get(name, 0):
+                touched = None  # a dense gradient records its rows only when fewer than all are nonzero
             out[name] = VariableTiming(ready_order=position, ready_s=_median_seconds(ready[name]),
-                                       rows_touched=statistics.median_low(rows) if rows else None)
+                                       rows_touched=touched)
         return out
 
     def finish(self) -> None:
@@ -248,3 +265,8 @@ def _meta() -> dict[str, str]:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=shlex.join(getattr(sys, "orig_argv", sys.argv)))
     return meta
+
+
+def nonzero_rows(grad: Any) -> int:
+    """Rows of a dense gradient (along dim 0) with a nonzero element (NaN counts as nonzero)."""
+    return int(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).sum())
