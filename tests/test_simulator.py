@@ -26,6 +26,8 @@ from hybridsync.model.simulator import (BoosterParams, Sample, Simulator, load_s
                                         shipped_simulator)
 from hybridsync.router.plan import build_plan
 from hybridsync.strategy_space import SpaceBounds, bounds_for, random_strategy
+from hybridsync.strategy_space.batch import HIER, RING, empty_batch, variable_arrays
+from hybridsync.strategy_space.repair import repair
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.trials.store import TrialStore
 from hybridsync.variables import VariableInfo
@@ -534,3 +536,63 @@ def test_a_calibration_is_read_against_the_training_clusters_calibrations(sample
                                                  for f in ("ring_s_per_byte", "hier_s_per_byte", "ps_s_per_byte")})
     assert np.all(simulator.calibrated(new, half).predict(desc, new, strategies)
                   >= simulator.predict(desc, new, strategies))
+
+
+def _dense_embedding(rows_touched: int | None = 450) -> ModelDescription:
+    """A bert-like model: a dense (sparse=False) 8000 x 128 embedding whose step touches few rows."""
+    desc = describe("d", [(8000, 128), (128, 128), (128,)])
+    timing = dict(desc.variable_timing)
+    timing["d.v0"] = dataclasses.replace(timing["d.v0"], rows_touched=rows_touched)
+    return dataclasses.replace(desc, variable_timing=timing)
+
+
+def test_a_dense_gradient_sent_as_rows_is_priced_as_its_nonzero_rows():
+    desc = _dense_embedding()
+    arrays = model_arrays(desc)
+    configs = {"ring": VarConfig(), "ring_rows": VarConfig(rows=True), "ps": VarConfig(route="ps"),
+               "ps_rows": VarConfig(route="ps", rows=True)}
+    strategies = [Strategy(variables={"d.v0": config}) for config in configs.values()]
+    batch = from_strategies(arrays, strategies, CLUSTER)
+    assert batch.rows[:, 0].tolist() == [False, True, False, True] and not batch.rows[:, 1:].any()
+    assert [batch.to_strategy(i, arrays.names).config_for("d.v0") for i in range(4)] == list(configs.values())
+    u = units(arrays, batch, partition_bytes=CostConstants().partition_bytes)
+    column = list(arrays.ready_order).index(0)
+    rows_bytes = 450 * (128 * 4 + 8)
+    assert u.wire_bytes[:, column].tolist() == [8000 * 128 * 4, rows_bytes, 8000 * 128 * 4, rows_bytes]
+    assert u.route[1, column] == 4 and u.route[3, column] == PS  # GATHER: Horovod's sparse all-gather
+    t_ring, t_ring_rows, t_ps, t_ps_rows = predict_analytic(desc, CLUSTER, strategies)
+    assert t_ring_rows < t_ring and t_ps_rows < t_ps
+    # unmeasured: every row counts, with its index (more than dense)
+    unmeasured = units(model_arrays(_dense_embedding(None)), batch, partition_bytes=CostConstants().partition_bytes)
+    assert unmeasured.wire_bytes[1, column] == 8000 * (128 * 4 + 8)
+
+
+def test_the_shipped_simulator_predicts_strategies_with_rows():
+    desc = _dense_embedding()
+    strategies = [Strategy(variables={"d.v0": VarConfig(rows=rows)}) for rows in (False, True)]
+    predicted = shipped_simulator().predict(desc, CLUSTER, strategies)
+    assert np.all(np.isfinite(predicted)) and np.all(predicted > 0)  # its booster took the features as they are
+
+
+def test_repair_clears_rows_wherever_it_cannot_hold():
+    variables = {name: VariableInfo(name=name, shape=shape, dtype=dtype, sparse=sparse) for name, shape, dtype, sparse in
+                 [("emb", (100, 8), "float32", False), ("w", (16, 8), "float32", False), ("b", (16,), "float32", False),
+                  ("s", (100, 8), "float32", True), ("ids", (10, 2), "int64", False), ("one", (1, 8), "float32", False)]}
+    arrays = variable_arrays(variables)
+    n, v = 6, len(variables)
+    batch = empty_batch(n, v, 2)
+    batch.rows[:] = True
+    batch.route[1], batch.route[2], batch.route[3:] = HIER, RING, PS
+    batch.partitions[2, :3] = 2                       # ring, split: no
+    batch.protocol[4] = 1                             # ps asp: no
+    batch.fp16[5, :3] = True                          # fp16: no
+    repaired = repair(batch, arrays, bounds_for(CLUSTER))
+    valid_vars = [True, True, True, False, False, False]  # dense floating variables of more than one row
+    assert repaired.rows[0].tolist() == valid_vars    # alone on the ring
+    assert not repaired.rows[1].any()                 # hierarchical
+    assert repaired.rows[2].tolist() == [False, False, False, False, False, False]
+    assert repaired.rows[3].tolist() == valid_vars    # BSP parameter servers
+    assert not repaired.rows[4].any()
+    assert repaired.rows[5].tolist() == [False, False, False, False, False, False]
+    for i in range(n):  # every repaired candidate is a valid strategy of the model
+        repaired.to_strategy(i, arrays.names).validate_for(variables)

@@ -51,6 +51,9 @@ class ModelArrays:
     sparse: np.ndarray
     sparse_bytes: np.ndarray
     """Bytes of a step's touched rows with their indices (sparse variables; else 0)."""
+    dense_rows_bytes: np.ndarray
+    """Dense floating variables: bytes of a step's nonzero rows with their indices, as ``rows`` sends
+    them (``rows_touched``, else every row: more than the dense size); else 0."""
     ready_s: np.ndarray
     """Seconds from the start of the backward pass to the gradient being ready (single process)."""
     ready_order: np.ndarray
@@ -70,7 +73,8 @@ def model_arrays(description: ModelDescription) -> ModelArrays:
     """The arrays of a profiled description; ``ValueError`` if it has no compute timing.
 
     A variable without gradient timing is taken as ready at the end of the backward pass;
-    a sparse variable without ``rows_touched`` as touching every row (its dense size).
+    a sparse variable without ``rows_touched`` as touching every row (its dense size), and a
+    dense one sent as rows (``VarConfig.rows``) without it as every row nonzero.
     """
     timing = description.timing
     label = description.name or "model description"
@@ -84,19 +88,22 @@ def model_arrays(description: ModelDescription) -> ModelArrays:
     rows = np.array([info.shape[0] if info.shape else 1 for info in infos], dtype=np.int64)
     sparse = np.array([info.sparse for info in infos], dtype=bool)
     sparse_bytes = np.zeros(len(infos))
+    dense_rows_bytes = np.zeros(len(infos))
     ready = np.full(len(infos), timing.backward_s)
     for i, info in enumerate(infos):
         var_timing = description.variable_timing.get(info.name)
         if var_timing is not None:
             ready[i] = var_timing.ready_s
+        touched = var_timing.rows_touched if var_timing and var_timing.rows_touched is not None else rows[i]
+        row_bytes = nbytes[i] / max(rows[i], 1)
         if info.sparse:
-            touched = var_timing.rows_touched if var_timing and var_timing.rows_touched is not None else rows[i]
-            row_bytes = nbytes[i] / max(rows[i], 1)
             sparse_bytes[i] = touched * (row_bytes + INDEX_BYTES)
+        elif info.dtype in FLOATING_DTYPES:
+            dense_rows_bytes[i] = touched * (row_bytes + INDEX_BYTES)
     other = max(0.0, timing.step_s - timing.forward_s - timing.backward_s - timing.optimizer_s)
     return ModelArrays(name=description.name or "", names=tuple(description.variables), nbytes=nbytes, rows=rows,
                        floating=np.array([info.dtype in FLOATING_DTYPES for info in infos]), sparse=sparse,
-                       sparse_bytes=sparse_bytes, ready_s=ready,
+                       sparse_bytes=sparse_bytes, dense_rows_bytes=dense_rows_bytes, ready_s=ready,
                        ready_order=np.argsort(ready, kind="stable"), forward_s=timing.forward_s,
                        backward_s=timing.backward_s, optimizer_s=timing.optimizer_s, other_s=other)
 
@@ -128,6 +135,7 @@ def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], 
             batch.route[i, j], batch.protocol[i, j], batch.partitions[i, j] = route, protocol, parts
             batch.staleness[i, j] = config.staleness or 0
             batch.fp16[i, j] = fp16 and arrays.floating[j]
+            batch.rows[i, j] = config.rows
             if share is not None:
                 batch.server_share[i, j] = share
             if config.group is not None:
@@ -212,12 +220,13 @@ def units(arrays: ModelArrays, batch: StrategyBatch, *, partition_bytes: int) ->
     grouped = batch.group >= 0
     is_ps = batch.route == PS
     sparse = np.broadcast_to(arrays.sparse, (n, v))
+    as_rows = sparse | batch.rows  # sparse, or dense sent as its nonzero rows (``VarConfig.rows``)
     asynchronous = is_ps & (batch.protocol > 0)
-    gather = sparse & (batch.route == RING) & (parts == 1) & ~grouped
-    touched = sparse & ((is_ps & ~asynchronous) | gather)
+    gather = as_rows & (batch.route == RING) & (parts == 1) & ~grouped
+    touched = as_rows & ((is_ps & ~asynchronous) | gather)
     # ASP/SSP push parameter deltas and pull values: dense and uncompressed (router.plan)
     dense = np.where(batch.fp16 & ~asynchronous, arrays.nbytes * 0.5, arrays.nbytes)
-    wire = np.where(touched, arrays.sparse_bytes, dense)
+    wire = np.where(touched, np.where(sparse, arrays.sparse_bytes, arrays.dense_rows_bytes), dense)
     # PS placement is a sum over variables: in description order, like the batch
     ps_wire = np.where(is_ps, wire, 0.0)
     share = _group_placement(batch.server_share, batch.group)

@@ -206,7 +206,7 @@ def crossover(a: StrategyBatch, b: StrategyBatch, rng: np.random.Generator) -> S
     take_a = rng.random(a.route.shape) < 0.5
     offset = a.group.max(axis=1, keepdims=True) + 1
     fields = {name: np.where(take_a, getattr(a, name), getattr(b, name))
-              for name in ("route", "protocol", "staleness", "partitions", "fp16")}
+              for name in ("route", "protocol", "staleness", "partitions", "fp16", "rows")}
     group = np.where(take_a, a.group, np.where(b.group >= 0, b.group + offset, -1))
     share = np.where(take_a[:, :, None], a.server_share, b.server_share)
     return StrategyBatch(group=group, server_share=share, **fields)

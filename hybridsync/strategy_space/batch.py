@@ -102,11 +102,15 @@ class StrategyBatch:
     server_share: np.ndarray
     """(N, V, S) float: fraction of the variable's bytes the strategy places on each server
     explicitly (all zero: balanced by bytes). S = the cluster's servers (at least 1 column)."""
+    rows: np.ndarray | None = None
+    """bool: the dense gradient travels as its nonzero rows (``VarConfig.rows``); ``None``: nowhere."""
 
     def __post_init__(self) -> None:
         shape = self.route.shape
+        if self.rows is None:
+            object.__setattr__(self, "rows", np.zeros(shape, bool))
         if len(shape) != 2 or any(getattr(self, f).shape != shape
-                                  for f in ("protocol", "staleness", "partitions", "group", "fp16")):
+                                  for f in ("protocol", "staleness", "partitions", "group", "fp16", "rows")):
             raise ValueError(f"StrategyBatch arrays must all have shape (candidates, variables), got route {shape}")
         if self.server_share.shape[:2] != shape:
             raise ValueError(f"server_share must have shape {shape + ('servers',)}, got {self.server_share.shape}")
@@ -138,9 +142,11 @@ class StrategyBatch:
                 share = self.server_share[index, v]
                 servers = _shard_servers(share, parts) if share.sum() > 0 else None
                 staleness = int(self.staleness[index, v]) if protocol == "ssp" else None
-                configs[name] = VarConfig(route="ps", protocol=protocol, staleness=staleness, servers=servers, **common)
+                configs[name] = VarConfig(route="ps", protocol=protocol, staleness=staleness, servers=servers,
+                                          rows=bool(self.rows[index, v]), **common)
             else:
-                configs[name] = VarConfig(route="allreduce", algorithm=algorithm, **common)
+                configs[name] = VarConfig(route="allreduce", algorithm=algorithm, rows=bool(self.rows[index, v]),
+                                          **common)
         return Strategy(variables=configs)
 
 

@@ -24,7 +24,8 @@ def repair(batch: StrategyBatch, arrays: VariableArrays, bounds: SpaceBounds) ->
     message, no group, no fp16) unless ``densify_sparse``; explicit server shares that are
     not whole shards, or name servers that do not exist, become balanced; the server-memory
     bound; ``exact``: no fp16 and BSP only; then merge groups split into one group per message
-    kind, groups of one dissolved and groups numbered by their first member.
+    kind, groups of one dissolved and groups numbered by their first member; last, ``rows`` kept
+    only where a dense gradient can travel as its rows (``rows_valid``).
     """
     route = batch.route.astype(np.int8, copy=True)
     if not bounds.hierarchical:
@@ -46,7 +47,16 @@ def repair(batch: StrategyBatch, arrays: VariableArrays, bounds: SpaceBounds) ->
     repaired = StrategyBatch(route=route, protocol=protocol, staleness=staleness, partitions=partitions,
                              group=group, fp16=fp16, server_share=share)
     repaired.group[:] = canonical_groups(repaired)
+    repaired.rows[:] = batch.rows & rows_valid(repaired, arrays)
     return repaired
+
+
+def rows_valid(batch: StrategyBatch, arrays: VariableArrays) -> np.ndarray:
+    """Where ``rows`` may hold (``knobs.ROWS``, ``Strategy.validate_for``): a dense floating variable of
+    more than one row, without fp16, on the BSP parameter servers or alone on the ring (one shard, no group)."""
+    alone_on_ring = (batch.route == RING) & (batch.partitions == 1) & (batch.group < 0)
+    bsp = (batch.route == PS) & (batch.protocol == BSP)
+    return (alone_on_ring | bsp) & ~batch.fp16 & ~arrays.sparse & arrays.floating & (arrays.rows > 1)
 
 
 def _repair_shares(share: np.ndarray, route: np.ndarray, partitions: np.ndarray, bounds: SpaceBounds) -> np.ndarray:
