@@ -131,3 +131,54 @@ def test_class_wide_mutations_move_a_whole_class_and_stay_valid(model):
         if move is not operators._class_group:
             assert (repaired.route != base.route).any() or (repaired.fp16 != base.fp16).any()
     assert (base.route == PS).any()
+
+
+def _bert_with_rows(touched: int | None = 450):
+    """The zoo's bert as profiled today (its dense token embedding's nonzero rows measured)."""
+    import dataclasses
+    description = zoo("bert")
+    timing = dict(description.variable_timing)
+    timing["token_embedding.weight"] = dataclasses.replace(timing["token_embedding.weight"], rows_touched=touched)
+    return dataclasses.replace(description, variable_timing=timing)
+
+
+@pytest.mark.parametrize("cluster", [CLUSTER, NO_SERVERS], ids=["2x2", "2x2-no-servers"])
+def test_measured_embedding_rows_give_rows_seeds_beside_the_merged_fp16_dense_layers(cluster):
+    from hybridsync.model.simulator import Simulator
+    description = _bert_with_rows()
+    rows_touched = {n: t.rows_touched for n, t in description.variable_timing.items() if t.rows_touched is not None}
+    bounds = bounds_for(cluster)
+    seeds = dict(structured_seeds(description.variables, bounds, rows_touched=rows_touched))
+    with_rows = {name: s for name, s in seeds.items() if any(s.config_for(v).rows for v in description.variables)}
+    expected = {"rows-ps-dense-merged-fp16", "rows-gather-dense-merged-fp16"} if cluster.num_servers else \
+        {"rows-ps-dense-merged-fp16"}  # no servers: both recipes are the all-gather one, kept once
+    assert set(with_rows) == expected
+    for strategy in with_rows.values():
+        rows = [v for v in description.variables if strategy.config_for(v).rows]
+        assert rows == ["token_embedding.weight"]  # measured: the one dense table a step touches 6% of
+        others = [strategy.config_for(v) for v in description.variables if v not in rows]
+        assert all(c.compression == "fp16" and c.algorithm == "hierarchical" for c in others if c.route == "allreduce")
+        assert sum(c.group is not None for c in others) >= len(others) - 1  # merged, the largest alone
+    if cluster.num_servers:
+        assert seeds["rows-ps-dense-merged-fp16"].config_for("token_embedding.weight").route == "ps"
+        assert seeds["rows-gather-dense-merged-fp16"].config_for("token_embedding.weight").route == "allreduce"
+    # the search keeps them as given (repair leaves rows where it holds)
+    arrays = model_arrays(description)
+    search = EvolutionarySearch(arrays, cluster, bounds, np.random.default_rng(0), seeds=list(with_rows.values()))
+    asked = search.ask(len(with_rows))
+    search.tell(asked, np.arange(len(with_rows), dtype=float))
+    assert {s.fingerprint() for _, s in search.ranked(len(with_rows))} == {s.fingerprint() for s in with_rows.values()}
+    # priced as rows: faster than the same mix sending the table dense
+    slow = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="250mbit",
+                       servers_per_node=cluster.servers_per_node)
+    dense_mix = seeds["sparse-ps-dense-merged-fp16"]
+    t_dense, *t_rows = Simulator(kind="analytic").predict(description, slow, [dense_mix, *with_rows.values()])
+    assert max(t_rows) < t_dense
+
+
+def test_without_measured_rows_no_seed_sends_rows():
+    for rows_touched in (None, {"token_embedding.weight": 4000}):  # unprofiled, or half its rows: not worth it
+        description = _bert_with_rows(None)
+        seeds = structured_seeds(description.variables, bounds_for(CLUSTER), rows_touched=rows_touched)
+        assert not any(s.config_for(v).rows for _, s in seeds for v in description.variables)
+        assert len(seeds) == len(structured_seeds(description.variables, bounds_for(CLUSTER)))

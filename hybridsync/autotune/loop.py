@@ -484,8 +484,11 @@ def seed_candidates(description: ModelDescription, cluster: ClusterSpec, *, exac
     (``search:seed-<recipe>``), less those equal to a rival (``exclude``: fingerprints)."""
     from hybridsync.search.seeds import structured_seeds
     from hybridsync.strategy_space import bounds_for
+    rows_touched = {name: timing.rows_touched for name, timing in description.variable_timing.items()
+                    if timing.rows_touched is not None}
     return [Candidate(kind=f"{SEARCH_KIND}:seed-{name}", strategy=strategy)
-            for name, strategy in structured_seeds(description.variables, bounds_for(cluster, exact=exact))
+            for name, strategy in structured_seeds(description.variables, bounds_for(cluster, exact=exact),
+                                                   rows_touched=rows_touched)
             if strategy.fingerprint() not in exclude]
 
 

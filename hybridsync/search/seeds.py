@@ -11,7 +11,12 @@ classes of ``strategy_space.variable_class``: sparse, large dense, small dense):
 - the same with fp16 on the dense gradients, and the dense ring all-reduce fused with fp16;
 - dense gradients merged in two messages of about equal bytes by backward order (PyTorch DDP's
   buckets), so the last layers' message overlaps the rest of the backward pass;
-- per-class mixes: small dense fused on one route, large dense on another (or on the PS).
+- per-class mixes: small dense fused on one route, large dense on another (or on the PS);
+- dense embedding-like gradients (``nn.Embedding(sparse=False)``: large, and a profiled step
+  touches under ``ROWS_SHARE`` of their rows, ``rows_touched``) sent as their nonzero rows
+  (``VarConfig.rows``) on the PS or Horovod's sparse all-gather, the other dense gradients merged
+  hierarchical fp16 as in the best seeds. Which variables those are comes from the measured
+  rows only: without them (an unprofiled description) these recipes give the others' strategies.
 
 ``structured_seeds`` builds these from the variables' classes only (never from a model's
 name), within the cluster's ``SpaceBounds``: the hierarchical route becomes ring with one
@@ -29,7 +34,10 @@ from hybridsync.description import FLOATING_DTYPES, VariableInfo
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.strategy_space import SpaceBounds, variable_class
 
-ClassRoute = Literal["ps", "ps-sharded", "ring", "hierarchical", "gather"]
+ClassRoute = Literal["ps", "ps-sharded", "ring", "hierarchical", "gather", "rows-ps", "rows-gather"]
+ROWS_SHARE = 0.25
+"""A large dense variable is embedding-like (the ``rows`` class) when a step touches at most this
+share of its rows: as rows it then sends well under half its fp16 bytes."""
 SPARSE_ALLGATHER = VarConfig(route="allreduce")
 """A sparse gradient all-reduced without being made dense: Horovod's all-gather, a message of its own."""
 SHARD_BYTES = 1024 * 1024
@@ -42,7 +50,8 @@ class ClassPlan:
 
     route: ClassRoute
     """``ps`` (whole, servers balanced by bytes), ``ps-sharded`` (shards of ``SHARD_BYTES``),
-    ``ring`` / ``hierarchical`` all-reduce, ``gather`` (Horovod's sparse all-gather)."""
+    ``ring`` / ``hierarchical`` all-reduce, ``gather`` (Horovod's sparse all-gather). The ``rows``
+    class: ``ps`` or ``gather`` send its nonzero rows (``VarConfig.rows``)."""
     fp16: bool = False
     """fp16 compression on the class's floating-point gradients (never on sparse ones)."""
     fused: bool = False
@@ -57,11 +66,14 @@ class ClassPlan:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Seed:
-    """A named hand-made strategy: ``plans`` per class (``sparse``, ``large``, ``small``)."""
+    """A named hand-made strategy: ``plans`` per class (``sparse``, ``large``, ``small``, and ``rows``:
+    embedding-like dense variables, which recipes without it treat as their dense class)."""
 
     name: str
     plans: Mapping[str, ClassPlan]
     why: str
+    rows: frozenset[str] = frozenset()
+    """The model's variables of the ``rows`` class (``embedding_like``), once the seed meets a model."""
 
 
 def _dense(route: ClassRoute, **plan: bool) -> dict[str, ClassPlan]:
@@ -101,25 +113,46 @@ def seed_recipes(hierarchical: bool) -> list[Seed]:
              plans={"sparse": ps, "small": ClassPlan(route=best, fused=True),
                     "large": ClassPlan(route="ps-sharded")},
              why="per class: large dense sharded over the servers, small dense merged"),
+        Seed(name="rows-ps-dense-merged-fp16",
+             plans={"rows": ps, "sparse": ps, **_dense(best, fp16=True, **merged)},
+             why="dense embeddings' nonzero rows on the PS; the other dense layers merged, fp16"),
+        Seed(name="rows-gather-dense-merged-fp16",
+             plans={"rows": ClassPlan(route="gather"), "sparse": ps, **_dense(best, fp16=True, **merged)},
+             why="dense embeddings' nonzero rows by Horovod's sparse all-gather; the other dense layers merged, fp16"),
     ]
 
 
-def structured_seeds(variables: Mapping[str, VariableInfo], bounds: SpaceBounds) -> list[tuple[str, Strategy]]:
+def structured_seeds(variables: Mapping[str, VariableInfo], bounds: SpaceBounds, *,
+                     rows_touched: Mapping[str, int] | None = None) -> list[tuple[str, Strategy]]:
     """(name, strategy) of every recipe for ``variables`` within ``bounds``, validated; recipes
-    that give the same strategy on this model (no sparse variable, no server...) appear once."""
+    that give the same strategy on this model (no sparse variable, no server...) appear once.
+    ``rows_touched``: the profiled description's (``VariableTiming.rows_touched``), which says
+    which dense variables are embedding-like (``embedding_like``)."""
     out: dict[str, tuple[str, Strategy]] = {}
+    embeddings = embedding_like(variables, rows_touched or {})
     for seed in seed_recipes(bounds.hierarchical):
         if bounds.exact and any(plan.fp16 for plan in seed.plans.values()):
             continue
-        strategy = build_seed(seed, variables, bounds)
+        strategy = build_seed(seed, variables, bounds, rows=embeddings)
         out.setdefault(strategy.fingerprint(), (seed.name, strategy))
     return list(out.values())
 
 
-def build_seed(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceBounds) -> Strategy:
+def embedding_like(variables: Mapping[str, VariableInfo], rows_touched: Mapping[str, int]) -> frozenset[str]:
+    """The ``rows`` class: large dense floating variables whose profiled steps touch at most
+    ``ROWS_SHARE`` of their rows (measured, never guessed from names)."""
+    return frozenset(name for name, info in variables.items()
+                     if name in rows_touched and variable_class(info) == "large" and info.dtype in FLOATING_DTYPES
+                     and len(info.shape) >= 1 and info.shape[0] > 1 and rows_touched[name] <= ROWS_SHARE * info.shape[0])
+
+
+def build_seed(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceBounds, *,
+               rows: frozenset[str] = frozenset()) -> Strategy:
     """``seed``'s strategy for ``variables``: each class's plan, fused classes in one merge group
     per (route, compression) and stage (``ClassPlan.stages``), a fused class's largest variable
-    alone when asked."""
+    alone when asked; ``rows``: the embedding-like variables (``embedding_like``), on the seed's
+    ``rows`` plan if it has one."""
+    seed = dataclasses.replace(seed, rows=rows if "rows" in seed.plans else frozenset())
     configs = {name: _config(_plan(seed, info, bounds), info, bounds) for name, info in variables.items()}
     alone = _largest_alone(seed, variables, bounds)
     merged = [name for name, info in variables.items() if _plan(seed, info, bounds).fused and name not in alone
@@ -135,7 +168,10 @@ def build_seed(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceB
 
 
 def _plan(seed: Seed, info: VariableInfo, bounds: SpaceBounds) -> ClassPlan:
-    plan = seed.plans[variable_class(info)]
+    as_rows = info.name in seed.rows
+    plan = seed.plans["rows" if as_rows else variable_class(info)]
+    if as_rows:  # sent as rows: on the PS, or (no servers, or asked) Horovod's sparse all-gather
+        return dataclasses.replace(plan, route="rows-ps" if plan.route == "ps" and bounds.num_servers else "rows-gather")
     route = plan.route
     if route == "hierarchical" and not bounds.hierarchical:
         route = "ring"
@@ -145,6 +181,8 @@ def _plan(seed: Seed, info: VariableInfo, bounds: SpaceBounds) -> ClassPlan:
 
 
 def _config(plan: ClassPlan, info: VariableInfo, bounds: SpaceBounds) -> VarConfig:
+    if plan.route.startswith("rows-"):
+        return VarConfig(route="ps", rows=True) if plan.route == "rows-ps" else VarConfig(route="allreduce", rows=True)
     compression = "fp16" if plan.fp16 and not info.sparse and info.dtype in FLOATING_DTYPES else None
     if plan.route == "gather" or (info.sparse and plan.route in ("ring", "hierarchical")
                                   and not bounds.densify_sparse):
