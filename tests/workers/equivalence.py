@@ -131,6 +131,10 @@ PS_CASES = {
 # A dense embedding's gradient (nn.Embedding(sparse=False)) sent as its nonzero rows (``rows``): on the
 # ring as Horovod's sparse all-gather, on the servers as touched-row keys (whole, shards, merge group).
 ROWS_RING = {"emb.weight": {"route": "allreduce", "rows": True}, "fc1.weight": {"route": "allreduce", "rows": True}}
+ROWS_RING_HIERARCHICAL = {"emb.weight": {"route": "allreduce", "rows": True},
+                          "fc1.weight": {"route": "allreduce", "algorithm": "hierarchical", "partitions": 2},
+                          "fc2.weight": {"route": "allreduce", "algorithm": "hierarchical", "group": 1},
+                          "fc2.bias": {"route": "allreduce", "algorithm": "hierarchical", "group": 1}}
 ROWS_PS = {"emb.weight": {"route": "ps", "rows": True}, "fc2.weight": {"route": "ps", "rows": True, "partitions": 2}}
 ROWS_PS_GROUPED = {"emb.weight": {"route": "ps", "partitions": 2, "group": 4, "rows": True},
                    "fc1.weight": {"route": "ps", "group": 4}, "fc1.bias": {"route": "ps", "group": 4}}
@@ -139,7 +143,11 @@ ROWS_CASES = {
     "rows_ring": ({}, {"strategy": strategy(ROWS_RING)}, {}, 1e-5),
     "rows_ring_adam_predivide": ({"optim": "adam", "gradient_predivide_factor": 2.0},
                                  {"strategy": strategy(ROWS_RING)}, {}, 1e-5),
+    "rows_ring_with_hierarchical": ({}, {"strategy": strategy(ROWS_RING_HIERARCHICAL)}, {}, 1e-5),
+    "rows_ring_sum": ({"op": "Sum"}, {"strategy": strategy(ROWS_RING)}, {}, 1e-5),
     "rows_ps": ({}, {"strategy": strategy(ROWS_PS)}, {}, 1e-5),
+    # the optimizer's fp16 applies to the other variables; the rows travel uncompressed
+    "rows_ps_optimizer_fp16": ({"compression": "fp16"}, {"strategy": strategy(ROWS_PS)}, {}, 2e-3),
     "rows_ps_sum_grouped": ({"op": "Sum"}, {"strategy": strategy(ROWS_PS_GROUPED)}, {}, 1e-5),
 }
 
