@@ -17,7 +17,8 @@ from hybridsync.backends.hierarchical.layout import NodeLayout, layout_from_envi
 
 CASES = ["default", "merge_groups", "partitions", "sparse_embedding", "hierarchical",
          "hierarchical_sum_predivide", "hierarchical_mixed_with_ring", "mixed_groups_partitions_fp16",
-         "ps_hierarchical_ring_mixed", "sparse_hierarchical", "sparse_ring_partitions_groups"]
+         "ps_hierarchical_ring_mixed", "sparse_hierarchical", "sparse_ring_partitions_groups",
+         "rows_ring_with_hierarchical", "rows_ps_sum_grouped"]
 GLOO_INTRA_NODE_CASES = [c for c in CASES if "hierarchical" in c]
 """Run again with ``HYBRIDSYNC_INTRA_NODE=horovod``: the intra-node steps through Gloo, not shared memory."""
 _cache: dict[str, dict] = {}
@@ -49,7 +50,7 @@ def test_hierarchical_and_ring_equal_horovod(case, tmp_path_factory):
     result = results(tmp_path_factory)[case]
     assert result["moved"] > 1e-3
     assert result["max_abs_diff"] <= result["tolerance"], result
-    assert (result["ps_pushed_bytes"] > 0) == case.startswith("ps_"), result
+    assert (result["ps_pushed_bytes"] > 0) == case.startswith(("ps_", "rows_ps")), result
 
 
 @pytest.mark.parametrize("case", GLOO_INTRA_NODE_CASES)
