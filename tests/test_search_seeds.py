@@ -182,3 +182,14 @@ def test_without_measured_rows_no_seed_sends_rows():
         seeds = structured_seeds(description.variables, bounds_for(CLUSTER), rows_touched=rows_touched)
         assert not any(s.config_for(v).rows for _, s in seeds for v in description.variables)
         assert len(seeds) == len(structured_seeds(description.variables, bounds_for(CLUSTER)))
+
+
+def test_candidates_that_differ_only_in_rows_are_different_candidates():
+    description = _bert_with_rows()
+    arrays = model_arrays(description)
+    batch = space.empty_batch(2, arrays.num_variables, CLUSTER.num_servers)
+    batch.rows[1, list(arrays.names).index("token_embedding.weight")] = True
+    repaired = space.repair(batch, arrays, bounds_for(CLUSTER))
+    assert repaired.rows[1].sum() == 1
+    keys = operators.row_keys(repaired)
+    assert keys[0] != keys[1]

@@ -227,7 +227,7 @@ def row_keys(batch: StrategyBatch) -> list[bytes]:
     """
     n = len(batch)
     code = (batch.route.astype(np.uint8) | (batch.protocol.astype(np.uint8) << 2)
-            | (batch.fp16.astype(np.uint8) << 4))
+            | (batch.fp16.astype(np.uint8) << 4) | (batch.rows.astype(np.uint8) << 5))
     shards = np.rint(batch.server_share * batch.partitions[:, :, None]).astype(np.int16).reshape(n, -1)
     packed = np.concatenate([code, *(a.astype(np.int16).view(np.uint8) for a in
                                      (batch.staleness, batch.partitions, batch.group, shards))], axis=1)
