@@ -190,7 +190,8 @@ def repeat_pairs(samples: Sequence[Sample]) -> list[tuple[int, int]]:
         batch = from_strategies(model_arrays(first.description), [samples[i].strategy for i in members],
                                 first.cluster)
         rows = np.concatenate([getattr(batch, name).reshape(len(members), -1).astype(float) for name in
-                               ("route", "protocol", "staleness", "partitions", "group", "fp16", "server_share")],
+                               ("route", "protocol", "staleness", "partitions", "group", "fp16", "rows",
+                                "server_share")],
                               axis=1)
         seen: dict[bytes, list[int]] = defaultdict(list)
         for i, row in zip(members, rows):
