@@ -168,6 +168,7 @@ class Profiler(StepHook):
         if self.finished:
             return
         counting_start = self._clock()
+        recorded = self._steps_done >= self.warmup  # a warm-up step's rows are never read
         for name, p in self._named:
             grad = p.grad
             if grad is None:
@@ -175,7 +176,7 @@ class Profiler(StepHook):
             if grad.is_sparse:
                 self._sparse.add(name)
                 self._current.rows_touched[name] = int(grad._indices()[0].unique().numel())
-            elif grad.dim() >= 1 and grad.is_floating_point():
+            elif recorded and grad.dim() >= 1 and grad.is_floating_point():
                 self._current.rows_touched[name] = nonzero_rows(grad)
         self._optimizer_start = self._clock()
         self._current.counting_s += self._optimizer_start - counting_start
