@@ -145,6 +145,9 @@ ROWS_CASES = {
                                  {"strategy": strategy(ROWS_RING)}, {}, 1e-5),
     "rows_ring_with_hierarchical": ({}, {"strategy": strategy(ROWS_RING_HIERARCHICAL)}, {}, 1e-5),
     "rows_ring_sum": ({"op": "Sum"}, {"strategy": strategy(ROWS_RING)}, {}, 1e-5),
+    # rank 1 has no embedding gradient: it sends no rows (the all-gather and the PS key take none)
+    "rows_ring_one_rank_without_rows": ({}, {"strategy": strategy(ROWS_RING)}, {"emb_on_rank0_only": True}, 1e-5),
+    "rows_ps_one_rank_without_rows": ({}, {"strategy": strategy(ROWS_PS)}, {"emb_on_rank0_only": True}, 1e-5),
     "rows_ps": ({}, {"strategy": strategy(ROWS_PS)}, {}, 1e-5),
     # the optimizer's fp16 applies to the other variables; the rows travel uncompressed
     "rows_ps_optimizer_fp16": ({"compression": "fp16"}, {"strategy": strategy(ROWS_PS)}, {}, 2e-3),
@@ -153,15 +156,19 @@ ROWS_CASES = {
 
 
 class Net(nn.Module):
-    def __init__(self, sparse: bool = False, unused: bool = False) -> None:
+    def __init__(self, sparse: bool = False, unused: bool = False, emb_on_rank0_only: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(50, 8, sparse=sparse)
+        self.emb_on_rank0_only = emb_on_rank0_only
+        """The other ranks never look the embedding up: no gradient there (no rows to send)."""
         self.fc1 = nn.Linear(8, 16)
         self.fc2 = nn.Linear(16, 4)
         self.unused = nn.Linear(4, 4) if unused else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.fc2(torch.relu(self.fc1(self.emb(ids).mean(dim=1))))
+        looked_up = (self.emb(ids) if not self.emb_on_rank0_only or hvd.rank() == 0
+                     else torch.ones(*ids.shape, 8))
+        out = self.fc2(torch.relu(self.fc1(looked_up.mean(dim=1))))
         if self.unused is not None and hvd.rank() == 0:
             out = out + 0.0 * self.unused(out)  # only rank 0 gets a gradient for 'unused'
         return out
