@@ -127,8 +127,9 @@ def _rows_rule(values: Mapping[str, Any]) -> str | None:
         return None if values["protocol"] == "bsp" else \
             f"rows needs protocol 'bsp' on the parameter servers (asp/ssp exchange parameters), got {values['protocol']!r}"
     if values["algorithm"] != "ring" or values["partitions"] != 1 or values["group"] is not None:
-        return ("rows on the all-reduce route travels as Horovod's sparse all-gather: algorithm 'ring', one "
-                "message of its own (partitions 1, no group)")
+        return (f"rows on the all-reduce route travels as Horovod's sparse all-gather: algorithm 'ring', one "
+                f"message of its own (partitions 1, no group); got algorithm {values['algorithm']!r}, partitions "
+                f"{values['partitions']}, group {values['group']}")
     return None
 
 
