@@ -150,14 +150,17 @@ def test_measured_embedding_rows_give_rows_seeds_beside_the_merged_fp16_dense_la
     bounds = bounds_for(cluster)
     seeds = dict(structured_seeds(description.variables, bounds, rows_touched=rows_touched))
     with_rows = {name: s for name, s in seeds.items() if any(s.config_for(v).rows for v in description.variables)}
-    expected = {"rows-ps-dense-merged-fp16", "rows-gather-dense-merged-fp16"} if cluster.num_servers else \
-        {"rows-ps-dense-merged-fp16"}  # no servers: both recipes are the all-gather one, kept once
+    expected = {"rows-ps-dense-merged", "rows-gather-dense-merged", "rows-ps-dense-merged-fp16",
+                "rows-gather-dense-merged-fp16"} if cluster.num_servers else \
+        {"rows-ps-dense-merged", "rows-ps-dense-merged-fp16"}  # no servers: the PS recipes are the all-gather ones
     assert set(with_rows) == expected
-    for strategy in with_rows.values():
+    for name, strategy in with_rows.items():
         rows = [v for v in description.variables if strategy.config_for(v).rows]
         assert rows == ["token_embedding.weight"]  # measured: the one dense table a step touches 6% of
         others = [strategy.config_for(v) for v in description.variables if v not in rows]
-        assert all(c.compression == "fp16" and c.algorithm == "hierarchical" for c in others if c.route == "allreduce")
+        compression = "fp16" if name.endswith("-fp16") else None
+        assert all(c.compression == compression and c.algorithm == "hierarchical"
+                   for c in others if c.route == "allreduce")
         assert sum(c.group is not None for c in others) >= len(others) - 1  # merged, the largest alone
     if cluster.num_servers:
         assert seeds["rows-ps-dense-merged-fp16"].config_for("token_embedding.weight").route == "ps"
@@ -174,6 +177,15 @@ def test_measured_embedding_rows_give_rows_seeds_beside_the_merged_fp16_dense_la
     dense_mix = seeds["sparse-ps-dense-merged-fp16"]
     t_dense, *t_rows = Simulator(kind="analytic").predict(description, slow, [dense_mix, *with_rows.values()])
     assert max(t_rows) < t_dense
+
+
+def test_exact_mode_keeps_the_lossless_rows_seeds():
+    description = _bert_with_rows()
+    seeds = dict(structured_seeds(description.variables, bounds_for(CLUSTER, exact=True),
+                                  rows_touched={"token_embedding.weight": 450}))
+    with_rows = {name for name, s in seeds.items() if s.config_for("token_embedding.weight").rows}
+    assert with_rows == {"rows-ps-dense-merged", "rows-gather-dense-merged"}
+    assert all(s.config_for(v).compression is None for s in seeds.values() for v in description.variables)
 
 
 def test_without_measured_rows_no_seed_sends_rows():

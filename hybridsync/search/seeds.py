@@ -15,7 +15,7 @@ classes of ``strategy_space.variable_class``: sparse, large dense, small dense):
 - dense embedding-like gradients (``nn.Embedding(sparse=False)``: large, and a profiled step
   touches under ``ROWS_SHARE`` of their rows, ``rows_touched``) sent as their nonzero rows
   (``VarConfig.rows``) on the PS or Horovod's sparse all-gather, the other dense gradients merged
-  hierarchical fp16 as in the best seeds. Which variables those are comes from the measured
+  hierarchical, with fp16 as in the best seeds and without (rows are lossless: ``exact`` keeps those). Which variables those are comes from the measured
   rows only: without them (an unprofiled description) these recipes give the others' strategies.
 
 ``structured_seeds`` builds these from the variables' classes only (never from a model's
@@ -113,6 +113,11 @@ def seed_recipes(hierarchical: bool) -> list[Seed]:
              plans={"sparse": ps, "small": ClassPlan(route=best, fused=True),
                     "large": ClassPlan(route="ps-sharded")},
              why="per class: large dense sharded over the servers, small dense merged"),
+        Seed(name="rows-ps-dense-merged", plans={"rows": ps, "sparse": ps, **_dense(best, **merged)},
+             why="dense embeddings' nonzero rows on the PS; the other dense layers merged (lossless: exact mode's)"),
+        Seed(name="rows-gather-dense-merged",
+             plans={"rows": ClassPlan(route="gather"), "sparse": ps, **_dense(best, **merged)},
+             why="dense embeddings' nonzero rows by Horovod's sparse all-gather; the other dense layers merged"),
         Seed(name="rows-ps-dense-merged-fp16",
              plans={"rows": ps, "sparse": ps, **_dense(best, fp16=True, **merged)},
              why="dense embeddings' nonzero rows on the PS; the other dense layers merged, fp16"),
