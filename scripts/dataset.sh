@@ -3,7 +3,11 @@
 #
 # 1. Profiles each model once: the 4 zoo models and the generator's catalogue
 #    (hybridsync.zoo.GENERATED_MODELS, gen-<family>-<k>), into data/descriptions/<model>.json
-#    (kept, so the description ids in the dataset stay the same across runs).
+#    (kept, so the description ids in the dataset stay the same across runs). Profile on a quiet
+#    machine: a loaded one reads compute slow. To re-profile a model, write its file again with
+#    the `hybridsync profile` command below, then point the stored trials at the new description
+#    (its id hashes the timing) before the sweeps or the export:
+#      hybridsync dataset redescribe --descriptions data/descriptions --models MODEL --store STORE
 # 2. Calibration: on the first cluster, the reference row, every baseline and the first
 #    CALIBRATION random strategies of each zoo model with AutoSync's full protocol (10 warm-up +
 #    40 timed steps); benchmarks/trial_protocol.py compares shorter protocols against it.

@@ -24,6 +24,7 @@ import pytest
 from conftest import REPO, WORKERS, wait_for
 from hybridsync import envvars
 from hybridsync.cli import main as cli_main
+from hybridsync.description import ModelDescription, description_id, load_description, save_description
 from hybridsync.run import procs
 from hybridsync.trials.dataset import format_table, summarize
 from hybridsync.trials.store import (HOROVOD_KIND, LOCAL_KIND, SCHEMA_VERSION, TrialRecord, TrialStore, cluster_id,
@@ -235,6 +236,85 @@ def test_urls_and_store_errors(tmp_path: Path, capsys) -> None:
     assert cli_main(["dataset", "export", "--store", str(tmp_path / "missing.db"), "-o", "x.jsonl"]) == 2
     assert "no trial store at" in capsys.readouterr().err
     assert not (tmp_path / "missing.db").exists()
+
+
+def reprofiled(desc: ModelDescription, factor: float) -> ModelDescription:
+    """``desc`` profiled again: every phase and ready time ``factor`` x, the variables the same."""
+    timing = dataclasses.replace(desc.timing, forward_s=desc.timing.forward_s * factor,
+                                 backward_s=desc.timing.backward_s * factor, step_s=desc.timing.step_s * factor)
+    return dataclasses.replace(desc, timing=timing, variable_timing={
+        name: dataclasses.replace(t, ready_s=t.ready_s * factor) for name, t in desc.variable_timing.items()})
+
+
+def profiled_store(url: str) -> tuple[list[TrialRecord], ModelDescription, ModelDescription]:
+    """The hand-made trials (ncf, vgg) with ncf linked to the shipped ncf description, vgg to vgg's."""
+    ncf, vgg = (load_description(REPO / "data" / "descriptions" / f"{m}.json") for m in ("ncf", "vgg"))
+    records = [dataclasses.replace(r, description_id=description_id(ncf if r.model == "ncf" else vgg))
+               for r in hand_made(url)]
+    with TrialStore(url) as store:
+        store.relink({"ncf": (description_id(ncf), ncf.to_dict()), "vgg": (description_id(vgg), vgg.to_dict())})
+    return records, ncf, vgg
+
+
+@pytest.mark.unit
+def test_redescribe_points_a_reprofiled_models_trials_at_its_new_description(tmp_path: Path, capsys) -> None:
+    from hybridsync.model.simulator import load_samples
+    url = f"sqlite:///{tmp_path}/t.db"
+    records, ncf, vgg = profiled_store(url)
+    with TrialStore(url) as store:
+        assert set(store.descriptions()) == {description_id(ncf), description_id(vgg)}  # "ab" * 8: no trial names it
+    faster = reprofiled(ncf, 0.25)
+    (tmp_path / "new").mkdir()
+    save_description(faster, tmp_path / "new" / "ncf.json")
+    save_description(vgg, tmp_path / "new" / "vgg.json")
+    save_description(dataclasses.replace(vgg, name="bert"), tmp_path / "new" / "bert.json")  # no trials: skipped
+    assert cli_main(["dataset", "redescribe", "--descriptions", str(tmp_path / "new"), "--store", url]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"ncf: 8 trials {description_id(ncf)} -> {description_id(faster)}", f"vgg: unchanged ({description_id(vgg)})"]
+    with TrialStore(url) as store:
+        relinked = [dataclasses.replace(r, description_id=description_id(faster)) if r.model == "ncf" else r
+                    for r in records]
+        assert store.trials() == in_store_order(relinked)  # uid, job, times, step times: all kept
+        assert set(store.descriptions()) == {description_id(faster), description_id(vgg)}  # the old one left
+        samples = load_samples(store, model="ncf")
+        assert samples and all(s.description == faster for s in samples)
+        store.export_jsonl(tmp_path / "relinked.jsonl")
+    with TrialStore(tmp_path / "copy.db") as copy:
+        assert copy.import_jsonl(tmp_path / "relinked.jsonl") == (len(records), 0)
+        assert copy.trials() == in_store_order(relinked)
+    assert cli_main(["dataset", "redescribe", "--descriptions", str(tmp_path / "new"), "--models", "ncf",
+                     "--store", url]) == 0
+    assert capsys.readouterr().out == f"ncf: unchanged ({description_id(faster)})\n"
+
+
+@pytest.mark.unit
+def test_redescribe_refuses_other_variables_and_changes_nothing(tmp_path: Path, capsys) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    _, ncf, vgg = profiled_store(url)
+    first, *rest = ncf.variables.values()
+    wider = dataclasses.replace(first, shape=(first.shape[0], first.shape[1] + 1))
+    other = dataclasses.replace(ncf, variables={first.name: wider, **{v.name: v for v in rest[1:]}}, variable_timing={})
+    (tmp_path / "new").mkdir()
+    save_description(other, tmp_path / "new" / "ncf.json")
+    save_description(reprofiled(vgg, 0.5), tmp_path / "new" / "vgg.json")
+    save_description(dataclasses.replace(vgg, name="bert"), tmp_path / "new" / "bert.json")
+    rows = ("SELECT * FROM trials ORDER BY uid", "SELECT * FROM descriptions ORDER BY description_id")
+    before = [sql(tmp_path / "t.db", query) for query in rows]
+    assert cli_main(["dataset", "redescribe", "--descriptions", str(tmp_path / "new"), "--models", "ncf", "vgg", "bert",
+                     "--store", url]) == 2
+    error = capsys.readouterr().err
+    assert f"ncf: variable {first.name!r}: shape {first.shape!r} -> {wider.shape!r}" in error
+    assert f"ncf: variable {rest[0].name!r} missing from the new description" in error
+    assert "bert: the store holds no trials of it" in error
+    assert "vgg" not in error  # a re-profile of vgg was fine, yet nothing was re-linked: all or none
+    assert [sql(tmp_path / "t.db", query) for query in rows] == before
+    assert cli_main(["dataset", "redescribe", "--descriptions", str(tmp_path / "new"), "--models", "resnet",
+                     "--store", url]) == 2
+    assert "no resnet.json in" in capsys.readouterr().err
+    (tmp_path / "swapped").mkdir()
+    save_description(vgg, tmp_path / "swapped" / "ncf.json")
+    assert cli_main(["dataset", "redescribe", "--descriptions", str(tmp_path / "swapped"), "--store", url]) == 2
+    assert "ncf: the new description is of model 'vgg'" in capsys.readouterr().err
 
 
 @pytest.mark.unit

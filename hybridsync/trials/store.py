@@ -18,6 +18,10 @@ Sharing a store:
   ``hybridsync dataset export --store URL -o host.jsonl`` and merge the exports into one
   store with ``hybridsync dataset import a.jsonl b.jsonl --store URL`` (idempotent: a trial
   is known by its ``uid``).
+
+A model profiled again gets a new description id; ``hybridsync dataset redescribe`` points its
+stored trials at the new description (``relink``; ``hybridsync.trials.redescribe``). An import
+never re-links a trial the store holds already.
 """
 from __future__ import annotations
 
@@ -358,6 +362,23 @@ class TrialStore:
         with self._transaction() as db:
             db.execute("INSERT OR IGNORE INTO descriptions VALUES (?, ?, ?)", (description_id, model, _dumps(doc)))
 
+    def relink(self, descriptions: Mapping[str, tuple[str, Mapping[str, Any]]]) -> dict[str, int]:
+        """Points every trial of each model (key) at a new description ``(description_id, doc)``,
+        stored as ``add_description`` stores one, and removes that model's descriptions no trial
+        names any more; one transaction for all models. Trials keep everything else (uid, job,
+        host, times, step times). Returns the trials re-linked per model. Checking that the new
+        description fits the trials is the caller's (``hybridsync.trials.redescribe``)."""
+        relinked = {}
+        with self._transaction() as db:
+            for model, (description_id, doc) in descriptions.items():
+                db.execute("INSERT OR IGNORE INTO descriptions VALUES (?, ?, ?)", (description_id, model, _dumps(doc)))
+                relinked[model] = db.execute("UPDATE trials SET description_id = ? WHERE model = ? AND "
+                                             "description_id != ?", (description_id, model, description_id)).rowcount
+            for model, (description_id, _) in descriptions.items():
+                db.execute("DELETE FROM descriptions WHERE model = ? AND description_id != ? AND description_id "
+                           "NOT IN (SELECT DISTINCT description_id FROM trials)", (model, description_id))
+        return relinked
+
     @staticmethod
     def _insert(db: sqlite3.Connection, record: TrialRecord, *, ignore: bool) -> bool:
         row = {name: getattr(record, name) for name in _RECORD_COLUMNS}
@@ -393,6 +414,11 @@ class TrialStore:
         """Description id -> ``{"model", "doc"}``."""
         rows = self._db.execute("SELECT description_id, model, doc FROM descriptions ORDER BY description_id")
         return {did: {"model": model, "doc": json.loads(doc)} for did, model, doc in rows}
+
+    def description_ids(self, model: str) -> set[str]:
+        """Ids of the descriptions that ``model``'s trials name (one, unless it was profiled twice)."""
+        rows = self._db.execute("SELECT DISTINCT description_id FROM trials WHERE model = ?", (model,))
+        return {row[0] for row in rows}
 
     def count(self) -> int:
         """How many trials the store holds."""
