@@ -1,7 +1,9 @@
 """Wire compression with Horovod's ``Compressor`` interface, so either library's objects fit.
 
 ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``; the
-fp16 variant casts floating tensors to float16 on the wire and back afterwards.
+fp16 variant casts floating tensors to float16 on the wire and back afterwards. Also the one
+definition of a dense gradient's nonzero rows (``nonzero_row_indices``), which ``VarConfig.rows``
+sends and the profiler counts as ``rows_touched``, so the two never disagree.
 """
 from __future__ import annotations
 
@@ -60,3 +62,10 @@ def compressor_named(name: str | None, default: Any) -> Any:
     if name is None:
         return default
     return {"none": Compression.none, "fp16": Compression.fp16}[name]
+
+
+def nonzero_row_indices(tensor: torch.Tensor) -> torch.Tensor:
+    """Indices along dim 0 of the rows of a dense tensor with a nonzero element (NaN counts as
+    nonzero): the rows a ``rows`` message sends (``router.runtime.nonzero_rows``) and the profiler
+    counts (``hooks.profiler.nonzero_rows``)."""
+    return tensor.reshape(tensor.shape[0], -1).ne(0).any(dim=1).nonzero().squeeze(1)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hybridsync import envvars
+from hybridsync.compression import nonzero_row_indices
 from hybridsync.description import (ComputeTiming, ModelDescription, VariableTiming, save_description,
                                     variables_from_parameters)
 from hybridsync.hooks.base import StepHook
@@ -269,5 +270,5 @@ def _meta() -> dict[str, str]:
 
 
 def nonzero_rows(grad: Any) -> int:
-    """Rows of a dense gradient (along dim 0) with a nonzero element (NaN counts as nonzero)."""
-    return int(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).sum())
+    """Rows of a dense gradient (along dim 0) with a nonzero element: as many as ``rows`` sends."""
+    return int(nonzero_row_indices(grad).numel())

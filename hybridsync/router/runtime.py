@@ -55,7 +55,7 @@ from hybridsync.backends import (Backend, BackendFactory, Handle, KeyedBackend, 
                                  Reduction, SparseBackend, StagedBackend, make_backend, make_parameter_sync)
 from hybridsync.backends import stalls
 from hybridsync.backends.base import wire_of
-from hybridsync.compression import compressor_named
+from hybridsync.compression import compressor_named, nonzero_row_indices
 from hybridsync.router.plan import Message, Piece, RoutingPlan
 
 
@@ -589,8 +589,7 @@ def nonzero_rows(grad: torch.Tensor) -> torch.Tensor:
     """A dense gradient as a coalesced sparse tensor of its nonzero rows along dim 0 (a row is
     nonzero if any element is; NaN counts as nonzero), values a copy: what ``VarConfig.rows`` sends.
     Its dense form is ``grad`` again; with no nonzero row it holds none."""
-    flat = grad.reshape(grad.shape[0], -1)
-    rows = flat.ne(0).any(dim=1).nonzero().squeeze(1)
+    rows = nonzero_row_indices(grad)
     return torch.sparse_coo_tensor(rows.unsqueeze(0), grad.index_select(0, rows), grad.shape,
                                    is_coalesced=True, check_invariants=False)
 
