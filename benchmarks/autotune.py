@@ -29,7 +29,8 @@ For each model, on one emulated cluster that lives for the model's whole run:
 
 Every ratio comes from one job. The printed table: the winner and the levers it uses, its
 speedup over the best *fair* rival (confirmation job: plain Horovod and every baseline, plus
-Horovod with fp16 and the baselines' fp16 twins when the winner uses fp16; ``--exact`` autotunes
+Horovod with fp16 and the baselines' fp16 twins when the winner uses fp16, their rows twins when it
+sends a dense embedding's rows; ``--exact`` autotunes
 without fp16, against the exact rivals) and over Horovod-autotuned (second job), the Kendall tau
 of the trials' ranking against the confirmation job's, the number of trials and the autotune's
 wall time. Where 1.2x is not reached, the columns
@@ -55,7 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from hybridsync.autotune.launch import run_on  # noqa: E402
-from hybridsync.autotune.loop import AutotuneSettings  # noqa: E402
+from hybridsync.autotune.loop import AutotuneSettings, embeddings  # noqa: E402
 from hybridsync.autotune.result import TAU_TARGET, kendall_tau_between, lead_text, runoff_text  # noqa: E402
 from hybridsync.autotune.session import autotune  # noqa: E402
 from hybridsync.cluster.spec import ClusterSpec  # noqa: E402
@@ -216,7 +217,8 @@ def run_model(model: str, cluster: ClusterSpec, dataset: TrialStore, args: argpa
         tuned, compared = {}, {}
         if args.horovod_autotune_steps > 0:
             tuned = horovod_autotune(target, model, args.horovod_autotune_steps, out)
-            references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact)
+            references, _ = rivals(description.variables, cluster, horovod=True, fp16=not args.exact,
+                                   rows=embeddings(description))
             best_kind, _ = result.best_rival
             contenders = [Candidate(kind=WINNER, strategy=result.winner)]
             if best_kind != HOROVOD_KIND and best_kind != result.winner_kind:

@@ -56,7 +56,7 @@ def lineup(description, cluster, winner: Strategy, names: list[str]) -> tuple[li
     named = [("baseline:allreduce", baselines.build_baseline("allreduce", variables, servers))]
     for name in names:
         named.append((f"baseline:{name}", baselines.build_baseline(name, variables, servers)))
-        if name in baselines.FP16_TWINS:
+        if name in baselines.TWINS:
             try:
                 named.append((f"baseline:{name}{baselines.FP16_SUFFIX}",
                               baselines.build_baseline(name + baselines.FP16_SUFFIX, variables, servers)))

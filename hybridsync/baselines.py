@@ -1,9 +1,12 @@
 """Hand-made strategies, as plain functions of a model's variables.
 
 These are what a user would pick by hand (and what AutoDist ships as builders); the
-autotuner has to beat every one of them. Each returns a validated ``Strategy``. Three have
-an fp16 twin (``<name>-fp16``): a strategy that wins with fp16 compression is compared with
-rivals that have it too (``fp16_twin``, ``levers``).
+autotuner has to beat every one of them. Each returns a validated ``Strategy``. Four have
+twins (``TWINS``) with the levers a hybridsync strategy may use and a Horovod user can pull
+too: ``<name>-fp16`` (fp16 compression, ``with_fp16``), ``<name>-rows`` (dense embeddings sent
+as their nonzero rows, ``with_rows``: what ``nn.Embedding(sparse=True)`` gives a Horovod or
+Parallax user) and ``<name>-rows-fp16``. A strategy that wins with a lever is compared with
+rivals that have it too (``twin``, ``levers``).
 """
 from __future__ import annotations
 
@@ -102,32 +105,81 @@ def parallax(variables: Mapping[str, VariableInfo], num_servers: int, num_groups
 
 def with_fp16(strategy: Strategy, variables: Mapping[str, VariableInfo]) -> Strategy:
     """``strategy`` with fp16 compression on every dense floating-point gradient: the twin a Horovod
-    user gets by passing ``compression=hvd.Compression.fp16``. Sparse gradients keep their config
-    (Horovod's fp16 cannot take them, see ``fp16_twin``)."""
+    user gets by passing ``compression=hvd.Compression.fp16``. Sparse gradients, and dense ones sent
+    as rows, keep their config (Horovod's fp16 cannot take them, see ``twin``)."""
     configs = {name: strategy.config_for(name) for name in variables}
     return _build(variables, {name: dataclasses.replace(config, compression="fp16")
-                              if not variables[name].sparse and variables[name].dtype in FLOATING_DTYPES else config
+                              if not variables[name].sparse and not config.rows
+                              and variables[name].dtype in FLOATING_DTYPES else config
                               for name, config in configs.items()})
 
 
+def with_rows(name: str, variables: Mapping[str, VariableInfo], num_servers: int, rows: frozenset[str]) -> Strategy:
+    """Baseline ``name`` built as if the dense embeddings ``rows`` were sparse, each sending its
+    nonzero rows (``VarConfig.rows``) where the builder sends a sparse gradient: Horovod's sparse
+    all-gather on the all-reduce route (a ring, alone: what Horovod does with any sparse gradient,
+    hierarchical or not), whole or sharded on the PS. It is what a user gets by turning those
+    embeddings into ``nn.Embedding(sparse=True)``, and it computes the same sums."""
+    missing = sorted(rows - set(variables))
+    if missing or not rows:
+        raise ValueError(f"a rows twin needs the model's dense embeddings; got {sorted(rows)}"
+                         + (f" (not variables of the model: {', '.join(missing)})" if missing else ""))
+    as_sparse = {n: dataclasses.replace(info, sparse=True) if n in rows else info for n, info in variables.items()}
+    strategy = build_baseline(name, as_sparse, num_servers)
+    configs = {n: strategy.config_for(n) for n in variables}
+    for n in rows:
+        configs[n] = (VarConfig(route="allreduce", rows=True) if configs[n].route == "allreduce"
+                      else dataclasses.replace(configs[n], rows=True, compression=None))
+    return _build(variables, configs)
+
+
 FP16_SUFFIX = "-fp16"
-FP16_TWINS = ("allreduce", "hierarchical", "horovod-hierarchical", "parallax")
-"""Baselines with an fp16 twin (``<name>-fp16``): the fair rivals of a strategy that uses fp16."""
+ROWS_SUFFIX = "-rows"
+TWINS = ("allreduce", "hierarchical", "horovod-hierarchical", "parallax")
+"""Baselines with twins (``<name>-fp16``, ``<name>-rows``, ``<name>-rows-fp16``): the fair rivals of a
+strategy that uses fp16, rows or both."""
 NOT_RUNNABLE_SPARSE_FP16 = ("Horovod 0.28.1's compression=hvd.Compression.fp16 crashes on sparse gradients "
                             "(decompress gets no dtype)")
 
 
-def fp16_twin(name: str, variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
-    """Baseline ``name`` with fp16 on its dense gradients; ``ValueError`` where the twin cannot run.
+def twin_names(*, fp16: bool, rows: bool) -> list[str]:
+    """The twins' names with these levers: ``<name>-fp16``, ``<name>-rows`` and, with both, ``<name>-rows-fp16``."""
+    suffixes = ([FP16_SUFFIX] if fp16 else []) + ([ROWS_SUFFIX] if rows else []) + (
+        [ROWS_SUFFIX + FP16_SUFFIX] if fp16 and rows else [])
+    return [name + suffix for suffix in suffixes for name in TWINS]
 
-    The ``allreduce`` twin is Horovod with ``Compression.fp16`` (every gradient fp16), which
-    Horovod cannot run on a model with sparse gradients: no Horovod user has that rival then.
+
+def split_twin(name: str) -> tuple[str, frozenset[str]]:
+    """A baseline name's builder and its twin's levers: ``"parallax-rows-fp16"`` -> ``("parallax", {rows, fp16})``."""
+    levers = set()
+    if name.endswith(FP16_SUFFIX):
+        name, levers = name.removesuffix(FP16_SUFFIX), {"fp16"}
+    if name.endswith(ROWS_SUFFIX):
+        name, levers = name.removesuffix(ROWS_SUFFIX), levers | {"rows"}
+    return name, frozenset(levers)
+
+
+def twin(name: str, variables: Mapping[str, VariableInfo], num_servers: int, *, fp16: bool,
+         rows: frozenset[str] | None = None) -> Strategy:
+    """Baseline ``name`` with fp16 on its dense gradients (``fp16``) and/or the dense embeddings
+    ``rows`` sent as rows (``None``: no rows twin); ``ValueError`` where the twin cannot run.
+
+    The ``allreduce`` fp16 twin is Horovod with ``Compression.fp16`` (every gradient fp16), which
+    Horovod cannot run on a model with sparse gradients, rows twin included: no Horovod user has
+    that rival then.
     """
-    if name not in FP16_TWINS:
-        raise ValueError(f"baseline {name!r} has no fp16 twin (twins: {', '.join(FP16_TWINS)})")
-    if name == "allreduce" and any(info.sparse for info in variables.values()):
+    if name not in TWINS:
+        raise ValueError(f"baseline {name!r} has no twins (twins of: {', '.join(TWINS)})")
+    if fp16 and name == "allreduce" and (rows is not None or any(info.sparse for info in variables.values())):
         raise ValueError(f"not runnable: {NOT_RUNNABLE_SPARSE_FP16}")
-    return with_fp16(build_baseline(name, variables, num_servers), variables)
+    strategy = (build_baseline(name, variables, num_servers) if rows is None
+                else with_rows(name, variables, num_servers, rows))
+    return with_fp16(strategy, variables) if fp16 else strategy
+
+
+def fp16_twin(name: str, variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
+    """Baseline ``name`` with fp16 on its dense gradients (``twin`` without rows)."""
+    return twin(name, variables, num_servers, fp16=True)
 
 
 def _check_servers(num_servers: int) -> None:
@@ -143,27 +195,33 @@ NEEDS_SERVERS = frozenset({"ps", "ps-lb", "ps-partitioned", "parallax"})
 """Builders that take ``num_servers`` (their strategies route variables to parameter servers)."""
 
 
-def build_baseline(name: str, variables: Mapping[str, VariableInfo], num_servers: int) -> Strategy:
-    """The baseline ``name`` (a builder, or a twin ``<builder>-fp16``) for ``variables``;
-    ``num_servers`` is used only by the PS builders."""
-    if name.endswith(FP16_SUFFIX) and name.removesuffix(FP16_SUFFIX) in FP16_TWINS:
-        return fp16_twin(name.removesuffix(FP16_SUFFIX), variables, num_servers)
+def build_baseline(name: str, variables: Mapping[str, VariableInfo], num_servers: int,
+                   rows: frozenset[str] = frozenset()) -> Strategy:
+    """The baseline ``name`` (a builder, or a twin ``<builder>[-rows][-fp16]``) for ``variables``;
+    ``num_servers`` is used only by the PS builders, ``rows`` (the dense embeddings) only by rows twins."""
+    builder, twin_levers = split_twin(name)
+    if twin_levers and builder in TWINS:
+        return twin(builder, variables, num_servers, fp16="fp16" in twin_levers,
+                    rows=rows if "rows" in twin_levers else None)
     if name not in BUILDERS:
-        raise ValueError(f"unknown baseline {name!r} (known: {', '.join(BUILDERS)}, and the fp16 twins "
-                         f"{', '.join(n + FP16_SUFFIX for n in FP16_TWINS)})")
+        raise ValueError(f"unknown baseline {name!r} (known: {', '.join(BUILDERS)}, and the twins "
+                         f"{', '.join(twin_names(fp16=True, rows=True))})")
     return BUILDERS[name](variables, num_servers=num_servers) if name in NEEDS_SERVERS else BUILDERS[name](variables)
 
 
 def levers(strategy: Strategy | None, variables: Mapping[str, VariableInfo]) -> frozenset[str]:
-    """What a strategy uses beyond plain Horovod's numerics on ``variables``: ``fp16``
-    (compression on some variable) and ``async`` (ASP/SSP or a switching policy on the PS).
-    A rival is fair to a strategy when it uses no lever the strategy does not use."""
+    """What a strategy uses beyond what plain Horovod sends on ``variables``: ``fp16`` (compression on
+    some variable), ``rows`` (a dense gradient sent as its nonzero rows) and ``async`` (ASP/SSP or a
+    switching policy on the PS). A rival is fair to a strategy when it uses no lever the strategy
+    does not use."""
     if strategy is None:
         return frozenset()
     configs = [strategy.config_for(name) for name in variables]
     out = set()
     if any(c.compression == "fp16" for c in configs):
         out.add("fp16")
+    if any(c.rows for c in configs):
+        out.add("rows")
     if any(c.route == "ps" and c.protocol != "bsp" for c in configs) or (
             strategy.sync is not None and strategy.sync.policy != "static"):
         out.add("async")

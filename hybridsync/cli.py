@@ -46,7 +46,11 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _baseline(args: argparse.Namespace) -> int:
     variables = load_model_variables(args.model)
-    strategy = baselines.build_baseline(args.name, variables, args.num_servers)
+    rows = frozenset(args.rows or ())
+    if "rows" in baselines.split_twin(args.name)[1] and not rows:
+        raise ValueError(f"{args.name}: a rows twin sends the dense embeddings named by --rows as their rows; "
+                         "name them (an autotune takes those a profile shows touching few rows)")
+    strategy = baselines.build_baseline(args.name, variables, args.num_servers, rows=rows)
     strategy.save(args.output)
     print(f"wrote {args.output} ({args.name}, fingerprint {strategy.fingerprint()})")
     return 0
@@ -61,13 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a zoo model name (ncf, bert, vgg, resnet)")
     p.set_defaults(func=_explain)
     p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model")
-    twins = [name + baselines.FP16_SUFFIX for name in baselines.FP16_TWINS]
+    twins = baselines.twin_names(fp16=True, rows=True)
     p.add_argument("name", choices=sorted([*baselines.BUILDERS, *twins]))
     p.add_argument("--model", required=True,
                    help="model description JSON; write it with hybridsync.description.save_model_description("
                         "variables_from_model(model), path) so sparse embeddings are marked sparse; "
                         "or a zoo model name")
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
+    p.add_argument("--rows", nargs="+", metavar="VARIABLE",
+                   help="the dense embeddings a rows twin (<name>-rows[-fp16]) sends as their nonzero rows")
     p.add_argument("-o", "--output", required=True, help="where to write the strategy")
     p.set_defaults(func=_baseline)
     profile.add_parser(commands)

@@ -475,3 +475,31 @@ def test_a_runoff_job_takes_a_lead_only_if_it_holds_pass_by_pass(tmp_path):
     for limit in (float("nan"), float("inf"), 0.5):
         with pytest.raises(ValueError, match="time_limit_s must be None .no limit. or a finite number of seconds"):
             AutotuneSettings(time_limit_s=limit)
+
+
+@pytest.mark.unit
+def test_a_model_with_a_dense_embedding_meets_rows_twins_and_the_confirmation_keeps_its_size(tmp_path):
+    from hybridsync.autotune.loop import Autotuner, embeddings
+    from hybridsync.description import load_description
+    from hybridsync.trials.candidates import rival_levers
+    from hybridsync.trials.levels import JobLevels
+    from hybridsync.trials.store import TrialStore
+    sizes = {}
+    for model in ("bert", "ncf"):
+        description = load_description(DESCRIPTIONS / f"{model}.json")
+        tuner = Autotuner(description=description, cluster=CLUSTER, store=TrialStore(str(tmp_path / f"{model}.db")),
+                          runner_for=lambda *_: None, progress=False)
+        levers = {rival_levers(c.kind) for c in tuner.references}
+        assert ({frozenset({"rows"}), frozenset({"rows", "fp16"})} <= levers) == bool(embeddings(description))
+        tuner.levels = JobLevels(strategy_s={c.fingerprint: 0.1 + i / 100 for i, c in enumerate(tuner.references)},
+                                 jobs={})
+        lineup = [c for c in tuner._fastest_references() if c.strategy is not None]
+        by_levers = {}
+        for candidate in lineup:
+            by_levers.setdefault(rival_levers(candidate.kind), []).append(candidate)
+        assert set(by_levers) == levers
+        assert all(len(group) == (1 if len(by_levers) > 2 else 2) for group in by_levers.values())
+        assert len(tuner._fastest_references(extra=1)) > len(tuner._fastest_references())
+        sizes[model] = len(lineup)
+    assert embeddings(load_description(DESCRIPTIONS / "bert.json")), "bert's profile marks its token embedding"
+    assert sizes["bert"] == sizes["ncf"] == 4, "rows twins share the confirmation's places"

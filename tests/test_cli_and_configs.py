@@ -67,12 +67,18 @@ def test_search_refuses_runoff_knobs_that_cannot_work_before_any_trial(tmp_path,
 
 
 @pytest.mark.unit
-def test_baseline_writes_a_loadable_strategy(tmp_path):
+def test_baseline_writes_a_loadable_strategy(tmp_path, capsys):
     (tmp_path / "m.json").write_text(MODEL)
     out = tmp_path / "p.json"
     assert main(["baseline", "parallax", "--model", str(tmp_path / "m.json"), "--num-servers", "2",
                  "-o", str(out)]) == 0
     assert Strategy.load(out).config_for("emb.weight").route == "ps"
+    assert main(["baseline", "horovod-hierarchical-rows-fp16", "--model", str(tmp_path / "m.json"),
+                 "--rows", "fc.weight", "-o", str(out)]) == 0  # fc.weight stands for a dense embedding
+    twin = Strategy.load(out)
+    assert twin.config_for("fc.weight").rows and twin.config_for("fc.bias").compression == "fp16"
+    assert main(["baseline", "parallax-rows", "--model", str(tmp_path / "m.json"), "-o", str(out)]) == 2
+    assert "a rows twin sends the dense embeddings named by --rows" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

@@ -55,7 +55,7 @@ def test_trial_candidates_start_with_horovod_and_every_fair_rival_without_duplic
     assert candidates[0].kind == HOROVOD_KIND and candidates[0].strategy is None
     names = {name for c in candidates if c.kind.startswith("baseline:")
              for name in c.kind.removeprefix("baseline:").split("+")}
-    runnable_twins = {name + baselines.FP16_SUFFIX for name in baselines.FP16_TWINS} - {"allreduce-fp16"}
+    runnable_twins = set(baselines.twin_names(fp16=True, rows=False)) - {"allreduce-fp16"}
     assert names == set(baselines.BUILDERS) | runnable_twins  # VARIABLES has a sparse embedding
     assert HOROVOD_FP16_KIND not in {c.kind for c in candidates}  # Horovod's fp16 fails on sparse gradients
     dense = {name: info for name, info in VARIABLES.items() if not info.sparse}
@@ -137,7 +137,7 @@ def test_sparse_gradients_stay_sparse_unless_allowed():
 
 def test_fp16_twins_add_fp16_to_the_dense_gradients_and_name_what_cannot_run():
     dense = {name: info for name, info in VARIABLES.items() if not info.sparse}
-    for name in baselines.FP16_TWINS:
+    for name in baselines.TWINS:
         twin = baselines.build_baseline(name + baselines.FP16_SUFFIX, dense, 1)
         plain = baselines.build_baseline(name, dense, 1)
         assert all(twin.config_for(n).compression == "fp16" and
@@ -145,7 +145,7 @@ def test_fp16_twins_add_fp16_to_the_dense_gradients_and_name_what_cannot_run():
         assert baselines.levers(twin, dense) == {"fp16"} and baselines.levers(plain, dense) == set()
     with pytest.raises(ValueError, match="not runnable.*sparse gradients"):
         baselines.build_baseline("allreduce-fp16", VARIABLES, 1)
-    with pytest.raises(ValueError, match="no fp16 twin"):
+    with pytest.raises(ValueError, match="has no twins"):
         baselines.fp16_twin("ps", VARIABLES, 1)
     hierarchical = baselines.build_baseline("horovod-hierarchical-fp16", VARIABLES, 1)
     assert hierarchical.config_for("emb.weight").compression is None  # a sparse gradient keeps its config
@@ -167,3 +167,49 @@ def test_rivals_are_the_reference_rows_the_baselines_and_where_fp16_runs_their_t
     assert horovod_fp16.as_control().fingerprint == HOROVOD_FP16_KIND
     assert rival_levers("control:baseline:parallax-fp16") == {"fp16"} and rival_levers("horovod") == set()
     assert is_rival("control:horovod") and not is_rival("search:r1")
+
+
+def test_rows_twins_send_the_dense_embeddings_rows_where_the_baseline_sends_a_sparse_gradient():
+    dense = {name: info for name, info in VARIABLES.items() if not info.sparse}
+    dense["tok.weight"] = VariableInfo(name="tok.weight", shape=(8000, 64))
+    rows = frozenset({"tok.weight"})
+    for name in baselines.TWINS:
+        plain = baselines.build_baseline(name, dense, 2)
+        twin = baselines.build_baseline(name + baselines.ROWS_SUFFIX, dense, 2, rows=rows)
+        config = twin.config_for("tok.weight")
+        assert config.rows and config.route == ("ps" if name == "parallax" else "allreduce")
+        if config.route == "allreduce":  # Horovod's sparse all-gather: a ring, alone
+            assert config.route_name == "allreduce/ring" and config.group is None
+        assert all(twin.config_for(n).route_name == plain.config_for(n).route_name for n in dense if n not in rows)
+        assert baselines.levers(twin, dense) == {"rows"}
+        assert build_plan(dense, twin).messages
+        if name != "allreduce":
+            both = baselines.build_baseline(name + baselines.ROWS_SUFFIX + baselines.FP16_SUFFIX, dense, 2, rows=rows)
+            assert baselines.levers(both, dense) == {"rows", "fp16"}
+            assert both.config_for("tok.weight").compression is None and both.config_for("tok.weight").rows
+            assert all(both.config_for(n).compression == "fp16" for n in dense if n not in rows)
+    with pytest.raises(ValueError, match="not runnable.*sparse gradients"):  # Horovod's fp16 on a sparse embedding
+        baselines.build_baseline("allreduce-rows-fp16", dense, 2, rows=rows)
+    with pytest.raises(ValueError, match="dense embeddings"):
+        baselines.build_baseline("parallax-rows", dense, 2)
+    with pytest.raises(ValueError, match="not variables of the model: nope"):
+        baselines.build_baseline("parallax-rows", dense, 2, rows=frozenset({"nope"}))
+
+
+def test_rivals_have_rows_twins_only_for_a_model_with_dense_embeddings():
+    from hybridsync.autotune.result import fair_rivals
+    dense = {name: info for name, info in VARIABLES.items() if not info.sparse}
+    dense["tok.weight"] = VariableInfo(name="tok.weight", shape=(8000, 64))
+    fair, not_runnable = rivals(dense, CLUSTER, horovod=True, fp16=True, rows=frozenset({"tok.weight"}))
+    kinds = {c.kind for c in fair}
+    assert {"baseline:parallax-rows", "baseline:horovod-hierarchical-rows-fp16", HOROVOD_FP16_KIND} <= kinds
+    assert "baseline:allreduce-rows-fp16" in not_runnable and not kinds & set(not_runnable)
+    assert rival_levers("control:baseline:parallax-rows-fp16") == {"rows", "fp16"}
+    assert rival_levers("baseline:allreduce-rows") == {"rows"}
+    step_s = {kind: 1.0 for kind in kinds}
+    assert all("rows" not in rival_levers(k) for k in fair_rivals(step_s, frozenset({"fp16"})))
+    assert "baseline:parallax-rows" in fair_rivals(step_s, frozenset({"rows"}))
+    exact, _ = rivals(dense, CLUSTER, horovod=True, fp16=False, rows=frozenset({"tok.weight"}))
+    assert {rival_levers(c.kind) for c in exact} == {frozenset(), frozenset({"rows"})}
+    without, _ = rivals(dense, CLUSTER, horovod=True, fp16=True)
+    assert not any("rows" in rival_levers(c.kind) for c in without)

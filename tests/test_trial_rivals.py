@@ -22,13 +22,14 @@ pytestmark = pytest.mark.multiprocess
 SPEC = ClusterSpec(nodes=1, workers_per_node=2, inter_node_bandwidth="1gbit", servers_per_node=1)
 
 
-def measure_fp16_rivals(tmp_path, model: str) -> tuple[dict, dict[str, str], dict]:
-    """Every fp16 rival of ``model`` (plus Horovod's fp16 row even where it is known not to run, then
-    the local step and plain Horovod), measured in one job with 1 + 3 steps each; ``info`` holds each
-    kind's per-rank parameter sums after its trial (``replica_sums``)."""
+def measure_fp16_rivals(tmp_path, model: str, rows: frozenset[str] = frozenset()) -> tuple[dict, dict[str, str], dict]:
+    """Every fp16 rival of ``model`` (with ``rows``, its dense embeddings: the rows and rows-fp16 twins
+    instead), plus Horovod's fp16 row even where it is known not to run, then the local step and plain
+    Horovod, measured in one job with 1 + 3 steps each; ``info`` holds each kind's per-rank parameter
+    sums after its trial (``replica_sums``)."""
     variables = describe(model)
-    candidates, not_runnable = rivals(variables, SPEC, horovod=True, fp16=True)
-    schedule = [c for c in candidates if rival_levers(c.kind)]
+    candidates, not_runnable = rivals(variables, SPEC, horovod=True, fp16=True, rows=rows)
+    schedule = [c for c in candidates if rival_levers(c.kind) and ("rows" in rival_levers(c.kind)) == bool(rows)]
     if all(c.kind != HOROVOD_FP16_KIND for c in schedule):
         schedule.append(Candidate(kind=HOROVOD_FP16_KIND, strategy=None))
     schedule += [Candidate(kind=LOCAL_KIND, strategy=None), Candidate(kind=HOROVOD_KIND, strategy=None)]
@@ -97,5 +98,23 @@ def test_fp16_rivals_of_a_sparse_model_run_where_horovod_fp16_can_and_are_refuse
         strategy.validate_for(info["variables"])
         for name, variable in info["variables"].items():  # fp16 on every dense gradient, none on sparse ones
             assert (strategy.config_for(name).compression == "fp16") != variable.sparse
+    assert info["summary"].jobs == 1
+    assert_only_the_local_step_leaves_the_ranks_apart(records, info["sums"])
+
+
+def test_rows_twins_of_a_model_with_a_dense_embedding_run_and_keep_the_ranks_equal(tmp_path):
+    from hybridsync.autotune.loop import embeddings
+    from hybridsync.description import load_description
+    rows = embeddings(load_description(Path(__file__).parents[1] / "data" / "descriptions" / "bert.json"))
+    assert rows == {"token_embedding.weight"}
+    records, not_runnable, info = measure_fp16_rivals(tmp_path, "bert", rows=rows)
+    assert set(not_runnable) == {"baseline:allreduce-rows-fp16"}
+    twins = {kind for kind in records if kind.startswith("baseline:")}
+    assert {"baseline:allreduce-rows", "baseline:parallax-rows", "baseline:horovod-hierarchical-rows-fp16"} <= twins
+    for kind in twins:
+        assert records[kind].status == "ok", (kind, records[kind].reason)
+        strategy = Strategy.from_dict(records[kind].strategy)
+        strategy.validate_for(info["variables"])
+        assert [name for name in info["variables"] if strategy.config_for(name).rows] == ["token_embedding.weight"]
     assert info["summary"].jobs == 1
     assert_only_the_local_step_leaves_the_ranks_apart(records, info["sums"])

@@ -7,8 +7,8 @@ predicted strategies not yet measured are run as real trials in one job (switchi
 refit, warm-started from the shipped one with every trial of this model and cluster
 (AutoSync's transfer: a few trials of a new model correct what it learned elsewhere).
 The first round's job also measures the rivals (``hybridsync.trials.candidates.rivals``:
-every baseline, unless ``exact`` their fp16 twins, and where the workload can, plain
-Horovod and Horovod with fp16) and the hand-made mixes (``search:seed-<recipe>``: embeddings
+every baseline, unless ``exact`` their fp16 twins, for a model with dense embeddings their rows
+twins, and where the workload can, plain Horovod and Horovod with fp16) and the hand-made mixes (``search:seed-<recipe>``: embeddings
 on the PS, dense layers merged, fp16 on the dense class...), so the simulator and the verdict
 see them from the start, measured in the same jobs.
 
@@ -88,7 +88,8 @@ class AutotuneSettings:
     cores); a second measurement in another job tells lucky from fast."""
     confirm_top: int = 2
     """Best measured search strategies measured again in the confirmation job; as many of the
-    fastest baselines, and of their fp16 twins (by the trials), join them, and the reference rows.
+    fastest baselines, and of their fp16 twins (by the trials), join them (with rows twins too, the
+    four kinds share twice as many places), and the reference rows.
     Each costs ``confirm_repeats`` trials: at 3 the confirmation job held about a third of an
     autotune's trials, while the third-fastest of a kind by the trials never won it."""
     confirm_protocol: TrialProtocol = TrialProtocol(warmup_steps=3, timed_steps=10)
@@ -159,7 +160,7 @@ class Autotuner:
         self.seconds = {"search": 0.0, "trials": 0.0, "refit": 0.0, "confirm": 0.0}
         check_fits(description, cluster)
         self.references, self.not_runnable = rivals(description.variables, cluster, horovod=with_horovod,
-                                                    fp16=not settings.exact)
+                                                    fp16=not settings.exact, rows=embeddings(description))
         """The rivals: measured first, controls of every job after the first, seeds of every search."""
         self.seeds = seed_candidates(description, cluster, exact=settings.exact,
                                      exclude={c.fingerprint for c in self.references})
@@ -285,11 +286,11 @@ class Autotuner:
         self._refit()
 
     def _last_rechecks(self, controls: Sequence[Candidate]) -> list[Candidate]:
-        """``_recheck_last``'s list: ``_rechecks`` and the rivals measured once among the
-        ``confirm_top + 1`` fastest of each kind (not ``controls``)."""
+        """``_recheck_last``'s list: ``_rechecks`` and the rivals measured once among one more of each
+        kind than the confirmation takes (``_fastest_references``), less ``controls``."""
         rechecks = self._rechecks(controls)
         counts, skip = self._measurements(self._records()), {c.fingerprint for c in [*controls, *rechecks]}
-        return rechecks + [c for c in self._fastest_references(self.settings.confirm_top + 1)
+        return rechecks + [c for c in self._fastest_references(extra=1)
                            if counts.get(c.fingerprint) == 1 and c.fingerprint not in skip]
 
     def _controls(self, round_index: int) -> list[Candidate]:
@@ -438,18 +439,23 @@ class Autotuner:
         """What ``candidate`` uses beyond plain Horovod's numerics (its strategy's levers, or a rival's)."""
         return baselines.levers(candidate.strategy, self.description.variables) | rival_levers(candidate.kind)
 
-    def _fastest_references(self, count: int | None = None) -> list[Candidate]:
-        """The reference rows, and the ``count`` (default ``confirm_top``) baselines and fp16 twins the
-        trials found fastest (a baseline 2x slower than the best one cannot win a re-measurement;
-        timing it would only lengthen the confirmation job)."""
+    def _fastest_references(self, extra: int = 0) -> list[Candidate]:
+        """The reference rows, and of each lever set the rivals use (none, fp16, rows, both) the
+        ``confirm_top`` fastest baselines by the trials, or with more than two sets ``2 * confirm_top``
+        places shared among them, at least one each; ``extra`` more per set. A baseline 2x slower than
+        the best one cannot win a re-measurement, timing it would only lengthen the confirmation job:
+        with rows twins it holds as many rivals as without."""
         speed = self.levels.strategy_s
         measured = [c for c in self.references if c.fingerprint in speed]
         rows = [c for c in measured if c.kind in (HOROVOD_KIND, HOROVOD_FP16_KIND)]
+        groups: dict[frozenset[str], list[Candidate]] = {}
+        for candidate in measured:
+            if candidate not in rows:
+                groups.setdefault(rival_levers(candidate.kind), []).append(candidate)
+        places = max(1, 2 * self.settings.confirm_top // max(2, len(groups))) + extra
         out = []
-        for fp16 in (False, True):
-            group = sorted((c for c in measured if c not in rows and bool(rival_levers(c.kind)) == fp16),
-                          key=lambda c: speed[c.fingerprint])
-            out += group[:count or self.settings.confirm_top]
+        for levers in sorted(groups, key=lambda levers: (len(levers), sorted(levers))):
+            out += sorted(groups[levers], key=lambda c: speed[c.fingerprint])[:places]
         return rows + out
 
     def _as_simulated(self, candidate: Candidate) -> Strategy | None:
@@ -478,17 +484,28 @@ def pass_medians(records: Sequence[TrialRecord], schedule: Sequence[Candidate]) 
     return out
 
 
+def embeddings(description: ModelDescription) -> frozenset[str]:
+    """The model's dense embeddings: the variables whose profiled steps touch few of their rows
+    (``search.seeds.embedding_like``); the rows seeds and the rivals' rows twins send their rows."""
+    from hybridsync.search.seeds import embedding_like
+    return embedding_like(description.variables, rows_touched(description))
+
+
+def rows_touched(description: ModelDescription) -> dict[str, int]:
+    """Variable -> the rows a profiled step touched (``VariableTiming.rows_touched``), where measured."""
+    return {name: timing.rows_touched for name, timing in description.variable_timing.items()
+            if timing.rows_touched is not None}
+
+
 def seed_candidates(description: ModelDescription, cluster: ClusterSpec, *, exact: bool,
                     exclude: set[str]) -> list[Candidate]:
     """The structured seeds (``search.seeds``) for this model and cluster as first-round candidates
     (``search:seed-<recipe>``), less those equal to a rival (``exclude``: fingerprints)."""
     from hybridsync.search.seeds import structured_seeds
     from hybridsync.strategy_space import bounds_for
-    rows_touched = {name: timing.rows_touched for name, timing in description.variable_timing.items()
-                    if timing.rows_touched is not None}
     return [Candidate(kind=f"{SEARCH_KIND}:seed-{name}", strategy=strategy)
             for name, strategy in structured_seeds(description.variables, bounds_for(cluster, exact=exact),
-                                                   rows_touched=rows_touched)
+                                                   rows_touched=rows_touched(description))
             if strategy.fingerprint() not in exclude]
 
 

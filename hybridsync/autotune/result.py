@@ -2,7 +2,8 @@
 
 A speedup counts only over the best *fair* rival: the hand-made strategies (plain Horovod,
 every baseline) plus, when the winner uses fp16 compression, Horovod with
-``Compression.fp16`` and the baselines' fp16 twins, since a user can turn fp16 on too.
+``Compression.fp16`` and the baselines' fp16 twins, since a user can turn fp16 on too, and when
+it sends a dense embedding's rows, the baselines' rows twins (a user can make it sparse).
 Every number of the verdict comes from the confirmation job (one job, interleaved repeats).
 """
 from __future__ import annotations
@@ -224,8 +225,13 @@ def rival_rule(result: AutotuneResult | dict[str, Any]) -> str:
     """Which rivals count for this result's winner, said plainly."""
     exact = result["exact"] if isinstance(result, dict) else result.exact
     levers = set(result["winner"]["levers"] if isinstance(result, dict) else result.winner_levers)
-    if exact:
+    twins = [twin for lever, twin in (("fp16", "Horovod with fp16 and the baselines' fp16 twins"),
+                                      ("rows", "the baselines' rows twins (dense embeddings sent as rows)"))
+             if lever in levers]
+    if exact and not twins:
         return "exact mode: rivals are plain Horovod and the baselines"
-    if "fp16" in levers:
-        return "the winner uses fp16: rivals include Horovod with fp16 and the baselines' fp16 twins"
-    return "the winner uses no fp16: rivals are plain Horovod and the baselines"
+    if not twins:
+        return "the winner uses no fp16 and no rows: rivals are plain Horovod and the baselines"
+    uses = " and ".join(lever for lever in ("fp16", "rows") if lever in levers)
+    both = "; with both, their rows-fp16 twins" if len(twins) == 2 else ""
+    return f"{'exact mode; ' if exact else ''}the winner uses {uses}: rivals include {' and '.join(twins)}{both}"

@@ -1,4 +1,4 @@
-"""What a trial run measures: the reference rows, every baseline and its fp16 twin, and random strategies.
+"""What a trial run measures: the reference rows, every baseline and its twins, and random strategies.
 
 Torch-free: candidates are built from a model description and a cluster spec, so a
 trial list can be written (``--list``) and checked anywhere.
@@ -54,22 +54,22 @@ class Candidate:
 
 
 def baseline_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec, *,
-                        fp16_twins: bool = False) -> list[Candidate]:
-    """Every baseline builder's strategy (and with ``fp16_twins`` every runnable fp16 twin,
-    ``baseline:<name>-fp16``); PS builders only if the cluster has servers.
+                        fp16_twins: bool = False, rows: frozenset[str] = frozenset()) -> list[Candidate]:
+    """Every baseline builder's strategy, with ``fp16_twins`` every runnable fp16 twin
+    (``baseline:<name>-fp16``), with ``rows`` (the model's dense embeddings) every rows twin
+    (``baseline:<name>-rows``, and with both ``<name>-rows-fp16``); PS builders only if the
+    cluster has servers.
 
     Builders that produce the same strategy for this model share one candidate, whose kind
     names them all (``baseline:ps-lb+ps-partitioned``).
     """
-    names = list(baselines.BUILDERS)
-    if fp16_twins:
-        names += [name + baselines.FP16_SUFFIX for name in baselines.FP16_TWINS]
+    names = list(baselines.BUILDERS) + baselines.twin_names(fp16=fp16_twins, rows=bool(rows))
     by_fingerprint: dict[str, tuple[list[str], Strategy]] = {}
     for name in names:
-        if name.removesuffix(baselines.FP16_SUFFIX) in baselines.NEEDS_SERVERS and spec.num_servers == 0:
+        if baselines.split_twin(name)[0] in baselines.NEEDS_SERVERS and spec.num_servers == 0:
             continue
         try:
-            strategy = baselines.build_baseline(name, variables, spec.num_servers)
+            strategy = baselines.build_baseline(name, variables, spec.num_servers, rows=rows)
         except ValueError:  # a twin that cannot run on this model (rivals() says why)
             continue
         by_fingerprint.setdefault(strategy.fingerprint(), ([], strategy))[0].append(name)
@@ -78,10 +78,11 @@ def baseline_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec
 
 
 def rivals(variables: Mapping[str, VariableInfo], spec: ClusterSpec, *, horovod: bool,
-           fp16: bool) -> tuple[list[Candidate], dict[str, str]]:
+           fp16: bool, rows: frozenset[str] = frozenset()) -> tuple[list[Candidate], dict[str, str]]:
     """What a tuned strategy has to beat: plain Horovod (``horovod``: the workload can run it),
-    every baseline and, with ``fp16``, Horovod with ``Compression.fp16`` and the baselines' fp16
-    twins. Returns the runnable ones and, kind -> reason, the fp16 rivals that cannot run here."""
+    every baseline, with ``fp16`` Horovod with ``Compression.fp16`` and the baselines' fp16 twins,
+    with ``rows`` (the model's dense embeddings) the rows twins (and both: rows-fp16 twins).
+    Returns the runnable ones and, kind -> reason, the fp16 rivals that cannot run here."""
     sparse = any(info.sparse for info in variables.values())
     out = [Candidate(kind=HOROVOD_KIND, strategy=None)] if horovod else []
     not_runnable: dict[str, str] = {}
@@ -92,15 +93,23 @@ def rivals(variables: Mapping[str, VariableInfo], spec: ClusterSpec, *, horovod:
             out.append(Candidate(kind=HOROVOD_FP16_KIND, strategy=None))
     if fp16 and sparse:
         not_runnable[BASELINE_PREFIX + "allreduce" + baselines.FP16_SUFFIX] = baselines.NOT_RUNNABLE_SPARSE_FP16
-    return out + baseline_candidates(variables, spec, fp16_twins=fp16), not_runnable
+    if fp16 and rows:
+        not_runnable[BASELINE_PREFIX + "allreduce" + baselines.ROWS_SUFFIX + baselines.FP16_SUFFIX] = \
+            baselines.NOT_RUNNABLE_SPARSE_FP16
+    return out + baseline_candidates(variables, spec, fp16_twins=fp16, rows=rows), not_runnable
 
 
 def rival_levers(kind: str) -> frozenset[str]:
     """The levers (``baselines.levers``) a rival of this kind uses: ``fp16`` for Horovod with
-    ``Compression.fp16`` and the baselines' twins, none for plain Horovod and the baselines."""
+    ``Compression.fp16`` and the baselines' fp16 twins, ``rows`` for their rows twins, none for
+    plain Horovod and the baselines."""
     kind = base_kind(kind)
-    fp16 = kind == HOROVOD_FP16_KIND or (kind.startswith(BASELINE_PREFIX) and kind.endswith(baselines.FP16_SUFFIX))
-    return frozenset({"fp16"}) if fp16 else frozenset()
+    if kind == HOROVOD_FP16_KIND:
+        return frozenset({"fp16"})
+    if not kind.startswith(BASELINE_PREFIX):
+        return frozenset()
+    return frozenset().union(*(baselines.split_twin(name)[1]
+                               for name in kind.removeprefix(BASELINE_PREFIX).split("+")))
 
 
 def is_rival(kind: str) -> bool:
