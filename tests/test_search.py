@@ -70,8 +70,9 @@ def test_repaired_children_are_valid_strategies_within_bounds(model, cluster, bo
     # exact round trip: the strategy a search returns is the candidate it scored
     again = from_strategies(arrays, strategies, cluster)
     width = batch.server_share.shape[2]
-    for name in ("route", "protocol", "staleness", "partitions", "group", "fp16"):
+    for name in ("route", "protocol", "staleness", "partitions", "group", "fp16", "rows"):
         np.testing.assert_array_equal(getattr(again, name), getattr(batch, name), err_msg=name)
+    assert batch.rows.any() == (model == "bert"), "rows moves only where a profile counted few rows"
     np.testing.assert_array_equal(again.server_share[:, :, :width], batch.server_share)
 
 

@@ -5,7 +5,7 @@ so every operator here works on whole batches (candidates x variables) with nump
 
 - ``mutate``: the moves of a person tuning by hand, one per knob the search moves (``MUTATIONS``:
   route/algorithm, partitions x2 or /2, regroup, fp16, the PS protocol of every PS variable, a
-  shard to another server), ``spread`` (a variable's settings copied to its neighbours), and
+  shard to another server, a dense embedding's rows on or off), ``spread`` (a variable's settings copied to its neighbours), and
   the same for a whole class of variable at once (sparse, large dense, small dense: another
   route, fp16 on or off, fused or split);
 - ``crossover``: each variable's settings from one parent or the other;
@@ -21,7 +21,7 @@ import numpy as np
 
 from hybridsync import knobs
 from hybridsync.model.encoding import ModelArrays
-from hybridsync.strategy_space import PS, SpaceBounds, StrategyBatch, variable_classes
+from hybridsync.strategy_space import PS, RING, SpaceBounds, StrategyBatch, variable_classes
 from hybridsync.strategy_space.batch import SSP
 from hybridsync.strategy_space.sample import draw_protocols
 
@@ -103,6 +103,30 @@ def _regroup(batch, rows, cols, arrays, bounds, rng) -> None:
 def _toggle_fp16(batch, rows, cols, arrays, bounds, rng) -> None:
     batch.fp16[rows, cols] = ~batch.fp16[rows, cols]
     _whole_group(batch, rows, cols, rng, ("fp16",))
+
+
+def rows_pay(arrays: ModelArrays) -> np.ndarray:
+    """Per variable: its dense gradient's nonzero rows, as profiled (``rows_touched``), travel in
+    under half its dense bytes, so ``rows`` may pay there (never where no profile counted rows)."""
+    return (arrays.dense_rows_bytes > 0) & (arrays.dense_rows_bytes < arrays.nbytes / 2)
+
+
+def _toggle_rows(batch, rows, cols, arrays, bounds, rng) -> None:
+    """One of the variables where rows may pay (``rows_pay``; none: no move) to or from sending its
+    nonzero rows: turned on, it leaves its group and fp16, and off the PS it goes alone on the ring
+    (Horovod's sparse all-gather), so that repair keeps it."""
+    where = np.nonzero(rows_pay(arrays))[0]
+    if len(where) == 0:
+        return
+    cols = where[rng.integers(len(where), size=len(rows))]
+    on = ~batch.rows[rows, cols]
+    batch.rows[rows, cols] = on
+    rows, cols = rows[on], cols[on]
+    batch.fp16[rows, cols] = False
+    batch.group[rows, cols] = -1
+    off_ps = batch.route[rows, cols] != PS
+    batch.route[rows[off_ps], cols[off_ps]] = RING
+    batch.partitions[rows[off_ps], cols[off_ps]] = 1
 
 
 def _spread(batch, rows, cols, arrays, bounds, rng) -> None:
@@ -193,11 +217,12 @@ def _class_group(batch, rows, cols, arrays, bounds, rng) -> None:
 
 MUTATIONS = {"route": _move_route, "partitions": _split_or_join, "group": _regroup, "compression": _toggle_fp16,
              "protocol": _change_protocol, "servers": _move_shard, "spread": _spread,
-             "class-route": _class_route, "class-compression": _class_fp16, "class-group": _class_group}
+             "class-route": _class_route, "class-compression": _class_fp16, "class-group": _class_group,
+             "rows": _toggle_rows}
 """The moves ``mutate`` picks from (evenly): one per knob the search moves (the algorithm moves with
-the route, the staleness with the protocol), ``spread``, and the class-wide moves. ``rows`` is not
-moved: a strategy gets it from its seed (``seeds.py``), and repair clears it where it cannot hold."""
-assert set(MUTATIONS) >= {knob.name for knob in knobs.KNOBS} - {"algorithm", "staleness", "rows"}
+the route, the staleness with the protocol), ``spread``, and the class-wide moves. ``rows`` moves only
+where a profile shows it may pay (``rows_pay``); repair clears it where it cannot hold."""
+assert set(MUTATIONS) >= {knob.name for knob in knobs.KNOBS} - {"algorithm", "staleness"}
 
 
 def crossover(a: StrategyBatch, b: StrategyBatch, rng: np.random.Generator) -> StrategyBatch:
