@@ -71,6 +71,8 @@ DATASET = next((path for path in (os.path.join(REPO, "data", name) for name in (
                 if os.path.exists(path)), os.path.join(REPO, "data", "trials.jsonl.gz"))
 """The shipped dataset (gzipped once the dataset is regenerated, plain text before)."""
 DESCRIPTIONS = os.path.join(REPO, "data", "descriptions")
+CALIBRATIONS = os.path.join(REPO, "data", "calibrations.json")
+"""The dataset clusters' calibrations, which the shipped simulator was fit with."""
 HOROVOD_TUNED = "horovod-autotuned"
 WINNER = "winner"
 """Kind of the autotune's winner in the side-by-side jobs."""
@@ -87,10 +89,19 @@ def dataset_store() -> TrialStore:
 
 
 def simulator_without(model: str, dataset: TrialStore, out: str) -> str:
-    """Fits a simulator on the shipped dataset less ``model``'s trials; returns its path."""
-    from hybridsync.model.simulator import Simulator, load_samples
+    """Fits a simulator on the shipped dataset less ``model``'s trials as the shipped one was fit
+    (``benchmarks/simulator.py --save``): its cores, and the dataset clusters' calibrations as the
+    reference the autotune's own calibration is read against. Without that reference (before
+    2026-11-27) a calibration's whole deviation from the spec was priced on top of constants fit
+    to absorb it: on 11 recorded autotunes, MAPE 1.1-5.5x (median 2x) the shipped recipe's, the
+    ranking alike (pairwise 0.61 vs 0.60; benchmarks/RESULTS.md, 2026-11-27 s12)."""
+    from hybridsync.model.analytic import CostConstants
+    from hybridsync.model.calibration import load_calibrations
+    from hybridsync.model.simulator import Simulator, load_samples, shipped_simulator
     path = os.path.join(out, f"simulator-without-{model}.json")
-    Simulator().fit([s for s in load_samples(dataset) if s.model != model]).save(path)
+    constants = CostConstants(cores=shipped_simulator().constants.cores)
+    Simulator(constants=constants).fit([s for s in load_samples(dataset) if s.model != model],
+                                       calibrations=load_calibrations(CALIBRATIONS)).save(path)
     return path
 
 
