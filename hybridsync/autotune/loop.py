@@ -8,9 +8,9 @@ refit, warm-started from the shipped one with every trial of this model and clus
 (AutoSync's transfer: a few trials of a new model correct what it learned elsewhere).
 The first round's job also measures the rivals (``hybridsync.trials.candidates.rivals``:
 every baseline, unless ``exact`` their fp16 twins, for a model with dense embeddings their rows
-twins, and where the workload can, plain Horovod and Horovod with fp16) and the hand-made mixes (``search:seed-<recipe>``: embeddings
-on the PS, dense layers merged, fp16 on the dense class...), so the simulator and the verdict
-see them from the start, measured in the same jobs.
+twins, and where the workload can, plain Horovod and Horovod with fp16) and the hand-made mixes
+(``search:seed-<recipe>``: embeddings on the PS, dense layers merged, fp16 on the dense class...),
+so the simulator and the verdict see them from the start, measured in the same jobs.
 
 Step times of different jobs are not comparable on shared cores, so every trial job
 re-measures controls between blocks of ``block_size`` candidates: the best rival so far and
