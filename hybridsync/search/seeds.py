@@ -15,8 +15,10 @@ classes of ``strategy_space.variable_class``: sparse, large dense, small dense):
 - dense embedding-like gradients (``nn.Embedding(sparse=False)``: large, and a profiled step
   touches under ``ROWS_SHARE`` of their rows, ``rows_touched``) sent as their nonzero rows
   (``VarConfig.rows``) on the PS or Horovod's sparse all-gather, the other dense gradients merged
-  hierarchical, with fp16 as in the best seeds and without (rows are lossless: ``exact`` keeps those). Which variables those are comes from the measured
-  rows only: without them (an unprofiled description) these recipes give the others' strategies.
+  hierarchical (or, beside the all-gather, in two messages by backward order), with fp16 as in the
+  best seeds and without (rows are lossless: ``exact`` keeps those). Which variables those are
+  comes from the measured rows only: without them (an unprofiled description) these recipes give
+  the others' strategies.
 
 ``structured_seeds`` builds these from the variables' classes only (never from a model's
 name), within the cluster's ``SpaceBounds``: the hierarchical route becomes ring with one
@@ -124,6 +126,13 @@ def seed_recipes(hierarchical: bool) -> list[Seed]:
         Seed(name="rows-gather-dense-merged-fp16",
              plans={"rows": ClassPlan(route="gather"), "sparse": ps, **_dense(best, fp16=True, **merged)},
              why="dense embeddings' nonzero rows by Horovod's sparse all-gather; the other dense layers merged, fp16"),
+        Seed(name="rows-gather-dense-two-stage",
+             plans={"rows": ClassPlan(route="gather"), "sparse": ps, **_dense(best, fused=True, stages=2)},
+             why="dense embeddings' nonzero rows by the all-gather; the other dense layers in two messages by "
+                 "backward order (lossless: exact mode's)"),
+        Seed(name="rows-gather-dense-two-stage-fp16",
+             plans={"rows": ClassPlan(route="gather"), "sparse": ps, **_dense(best, fp16=True, fused=True, stages=2)},
+             why="the same with fp16 on the other dense gradients"),
     ]
 
 
