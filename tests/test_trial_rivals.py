@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 SPEC = ClusterSpec(nodes=1, workers_per_node=2, inter_node_bandwidth="1gbit", servers_per_node=1)
 
 
-def measure_fp16_rivals(tmp_path, model: str, rows: frozenset[str] = frozenset()) -> tuple[dict, dict[str, str], dict]:
+def measure_lever_rivals(tmp_path, model: str, rows: frozenset[str] = frozenset()) -> tuple[dict, dict[str, str], dict]:
     """Every fp16 rival of ``model`` (with ``rows``, its dense embeddings: the rows and rows-fp16 twins
     instead), plus Horovod's fp16 row even where it is known not to run, then the local step and plain
     Horovod, measured in one job with 1 + 3 steps each; ``info`` holds each kind's per-rank parameter
@@ -70,7 +70,7 @@ def assert_only_the_local_step_leaves_the_ranks_apart(records: dict, sums: dict[
 
 
 def test_fp16_rivals_of_a_dense_model_validate_and_run(tmp_path):
-    records, not_runnable, info = measure_fp16_rivals(tmp_path, "resnet")
+    records, not_runnable, info = measure_lever_rivals(tmp_path, "resnet")
     assert not_runnable == {}
     twins = {"baseline:allreduce-fp16", "baseline:horovod-hierarchical-fp16"}
     assert twins <= set(records) and HOROVOD_FP16_KIND in records
@@ -86,7 +86,7 @@ def test_fp16_rivals_of_a_dense_model_validate_and_run(tmp_path):
 
 
 def test_fp16_rivals_of_a_sparse_model_run_where_horovod_fp16_can_and_are_refused_where_not(tmp_path):
-    records, not_runnable, info = measure_fp16_rivals(tmp_path, "ncf")
+    records, not_runnable, info = measure_lever_rivals(tmp_path, "ncf")
     assert set(not_runnable) == {HOROVOD_FP16_KIND, "baseline:allreduce-fp16"}
     assert "sparse gradients" in not_runnable[HOROVOD_FP16_KIND]
     refused = records[HOROVOD_FP16_KIND]
@@ -107,7 +107,7 @@ def test_rows_twins_of_a_model_with_a_dense_embedding_run_and_keep_the_ranks_equ
     from hybridsync.description import load_description
     rows = embeddings(load_description(Path(__file__).parents[1] / "data" / "descriptions" / "bert.json"))
     assert rows == {"token_embedding.weight"}
-    records, not_runnable, info = measure_fp16_rivals(tmp_path, "bert", rows=rows)
+    records, not_runnable, info = measure_lever_rivals(tmp_path, "bert", rows=rows)
     assert set(not_runnable) == {"baseline:allreduce-rows-fp16"}
     twins = {kind for kind in records if kind.startswith("baseline:")}
     assert {"baseline:allreduce-rows", "baseline:parallax-rows", "baseline:horovod-hierarchical-rows-fp16"} <= twins

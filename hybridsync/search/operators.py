@@ -5,9 +5,9 @@ so every operator here works on whole batches (candidates x variables) with nump
 
 - ``mutate``: the moves of a person tuning by hand, one per knob the search moves (``MUTATIONS``:
   route/algorithm, partitions x2 or /2, regroup, fp16, the PS protocol of every PS variable, a
-  shard to another server, a dense embedding's rows on or off), ``spread`` (a variable's settings copied to its neighbours), and
-  the same for a whole class of variable at once (sparse, large dense, small dense: another
-  route, fp16 on or off, fused or split);
+  shard to another server, a dense embedding's rows on or off), ``spread`` (a variable's
+  settings copied to its neighbours), and the same for a whole class of variable at once
+  (sparse, large dense, small dense: another route, fp16 on or off, fused or split);
 - ``crossover``: each variable's settings from one parent or the other;
 - ``row_keys``: a digest of each row's bytes, to propose no strategy twice.
 
