@@ -93,6 +93,31 @@ def test_repair_splits_mixed_groups_dissolves_singletons_and_numbers_groups_by_f
     assert keys[0] == keys[1]  # repair is idempotent
 
 
+def test_stage_moves_cut_and_join_merged_messages_in_ready_order():
+    """``stages``: one fused message (every resnet gradient, hierarchical fp16) cut at a member
+    in ready order, or joined with the message ready next; the stages stay runs in ready order."""
+    _, arrays = zoo("resnet")
+    start = space.empty_batch(400, arrays.num_variables, 2)
+    start.route[:], start.fp16[:], start.group[:] = HIER, True, 0
+    rng = np.random.default_rng(0)
+    cut = start.take(np.arange(400))
+    operators.MUTATIONS["stages"](cut, np.arange(400), rng.integers(arrays.num_variables, size=400), arrays,
+                                  bounds_for(CLUSTER), rng)
+    joined = cut.take(np.arange(400))
+    operators.MUTATIONS["stages"](joined, np.arange(400), rng.integers(arrays.num_variables, size=400), arrays,
+                                  bounds_for(CLUSTER), rng)
+    counts = {}
+    for batch, most in ((cut, 2), (joined, 3)):
+        for row in space.repair(batch, arrays, bounds_for(CLUSTER)).group:
+            in_order = row[arrays.ready_order]
+            in_order = np.where(in_order >= 0, in_order, -1 - np.arange(len(in_order)))  # a message of one: no group
+            stages = 1 + int((np.diff(in_order) != 0).sum())
+            assert stages == len(set(in_order.tolist())) <= most  # each stage a run in ready order
+            counts[stages] = counts.get(stages, 0) + 1
+    assert {1, 2, 3} <= set(counts)
+    assert (cut.route == HIER).all() and cut.fp16.all()
+
+
 def test_server_memory_bound_moves_the_largest_ps_variables_off():
     _, arrays = zoo("vgg")
     batch = space.empty_batch(1, arrays.num_variables, 2)

@@ -153,7 +153,7 @@ def test_measured_embedding_rows_give_rows_seeds_beside_the_merged_fp16_dense_la
     expected = {"rows-ps-dense-merged", "rows-gather-dense-merged", "rows-ps-dense-merged-fp16",
                 "rows-gather-dense-merged-fp16"} if cluster.num_servers else \
         {"rows-ps-dense-merged", "rows-ps-dense-merged-fp16"}  # no servers: the PS recipes are the all-gather ones
-    expected |= {"rows-gather-dense-two-stage", "rows-gather-dense-two-stage-fp16"}
+    expected |= {"rows-gather-dense-two-stage", "rows-gather-dense-two-stage-fp16", "rows-gather-dense-four-stage-fp16"}
     assert set(with_rows) == expected
     for name, strategy in with_rows.items():
         rows = [v for v in description.variables if strategy.config_for(v).rows]
@@ -164,7 +164,7 @@ def test_measured_embedding_rows_give_rows_seeds_beside_the_merged_fp16_dense_la
                    for c in others if c.route == "allreduce")
         assert sum(c.group is not None for c in others) >= len(others) - 1  # merged, the largest alone
         groups = {c.group for c in others if c.group is not None}
-        assert len(groups) == (2 if "two-stage" in name else 1)
+        assert len(groups) == (2 if "two-stage" in name else 4 if "four-stage" in name else 1)
     if cluster.num_servers:
         assert seeds["rows-ps-dense-merged-fp16"].config_for("token_embedding.weight").route == "ps"
         assert seeds["rows-gather-dense-merged-fp16"].config_for("token_embedding.weight").route == "allreduce"

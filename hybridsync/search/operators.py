@@ -4,7 +4,8 @@ A search that scores 10,000 candidates a second cannot build ``Strategy`` object
 so every operator here works on whole batches (candidates x variables) with numpy:
 
 - ``mutate``: the moves of a person tuning by hand, one per knob the search moves (``MUTATIONS``:
-  route/algorithm, partitions x2 or /2, regroup, fp16, the PS protocol of every PS variable, a
+  route/algorithm, partitions x2 or /2, regroup, a merged message cut in two or joined with the
+  next (its stages), fp16, the PS protocol of every PS variable, a
   shard to another server, a dense embedding's rows on or off), ``spread`` (a variable's
   settings copied to its neighbours), and the same for a whole class of variable at once
   (sparse, large dense, small dense: another route, fp16 on or off, fused or split);
@@ -98,6 +99,34 @@ def _regroup(batch, rows, cols, arrays, bounds, rng) -> None:
     for name in ("route", "protocol", "staleness", "fp16"):  # a member takes the group's message kind
         field = getattr(batch, name)
         field[join_rows, join_cols] = field[join_rows, join_other]
+
+
+def _cut_or_join(batch, rows, cols, arrays, bounds, rng) -> None:
+    """A merged message cut in two at one of its members in ready order (it and the members ready
+    after it become a message of their own), or, half the time, joined with the merged message
+    ready next: the stages of a fused buffer (PyTorch DDP's buckets), each sent while the backward
+    pass computes the next, whose boundaries ``_regroup`` moves only one variable at a time (two
+    of these moves shift one by any distance). The chosen variable, if in no group, gives way
+    to a grouped one of the candidate's."""
+    v = batch.route.shape[1]
+    rank = np.empty(v, np.int64)
+    rank[arrays.ready_order] = np.arange(v)
+    group = batch.group[rows]
+    grouped = group >= 0
+    cols = np.where(grouped[np.arange(len(rows)), cols], cols, np.argmax(grouped * rng.random(group.shape), axis=1))
+    own = group[np.arange(len(rows)), cols]
+    members = (group == own[:, None]) & (own >= 0)[:, None]
+    cut = rng.random(len(rows)) < 0.5
+    moved = members & (rank[None, :] >= rank[cols][:, None]) & cut[:, None]
+    last = np.where(members, rank[None, :], -1).max(axis=1)
+    later = (rank[None, :] > last[:, None]) & grouped & ~members
+    next_group = group[np.arange(len(rows)), np.where(later, rank[None, :], v).argmin(axis=1)]
+    joined = (group == next_group[:, None]) & (~cut & later.any(axis=1) & (own >= 0))[:, None]
+    group = np.where(moved, (group.max(axis=1) + 1)[:, None], group)
+    batch.group[rows] = np.where(joined, own[:, None], group)
+    for name in ("route", "protocol", "staleness", "fp16"):  # the group's message kind, as _regroup
+        field = getattr(batch, name)
+        field[rows] = np.where(joined, field[rows, cols][:, None], field[rows])
 
 
 def _toggle_fp16(batch, rows, cols, arrays, bounds, rng) -> None:
@@ -218,7 +247,7 @@ def _class_group(batch, rows, cols, arrays, bounds, rng) -> None:
 MUTATIONS = {"route": _move_route, "partitions": _split_or_join, "group": _regroup, "compression": _toggle_fp16,
              "protocol": _change_protocol, "servers": _move_shard, "spread": _spread,
              "class-route": _class_route, "class-compression": _class_fp16, "class-group": _class_group,
-             "rows": _toggle_rows}
+             "rows": _toggle_rows, "stages": _cut_or_join}
 """The moves ``mutate`` picks from (evenly): one per knob the search moves (the algorithm moves with
 the route, the staleness with the protocol), ``spread``, and the class-wide moves. ``rows`` moves only
 where a profile shows it may pay (``rows_pay``); repair clears it where it cannot hold."""

@@ -9,13 +9,13 @@ classes of ``strategy_space.variable_class``: sparse, large dense, small dense):
 - dense gradients hierarchically all-reduced in one merged message, the largest layer in a
   message of its own so that it starts as soon as it is ready;
 - the same with fp16 on the dense gradients, and the dense ring all-reduce fused with fp16;
-- dense gradients merged in two messages of about equal bytes by backward order (PyTorch DDP's
-  buckets), so the last layers' message overlaps the rest of the backward pass;
+- dense gradients merged in two (or, with fp16, four) messages of about equal bytes by backward
+  order (PyTorch DDP's buckets), so the last layers' messages overlap the rest of the backward pass;
 - per-class mixes: small dense fused on one route, large dense on another (or on the PS);
 - dense embedding-like gradients (``nn.Embedding(sparse=False)``: large, and a profiled step
   touches under ``ROWS_SHARE`` of their rows, ``rows_touched``) sent as their nonzero rows
   (``VarConfig.rows``) on the PS or Horovod's sparse all-gather, the other dense gradients merged
-  hierarchical (or, beside the all-gather, in two messages by backward order), with fp16 as in the
+  hierarchical (or, beside the all-gather, in two or four messages by backward order), with fp16 as in the
   best seeds and without (rows are lossless: ``exact`` keeps those). Which variables those are
   comes from the measured rows only: without them (an unprofiled description) these recipes give
   the others' strategies.
@@ -107,6 +107,10 @@ def seed_recipes(hierarchical: bool) -> list[Seed]:
         Seed(name="sparse-ps-dense-two-stage-fp16",
              plans={"sparse": ps, **_dense(best, fp16=True, fused=True, stages=2)},
              why="the same with fp16 on the dense gradients"),
+        Seed(name="sparse-ps-dense-four-stage-fp16",
+             plans={"sparse": ps, **_dense(best, fp16=True, fused=True, stages=4)},
+             why="the same in four messages: on models whose gradients are ready evenly through the backward "
+                 "pass (CNNs, transformer blocks) each goes out while the next computes"),
         Seed(name="small-fused-large-alone-fp16",
              plans={"sparse": ps, "small": ClassPlan(route="ring", fp16=True, fused=True),
                     "large": ClassPlan(route=best, fp16=True)},
@@ -133,6 +137,9 @@ def seed_recipes(hierarchical: bool) -> list[Seed]:
         Seed(name="rows-gather-dense-two-stage-fp16",
              plans={"rows": ClassPlan(route="gather"), "sparse": ps, **_dense(best, fp16=True, fused=True, stages=2)},
              why="the same with fp16 on the other dense gradients"),
+        Seed(name="rows-gather-dense-four-stage-fp16",
+             plans={"rows": ClassPlan(route="gather"), "sparse": ps, **_dense(best, fp16=True, fused=True, stages=4)},
+             why="the same in four messages by backward order"),
     ]
 
 
