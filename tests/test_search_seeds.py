@@ -13,7 +13,7 @@ from hybridsync.model.encoding import PS, from_strategies, model_arrays
 from hybridsync.router.plan import build_plan
 from hybridsync.search import operators
 from hybridsync.search.evolution import EvolutionarySearch, bounds_for
-from hybridsync.search.seeds import structured_seeds
+from hybridsync.search.seeds import embedding_like, structured_seeds
 from hybridsync.strategy_space import LARGE_DENSE_BYTES, variable_classes
 from hybridsync.trials.candidates import baseline_candidates
 
@@ -180,6 +180,18 @@ def test_measured_embedding_rows_give_rows_seeds_beside_the_merged_fp16_dense_la
     dense_mix = seeds["sparse-ps-dense-merged-fp16"]
     t_dense, *t_rows = Simulator(kind="analytic").predict(description, slow, [dense_mix, *with_rows.values()])
     assert max(t_rows) < t_dense
+
+
+@pytest.mark.parametrize("touched", [450, 4000, None])
+def test_the_search_may_send_rows_exactly_where_the_seeds_and_rivals_do(touched):
+    """One rule (``strategy_space.is_embedding_like``) for the search's rows move, the rows seeds and
+    the rivals' rows twins: a winner never sends rows on a variable no rival may."""
+    description = _bert_with_rows(touched)
+    rows_touched = {n: t.rows_touched for n, t in description.variable_timing.items() if t.rows_touched is not None}
+    arrays = model_arrays(description)
+    searched = {arrays.names[i] for i in np.nonzero(arrays.embedding_like)[0]}
+    assert searched == set(embedding_like(description.variables, rows_touched))
+    assert searched == ({"token_embedding.weight"} if touched == 450 else set())
 
 
 def test_exact_mode_keeps_the_lossless_rows_seeds():

@@ -26,6 +26,7 @@ from hybridsync.description import ModelDescription
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.strategy_space.batch import (FP16, HIER, PS, RING, ROUTE_VARIANTS, StrategyBatch,  # noqa: F401
                                              empty_batch)
+from hybridsync.strategy_space.sample import is_embedding_like
 from hybridsync.variables import FLOATING_DTYPES
 
 PS_ASYNC, GATHER = 3, 4
@@ -54,6 +55,8 @@ class ModelArrays:
     dense_rows_bytes: np.ndarray
     """Dense floating variables: bytes of a step's nonzero rows with their indices, as ``rows`` sends
     them (``rows_touched``, else every row: more than the dense size); else 0."""
+    embedding_like: np.ndarray
+    """Where ``rows`` may pay (``strategy_space.is_embedding_like``): the search's rows move goes only there."""
     ready_s: np.ndarray
     """Seconds from the start of the backward pass to the gradient being ready (single process)."""
     ready_order: np.ndarray
@@ -90,11 +93,14 @@ def model_arrays(description: ModelDescription) -> ModelArrays:
     sparse_bytes = np.zeros(len(infos))
     dense_rows_bytes = np.zeros(len(infos))
     ready = np.full(len(infos), timing.backward_s)
+    embedding = np.zeros(len(infos), dtype=bool)
     for i, info in enumerate(infos):
         var_timing = description.variable_timing.get(info.name)
         if var_timing is not None:
             ready[i] = var_timing.ready_s
-        touched = var_timing.rows_touched if var_timing and var_timing.rows_touched is not None else rows[i]
+        profiled = var_timing.rows_touched if var_timing else None
+        embedding[i] = is_embedding_like(info, profiled)
+        touched = profiled if profiled is not None else rows[i]
         row_bytes = nbytes[i] / max(rows[i], 1)
         if info.sparse:
             sparse_bytes[i] = touched * (row_bytes + INDEX_BYTES)
@@ -103,7 +109,8 @@ def model_arrays(description: ModelDescription) -> ModelArrays:
     other = max(0.0, timing.step_s - timing.forward_s - timing.backward_s - timing.optimizer_s)
     return ModelArrays(name=description.name or "", names=tuple(description.variables), nbytes=nbytes, rows=rows,
                        floating=np.array([info.dtype in FLOATING_DTYPES for info in infos]), sparse=sparse,
-                       sparse_bytes=sparse_bytes, dense_rows_bytes=dense_rows_bytes, ready_s=ready,
+                       sparse_bytes=sparse_bytes, dense_rows_bytes=dense_rows_bytes,
+                       embedding_like=embedding, ready_s=ready,
                        ready_order=np.argsort(ready, kind="stable"), forward_s=timing.forward_s,
                        backward_s=timing.backward_s, optimizer_s=timing.optimizer_s, other_s=other)
 

@@ -134,17 +134,11 @@ def _toggle_fp16(batch, rows, cols, arrays, bounds, rng) -> None:
     _whole_group(batch, rows, cols, rng, ("fp16",))
 
 
-def rows_pay(arrays: ModelArrays) -> np.ndarray:
-    """Per variable: its dense gradient's nonzero rows, as profiled (``rows_touched``), travel in
-    under half its dense bytes, so ``rows`` may pay there (never where no profile counted rows)."""
-    return (arrays.dense_rows_bytes > 0) & (arrays.dense_rows_bytes < arrays.nbytes / 2)
-
-
 def _toggle_rows(batch, rows, cols, arrays, bounds, rng) -> None:
-    """One of the variables where rows may pay (``rows_pay``; none: no move) to or from sending its
-    nonzero rows: turned on, it leaves its group and fp16, and off the PS it goes alone on the ring
+    """One of the variables where rows may pay (``ModelArrays.embedding_like``; none: no move) to or
+    from sending its nonzero rows: turned on, it leaves its group and fp16, and off the PS it goes alone on the ring
     (Horovod's sparse all-gather), so that repair keeps it."""
-    where = np.nonzero(rows_pay(arrays))[0]
+    where = np.nonzero(arrays.embedding_like)[0]
     if len(where) == 0:
         return
     cols = where[rng.integers(len(where), size=len(rows))]
@@ -250,7 +244,8 @@ MUTATIONS = {"route": _move_route, "partitions": _split_or_join, "group": _regro
              "rows": _toggle_rows, "stages": _cut_or_join}
 """The moves ``mutate`` picks from (evenly): one per knob the search moves (the algorithm moves with
 the route, the staleness with the protocol), ``spread``, and the class-wide moves. ``rows`` moves only
-where a profile shows it may pay (``rows_pay``); repair clears it where it cannot hold."""
+where a profile shows it may pay (``ModelArrays.embedding_like``, the rule of the seeds and the rivals'
+rows twins); repair clears it where it cannot hold."""
 assert set(MUTATIONS) >= {knob.name for knob in knobs.KNOBS} - {"algorithm", "staleness"}
 
 

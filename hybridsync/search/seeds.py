@@ -34,12 +34,9 @@ from typing import Literal, Mapping
 
 from hybridsync.description import FLOATING_DTYPES, VariableInfo
 from hybridsync.strategy import Strategy, VarConfig
-from hybridsync.strategy_space import SpaceBounds, variable_class
+from hybridsync.strategy_space import ROWS_SHARE, SpaceBounds, is_embedding_like, variable_class
 
 ClassRoute = Literal["ps", "ps-sharded", "ring", "hierarchical", "gather", "rows-ps", "rows-gather"]
-ROWS_SHARE = 0.25
-"""A large dense variable is embedding-like (the ``rows`` class) when a step touches at most this
-share of its rows: as rows it then sends well under half its fp16 bytes."""
 SPARSE_ALLGATHER = VarConfig(route="allreduce")
 """A sparse gradient all-reduced without being made dense: Horovod's all-gather, a message of its own."""
 SHARD_BYTES = 1024 * 1024
@@ -160,11 +157,9 @@ def structured_seeds(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
 
 
 def embedding_like(variables: Mapping[str, VariableInfo], rows_touched: Mapping[str, int]) -> frozenset[str]:
-    """The ``rows`` class: large dense floating variables whose profiled steps touch at most
-    ``ROWS_SHARE`` of their rows (measured, never guessed from names)."""
-    return frozenset(name for name, info in variables.items()
-                     if name in rows_touched and variable_class(info) == "large" and info.dtype in FLOATING_DTYPES
-                     and len(info.shape) >= 1 and info.shape[0] > 1 and rows_touched[name] <= ROWS_SHARE * info.shape[0])
+    """The ``rows`` class: the variables ``strategy_space.is_embedding_like`` (large dense floating,
+    profiled steps touching at most ``ROWS_SHARE`` of their rows)."""
+    return frozenset(name for name, info in variables.items() if is_embedding_like(info, rows_touched.get(name)))
 
 
 def build_seed(seed: Seed, variables: Mapping[str, VariableInfo], bounds: SpaceBounds, *,

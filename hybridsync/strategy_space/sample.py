@@ -23,7 +23,7 @@ from typing import Mapping
 import numpy as np
 
 from hybridsync import knobs
-from hybridsync.description import VariableInfo
+from hybridsync.description import FLOATING_DTYPES, VariableInfo
 from hybridsync.strategy import Strategy
 from hybridsync.strategy_space.batch import (PS, StrategyBatch, VariableArrays, empty_batch, message_kind,
                                              variable_arrays)
@@ -46,6 +46,21 @@ def variable_class(info: VariableInfo) -> str:
     if info.sparse:
         return "sparse"
     return "large" if info.nbytes >= LARGE_DENSE_BYTES else "small"
+
+
+ROWS_SHARE = 0.25
+"""A large dense variable is embedding-like when a profiled step touches at most this share of its
+rows: sent as those rows (``VarConfig.rows``) it then travels in well under half its fp16 bytes."""
+
+
+def is_embedding_like(info: VariableInfo, rows_touched: int | None) -> bool:
+    """Whether ``info`` is a dense embedding (``nn.Embedding(sparse=False)``) whose nonzero rows are
+    worth sending alone: large, floating, more than one row, and its profiled ``rows_touched``
+    at most ``ROWS_SHARE`` of them (measured, never guessed from a name; None: not profiled).
+    The one rule for where ``rows`` may pay: the search's rows move, the seeds and the rivals'
+    rows twins all use it, so the winner never sends rows where no rival may."""
+    return (rows_touched is not None and variable_class(info) == "large" and info.dtype in FLOATING_DTYPES
+            and len(info.shape) >= 1 and info.shape[0] > 1 and rows_touched <= ROWS_SHARE * info.shape[0])
 
 
 def variable_classes(arrays: VariableArrays) -> np.ndarray:
