@@ -136,8 +136,8 @@ def _toggle_fp16(batch, rows, cols, arrays, bounds, rng) -> None:
 
 def _toggle_rows(batch, rows, cols, arrays, bounds, rng) -> None:
     """One of the variables where rows may pay (``ModelArrays.embedding_like``; none: no move) to or
-    from sending its nonzero rows: turned on, it leaves its group and fp16, and off the PS it goes alone on the ring
-    (Horovod's sparse all-gather), so that repair keeps it."""
+    from sending its nonzero rows: turned on, it leaves its group and fp16, and off the PS it goes
+    alone on the ring (Horovod's sparse all-gather), so that repair keeps it."""
     where = np.nonzero(arrays.embedding_like)[0]
     if len(where) == 0:
         return
