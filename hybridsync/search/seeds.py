@@ -13,10 +13,10 @@ classes of ``strategy_space.variable_class``: sparse, large dense, small dense):
   order (PyTorch DDP's buckets), so the last layers' messages overlap the rest of the backward pass;
 - per-class mixes: small dense fused on one route, large dense on another (or on the PS);
 - dense embedding-like gradients (``nn.Embedding(sparse=False)``: large, and a profiled step
-  touches under ``ROWS_SHARE`` of their rows, ``rows_touched``) sent as their nonzero rows
+  touches under ``strategy_space.ROWS_SHARE`` of their rows, ``rows_touched``) sent as their nonzero rows
   (``VarConfig.rows``) on the PS or Horovod's sparse all-gather, the other dense gradients merged
-  hierarchical (or, beside the all-gather, in two or four messages by backward order), with fp16 as in the
-  best seeds and without (rows are lossless: ``exact`` keeps those). Which variables those are
+  hierarchical (or, beside the all-gather, in two or four messages by backward order), with fp16
+  as in the best seeds and without (rows are lossless: ``exact`` keeps those). Which variables those are
   comes from the measured rows only: without them (an unprofiled description) these recipes give
   the others' strategies.
 
@@ -34,7 +34,7 @@ from typing import Literal, Mapping
 
 from hybridsync.description import FLOATING_DTYPES, VariableInfo
 from hybridsync.strategy import Strategy, VarConfig
-from hybridsync.strategy_space import ROWS_SHARE, SpaceBounds, is_embedding_like, variable_class
+from hybridsync.strategy_space import SpaceBounds, is_embedding_like, variable_class
 
 ClassRoute = Literal["ps", "ps-sharded", "ring", "hierarchical", "gather", "rows-ps", "rows-gather"]
 SPARSE_ALLGATHER = VarConfig(route="allreduce")
@@ -158,7 +158,7 @@ def structured_seeds(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
 
 def embedding_like(variables: Mapping[str, VariableInfo], rows_touched: Mapping[str, int]) -> frozenset[str]:
     """The ``rows`` class: the variables ``strategy_space.is_embedding_like`` (large dense floating,
-    profiled steps touching at most ``ROWS_SHARE`` of their rows)."""
+    profiled steps touching at most ``strategy_space.ROWS_SHARE`` of their rows)."""
     return frozenset(name for name, info in variables.items() if is_embedding_like(info, rows_touched.get(name)))
 
 

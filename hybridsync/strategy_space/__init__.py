@@ -17,7 +17,7 @@ from hybridsync.strategy_space.repair import canonical_groups, repair
 from hybridsync.strategy_space.sample import (BY_CLASS, CLASSES, LARGE_DENSE_BYTES, ROWS_SHARE, is_embedding_like,
                                               random_strategy, sample, variable_class, variable_classes)
 
-__all__ = ["BY_CLASS", "CLASSES", "HIER", "LARGE_DENSE_BYTES", "MAX_PARTITIONS", "PS", "PlainVariables", "RING", "ROWS_SHARE",
-           "SpaceBounds",
-           "StrategyBatch", "VariableArrays", "bounds_for", "canonical_groups", "copy_batch", "empty_batch",
-           "is_embedding_like", "random_strategy", "repair", "sample", "variable_arrays", "variable_class", "variable_classes"]
+__all__ = ["BY_CLASS", "CLASSES", "HIER", "LARGE_DENSE_BYTES", "MAX_PARTITIONS", "PS", "PlainVariables", "RING",
+           "ROWS_SHARE", "SpaceBounds", "StrategyBatch", "VariableArrays", "bounds_for", "canonical_groups",
+           "copy_batch", "empty_batch", "is_embedding_like", "random_strategy", "repair", "sample", "variable_arrays",
+           "variable_class", "variable_classes"]
