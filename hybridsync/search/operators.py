@@ -5,10 +5,10 @@ so every operator here works on whole batches (candidates x variables) with nump
 
 - ``mutate``: the moves of a person tuning by hand, one per knob the search moves (``MUTATIONS``:
   route/algorithm, partitions x2 or /2, regroup, a merged message cut in two or joined with the
-  next (its stages), fp16, the PS protocol of every PS variable, a
-  shard to another server, a dense embedding's rows on or off), ``spread`` (a variable's
-  settings copied to its neighbours), and the same for a whole class of variable at once
-  (sparse, large dense, small dense: another route, fp16 on or off, fused or split);
+  next (its stages), fp16, the PS protocol of every PS variable, a shard to another server, a
+  dense embedding's rows on or off), ``spread`` (a variable's settings copied to its neighbours),
+  and the same for a whole class of variable at once (sparse, large dense, small dense: another
+  route, fp16 on or off, fused or split);
 - ``crossover``: each variable's settings from one parent or the other;
 - ``row_keys``: a digest of each row's bytes, to propose no strategy twice.
 
@@ -68,9 +68,14 @@ def _whole_group(batch, rows, cols, rng, fields) -> None:
     route or compression: one member alone would only leave the group)."""
     members = (batch.group[rows] == batch.group[rows, cols][:, None]) & (batch.group[rows, cols] >= 0)[:, None]
     members &= (rng.random(len(rows)) < 0.5)[:, None]
+    _copy_settings(batch, rows, cols, members, fields)
+
+
+def _copy_settings(batch, rows, cols, where, fields) -> None:
+    """In each row, the settings ``fields`` of its column ``cols`` copied to the columns ``where`` marks."""
     for name in fields:
         field = getattr(batch, name)
-        field[rows] = np.where(members, field[rows, cols][:, None], field[rows])
+        field[rows] = np.where(where, field[rows, cols][:, None], field[rows])
 
 
 def _split_or_join(batch, rows, cols, arrays, bounds, rng) -> None:
@@ -124,9 +129,7 @@ def _cut_or_join(batch, rows, cols, arrays, bounds, rng) -> None:
     joined = (group == next_group[:, None]) & (~cut & later.any(axis=1) & (own >= 0))[:, None]
     group = np.where(moved, (group.max(axis=1) + 1)[:, None], group)
     batch.group[rows] = np.where(joined, own[:, None], group)
-    for name in ("route", "protocol", "staleness", "fp16"):  # the group's message kind, as _regroup
-        field = getattr(batch, name)
-        field[rows] = np.where(joined, field[rows, cols][:, None], field[rows])
+    _copy_settings(batch, rows, cols, joined, ("route", "protocol", "staleness", "fp16"))  # one message kind
 
 
 def _toggle_fp16(batch, rows, cols, arrays, bounds, rng) -> None:
@@ -162,9 +165,7 @@ def _spread(batch, rows, cols, arrays, bounds, rng) -> None:
     rank[arrays.ready_order] = np.arange(v)
     reach = np.where(rng.random(len(rows)) < 0.2, v, rng.geometric(0.25, size=len(rows)))
     inside = np.abs(rank[None, :] - rank[cols][:, None]) <= reach[:, None]
-    for name in ("route", "protocol", "staleness", "fp16", "partitions", "group"):
-        field = getattr(batch, name)
-        field[rows] = np.where(inside, field[rows, cols][:, None], field[rows])
+    _copy_settings(batch, rows, cols, inside, ("route", "protocol", "staleness", "fp16", "partitions", "group"))
 
 
 def _change_protocol(batch, rows, cols, arrays, bounds, rng) -> None:
@@ -219,9 +220,7 @@ def _class_route(batch, rows, cols, arrays, bounds, rng) -> None:
     first_ps = np.argmax(batch.route[rows] == PS, axis=1)  # the PS variables' protocol, as in _move_route
     members = _same_class(rows, cols, arrays)
     batch.route[rows] = np.where(members, new[:, None], batch.route[rows])
-    for name in ("protocol", "staleness"):
-        field = getattr(batch, name)
-        field[rows] = np.where(members, field[rows, first_ps][:, None], field[rows])
+    _copy_settings(batch, rows, first_ps, members, ("protocol", "staleness"))
 
 
 def _class_fp16(batch, rows, cols, arrays, bounds, rng) -> None:
