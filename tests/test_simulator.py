@@ -201,6 +201,50 @@ def test_fit_constants_recovers_a_known_constant():
     assert fitted.ring_alpha_scale > 2  # moved towards the truth (4.5)
 
 
+def profiled_slow(desc: ModelDescription, factor: float) -> ModelDescription:
+    """``desc`` as a profile taken on a loaded machine reads it: every phase and ready time ``factor`` x."""
+    timing = desc.timing
+    slow = dataclasses.replace(timing, forward_s=timing.forward_s * factor, backward_s=timing.backward_s * factor,
+                               optimizer_s=timing.optimizer_s * factor, step_s=timing.step_s * factor)
+    return dataclasses.replace(desc, timing=slow, variable_timing={
+        name: dataclasses.replace(t, ready_s=t.ready_s * factor) for name, t in desc.variable_timing.items()})
+
+
+def test_fit_gives_a_slowly_profiled_model_its_own_compute_factor():
+    """One training model's profile ran 5x slow (a loaded machine), the other's did not. The fit
+    finds the slow one's factor and keeps the constants the software's, so a third model, profiled
+    right and never seen, is priced as the truth prices it; one compute scale over every training
+    description (``fit_constants``, what the simulator did before) carries the slow profile to it."""
+    truth = CostConstants(cores=2)
+    rng = np.random.default_rng(5)
+    models = {name: describe(name, shapes, backward_s=0.06) for name, shapes in
+              (("a", [(256, 256), (256,)] * 4), ("b", [(512, 128), (128,)] * 3), ("c", [(128, 128)] * 6))}
+    train, problems = [], []
+    for name in ("a", "b"):
+        desc = models[name]
+        strategies = [random_strategy(desc.variables, bounds_for(CLUSTER), rng) for _ in range(30)]
+        times = predict_analytic(desc, CLUSTER, strategies, truth)
+        profiled = profiled_slow(desc, 5.0) if name == "a" else desc
+        train += [Sample(model=name, description=profiled, cluster=CLUSTER, strategy=s, step_s=float(t))
+                  for s, t in zip(strategies, times)]
+        arrays = model_arrays(profiled)
+        problems.append((arrays, units(arrays, from_strategies(arrays, strategies, CLUSTER),
+                                       partition_bytes=truth.partition_bytes), CLUSTER, times))
+    simulator = Simulator(kind="analytic", constants=CostConstants(cores=2)).fit(train)
+    assert simulator.compute_factors["a"] < 0.3 and 0.8 < simulator.compute_factors["b"] < 1.25
+    assert 1.0 <= simulator.constants.compute_scale < 1.1
+    assert simulator.meta["compute_factors"]["a"] == pytest.approx(simulator.compute_factors["a"], abs=1e-4)
+    held_out = models["c"]
+    strategies = [random_strategy(held_out.variables, bounds_for(CLUSTER), rng) for _ in range(20)]
+    measured = predict_analytic(held_out, CLUSTER, strategies, truth)
+    error = np.abs(simulator.predict(held_out, CLUSTER, strategies) / measured - 1)
+    assert error.mean() < 0.05
+    one_scale = fit_constants(problems, CostConstants(cores=2))
+    assert one_scale.compute_scale < 0.7  # pulled by the slow profile...
+    old_error = np.abs(predict_analytic(held_out, CLUSTER, strategies, one_scale) / measured - 1)
+    assert old_error.mean() > 2 * error.mean()  # ...and the model it never saw pays for it
+
+
 # --- features -------------------------------------------------------------------------------
 def test_features_have_a_fixed_shape_and_are_deterministic():
     rng = np.random.default_rng(1)

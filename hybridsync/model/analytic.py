@@ -36,7 +36,9 @@ allows. Compute is slowed when more ranks than cores share a machine (``cores``:
 emulated cluster runs every rank on one machine).
 
 ``fit_constants`` fits the software constants by least squares on measured trials, each
-trial job's level (and drift over its wall time) taken out, since a job has a level of its own.
+trial job's level (and drift over its wall time) taken out, since a job has a level of its own;
+``fit_constants_and_compute`` also fits each training description's compute factor (its profile
+against its trials), so that the constants do not absorb the training set's profiling errors.
 """
 from __future__ import annotations
 
@@ -93,7 +95,11 @@ class CostConstants:
     channel's busy time beyond the busiest one's adds this fraction of itself (0: perfectly
     parallel, 1: one after the other). No benchmark isolates it; 0.5 to start, fitted."""
     compute_scale: float = 1.0
-    """Multiplies profiled compute (and ready times) beyond the core-sharing slowdown: fitted."""
+    """Multiplies profiled compute (and ready times) beyond the core-sharing slowdown: fitted, the
+    slowdown every model's compute shares in a step. ``fit_constants_and_compute`` (``Simulator.fit``)
+    keeps it >= 1 and gives each training description a factor of its own: one scale over all of
+    them absorbed their profiles' errors (the runtime dataset's generated models were profiled
+    2-20x slow; the scale fit to 0.23) and carried them to every correctly profiled model."""
     step_overhead_s: float = 1.0e-3
     """Fixed cost per step of synchronizing at all (handles, barrier of the slowest rank): fitted."""
     cores: float | None = None
@@ -326,6 +332,17 @@ def job_residuals(log_ratio: np.ndarray, jobs: np.ndarray, positions: np.ndarray
     return out
 
 
+def with_compute_factor(arrays: ModelArrays, u: Units, factor: float) -> tuple[ModelArrays, Units]:
+    """``arrays`` and ``u`` with every profiled phase and ready time multiplied by ``factor``: the
+    description as its trials ran, when its profile ran ``1 / factor`` times as long."""
+    if factor == 1.0:
+        return arrays, u
+    return (dataclasses.replace(arrays, forward_s=arrays.forward_s * factor, backward_s=arrays.backward_s * factor,
+                                optimizer_s=arrays.optimizer_s * factor, other_s=arrays.other_s * factor,
+                                ready_s=arrays.ready_s * factor),
+            dataclasses.replace(u, ready_s=u.ready_s * factor))
+
+
 def fit_constants(problems: Sequence[Problem | tuple], initial: CostConstants | None = None, *,
                   prior_weight: float = 0.05, max_evaluations: int = 400, level_weight: float = 0.3,
                   detrend: bool = True) -> CostConstants:
@@ -334,8 +351,31 @@ def fit_constants(problems: Sequence[Problem | tuple], initial: CostConstants | 
     ``FITTED`` constants (each within a factor e^4 of ``initial``, the penalty at most 1),
     with a weak pull (``prior_weight`` per unit of log) towards ``initial`` so that constants
     the data cannot see keep their defaults; a robust loss keeps a few noisy trials from
-    dragging them. ``ValueError`` without trials."""
+    dragging them. ``ValueError`` without trials. Takes every description's profile as its
+    trials ran (``fit_constants_and_compute`` does not)."""
+    return _fit(problems, initial, prior_weight=prior_weight, max_evaluations=max_evaluations,
+                level_weight=level_weight, detrend=detrend, compute_factors=False)[0]
+
+
+def fit_constants_and_compute(problems: Sequence[Problem | tuple], initial: CostConstants | None = None, *,
+                              prior_weight: float = 0.05, factor_weight: float = 0.05, max_evaluations: int = 400,
+                              level_weight: float = 0.3, detrend: bool = True) -> tuple[CostConstants, dict[str, float]]:
+    """``fit_constants``, and one compute factor per training description (``ModelArrays.name``):
+    how much faster or slower than profiled its compute ran in its trials (``with_compute_factor``;
+    within e^-3..e^3, pulled towards 1 by ``factor_weight`` per unit of log). A profile taken on a
+    loaded machine is then that description's own error, not the software's: ``compute_scale``, the
+    slowdown all share, is fitted >= 1 (a step's compute never runs faster than its profile), so a
+    model the fit never saw is priced by its own profile times that. The factors describe the
+    training set only (and where its profiles disagree with its trials)."""
+    return _fit(problems, initial, prior_weight=prior_weight, max_evaluations=max_evaluations, level_weight=level_weight,
+                detrend=detrend, compute_factors=True, factor_weight=factor_weight)
+
+
+def _fit(problems: Sequence[Problem | tuple], initial: CostConstants | None, *, prior_weight: float,
+         max_evaluations: int, level_weight: float, detrend: bool, compute_factors: bool,
+         factor_weight: float = 0.05) -> tuple[CostConstants, dict[str, float]]:
     from scipy.optimize import least_squares
+    from scipy.sparse import lil_matrix
 
     initial = initial or CostConstants()
     problems = [Problem(*p) for p in problems]
@@ -344,20 +384,43 @@ def fit_constants(problems: Sequence[Problem | tuple], initial: CostConstants | 
     for p in problems:
         if not np.all(np.isfinite(p.measured)) or np.any(p.measured <= 0):
             raise ValueError(f"fit_constants: {p.arrays.name} on {p.cluster}: step times must be finite and > 0")
-    x0 = np.log([getattr(initial, name) for name in FITTED])
+    fitted = FITTED
+    names = sorted({p.arrays.name for p in problems}) if compute_factors else []
+    column = {name: len(fitted) + k for k, name in enumerate(names)}
+    x0 = np.concatenate([np.log([getattr(initial, name) for name in fitted]), np.zeros(len(names))])
     log_measured = [np.log(p.measured) for p in problems]
     jobs = [np.zeros(len(p.measured), int) if p.jobs is None else np.asarray(p.jobs) for p in problems]
     positions = [p.positions if detrend else None for p in problems]
+    weights = np.array([prior_weight] * len(fitted) + [factor_weight] * len(names))
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        constants = dataclasses.replace(initial, **dict(zip(FITTED, np.exp(x))))
-        parts = [job_residuals(np.log(analytic_terms(p.arrays, p.units, p.cluster, constants, p.links)["step_s"])
-                               - measured, job, position, level_weight=level_weight)
-                 for p, measured, job, position in zip(problems, log_measured, jobs, positions)]
-        return np.concatenate(parts + [prior_weight * (x - x0)])
+        constants = dataclasses.replace(initial, **dict(zip(fitted, np.exp(x[:len(fitted)]))))
+        parts = []
+        for p, measured, job, position in zip(problems, log_measured, jobs, positions):
+            arrays, u = p.arrays, p.units
+            if compute_factors:
+                arrays, u = with_compute_factor(arrays, u, float(np.exp(x[column[arrays.name]])))
+            step = analytic_terms(arrays, u, p.cluster, constants, p.links)["step_s"]
+            parts.append(job_residuals(np.log(step) - measured, job, position, level_weight=level_weight))
+        return np.concatenate(parts + [weights * (x - x0)])
 
-    upper = np.array([0.0 if name in BOUNDED else x + 4.0 for name, x in zip(FITTED, x0)])
-    start = np.minimum(x0, upper - 1e-9)
+    upper = np.array([0.0 if name in BOUNDED else x + 4.0 for name, x in zip(fitted, x0)] + [3.0] * len(names))
+    lower = np.concatenate([x0[:len(fitted)] - 4.0, [-3.0] * len(names)])
+    if compute_factors:  # a step's compute never runs faster than its profile: a profile that ran slow is its own factor
+        lower[fitted.index("compute_scale")] = 0.0
+    sparsity = None
+    if compute_factors:  # a description's factor moves only its own trials' residuals
+        sparsity = lil_matrix((sum(len(m) for m in log_measured) + len(x0), len(x0)), dtype=np.int8)
+        row = 0
+        for p, measured in zip(problems, log_measured):
+            sparsity[row:row + len(measured), :len(fitted)] = 1
+            sparsity[row:row + len(measured), column[p.arrays.name]] = 1
+            row += len(measured)
+        for j in range(len(x0)):
+            sparsity[row + j, j] = 1
+    start = np.clip(x0, lower + 1e-9, upper - 1e-9)
     result = least_squares(residuals, start, method="trf", loss="soft_l1", f_scale=0.3, max_nfev=max_evaluations,
-                           bounds=(x0 - 4.0, upper))
-    return dataclasses.replace(initial, **{name: float(v) for name, v in zip(FITTED, np.exp(result.x))})
+                           bounds=(lower, upper), jac_sparsity=sparsity)
+    constants = dataclasses.replace(initial, **{name: float(v) for name, v in
+                                                zip(fitted, np.exp(result.x[:len(fitted)]))})
+    return constants, {name: float(np.exp(result.x[column[name]])) for name in names}

@@ -348,12 +348,12 @@ def _held_out_rows(samples: Sequence[Sample], name: str, *, split: Split, kinds:
     """One held-out set of ``cross_validate``: fit each kind on the rest, score on ``name``'s trials."""
     train = [s for s in samples if held_out_name(s, split) != name]
     test = [s for s in samples if held_out_name(s, split) == name]
-    rows, fitted_constants = [], None
+    rows, fitted_constants, factors = [], None, None
     for kind in kinds:
-        simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params)
+        simulator = Simulator(kind=kind, constants=fitted_constants or constants, params=params, compute_factors=factors)
         simulator.fit(train, refit_constants=fitted_constants is None, calibrations=links)
-        if kind != "xgboost":
-            fitted_constants = simulator.constants  # analytic and both share one least-squares fit
+        if kind != "xgboost":  # analytic and both share one least-squares fit
+            fitted_constants, factors = simulator.constants, simulator.compute_factors
         rows.append(_row(simulator, kind, split, name, len(train), test))
     return rows
 

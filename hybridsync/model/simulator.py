@@ -37,7 +37,8 @@ import numpy as np
 
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id, parse_description
-from hybridsync.model.analytic import CostConstants, Problem, analytic_terms, fit_constants, job_residuals, reference_terms
+from hybridsync.model.analytic import (CostConstants, Problem, analytic_terms, fit_constants_and_compute, job_residuals,
+                                       reference_terms, with_compute_factor)
 from hybridsync.model.encoding import ModelArrays, StrategyBatch, Units, from_strategies, model_arrays, units
 from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
 from hybridsync.model.links import LinkConstants, mean_deviation, nominal_links, relative_links
@@ -208,16 +209,23 @@ class Simulator:
     """Predicts the step time of strategies for a (model description, cluster)."""
 
     def __init__(self, *, kind: Kind = "both", constants: CostConstants | None = None,
-                 params: BoosterParams | None = None, links: Mapping[str, LinkConstants] | None = None) -> None:
+                 params: BoosterParams | None = None, links: Mapping[str, LinkConstants] | None = None,
+                 compute_factors: Mapping[str, float] | None = None) -> None:
         """``links``: measured paths of clusters, by ``cluster_label`` (``calibrated``), priced
         relative to the calibrations of the clusters it was fit on (``links.relative_links``);
-        any other cluster is priced by its spec (``nominal_links``)."""
+        any other cluster is priced by its spec (``nominal_links``). ``compute_factors``: training
+        descriptions' compute against their profiles (``fit`` fits them with the constants; give
+        them with constants fitted before and ``refit_constants=False``)."""
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         self.kind = kind
         self.constants = constants or CostConstants()
         self.params = params or BoosterParams()
         self.links: dict[str, LinkConstants] = dict(links or {})
+        self.compute_factors: dict[str, float] = dict(compute_factors or {})
+        """By description name: how fast its training trials' compute ran against its profile
+        (``analytic.fit_constants_and_compute``); the learned part trains on the descriptions so
+        corrected. Training-time only (1 for any other model): a prediction takes the profile as is."""
         self.reference: dict[str, float] = {}
         """``links.mean_deviation`` of the training clusters' calibrations (``fit(calibrations=)``)."""
         self.booster: Any = None
@@ -253,12 +261,14 @@ class Simulator:
                                              if label in clusters])
         problems = self._problems(samples)
         if self.kind != "xgboost" and base is None and refit_constants:
-            self.constants = fit_constants([p.fit_problem() for p in problems], self.constants)
+            self.constants, self.compute_factors = fit_constants_and_compute([p.fit_problem() for p in problems],
+                                                                             self.constants)
         if self.kind != "analytic":
             self._fit_booster(problems, len(samples), base)
         self.meta = {"samples": len(samples) + (base.meta.get("samples", 0) if base else 0),
                      "models": sorted({s.model for s in samples} | set(base.meta.get("models", []) if base else [])),
                      "warm_started": base is not None,
+                     "compute_factors": {name: round(f, 4) for name, f in sorted(self.compute_factors.items())},
                      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         return self
 
@@ -304,9 +314,10 @@ class Simulator:
         features = np.zeros((count, len(self._columns)), dtype=np.float32)
         target = np.zeros(count)
         for p in problems:
-            terms = analytic_terms(p.arrays, p.units, p.cluster, self.constants, p.links)
-            reference = reference_terms(p.arrays, p.cluster, self.constants, p.links)
-            matrix = feature_matrix(p.arrays, p.units, p.cluster, terms, reference=reference)
+            arrays, u = with_compute_factor(p.arrays, p.units, self.compute_factors.get(p.arrays.name, 1.0))
+            terms = analytic_terms(arrays, u, p.cluster, self.constants, p.links)
+            reference = reference_terms(arrays, p.cluster, self.constants, p.links)
+            matrix = feature_matrix(arrays, u, p.cluster, terms, reference=reference)
             features[p.indices] = matrix[:, self._columns]
             ratio = np.log(p.step_s) - (np.log(terms["step_s"]) if self.kind == "both" else 0.0)
             if self.kind == "both" and self.params.target == "centered":
