@@ -8,6 +8,9 @@
 #    the `hybridsync profile` command below, then point the stored trials at the new description
 #    (its id hashes the timing) before the sweeps or the export:
 #      hybridsync dataset redescribe --descriptions data/descriptions --models MODEL --store STORE
+#    Jobs measured on a loaded machine are measured again, each lineup in one new job, and replace
+#    the old trials (what the shipped dataset's 2026-11-25 16:00-21:30 jobs went through):
+#      hybridsync dataset remeasure --from T0 --to T1 --descriptions data/descriptions --workdir DIR --store STORE
 # 2. Calibration: on the first cluster, the reference row, every baseline and the first
 #    CALIBRATION random strategies of each zoo model with AutoSync's full protocol (10 warm-up +
 #    40 timed steps); benchmarks/trial_protocol.py compares shorter protocols against it.

@@ -83,19 +83,19 @@ def rivals(variables: Mapping[str, VariableInfo], spec: ClusterSpec, *, horovod:
     every baseline, with ``fp16`` Horovod with ``Compression.fp16`` and the baselines' fp16 twins,
     with ``rows`` (the model's dense embeddings) the rows twins (and both: rows-fp16 twins).
     Returns the runnable ones and, kind -> reason, the fp16 rivals that cannot run here."""
-    sparse = any(info.sparse for info in variables.values())
     out = [Candidate(kind=HOROVOD_KIND, strategy=None)] if horovod else []
     not_runnable: dict[str, str] = {}
+    blocker = baselines.horovod_fp16_blocker(variables)
     if fp16 and horovod:
-        if sparse:
-            not_runnable[HOROVOD_FP16_KIND] = baselines.NOT_RUNNABLE_SPARSE_FP16
+        if blocker:
+            not_runnable[HOROVOD_FP16_KIND] = blocker
         else:
             out.append(Candidate(kind=HOROVOD_FP16_KIND, strategy=None))
-    if fp16 and sparse:
-        not_runnable[BASELINE_PREFIX + "allreduce" + baselines.FP16_SUFFIX] = baselines.NOT_RUNNABLE_SPARSE_FP16
-    if fp16 and rows:
-        not_runnable[BASELINE_PREFIX + "allreduce" + baselines.ROWS_SUFFIX + baselines.FP16_SUFFIX] = \
-            baselines.NOT_RUNNABLE_SPARSE_FP16
+    for as_rows in ((False, True) if rows else (False,)) if fp16 else ():
+        reason = baselines.horovod_fp16_blocker(variables, as_rows=as_rows)
+        if reason:  # the allreduce fp16 twins are Horovod with Compression.fp16
+            not_runnable[BASELINE_PREFIX + "allreduce" + (baselines.ROWS_SUFFIX if as_rows else "")
+                         + baselines.FP16_SUFFIX] = reason
     return out + baseline_candidates(variables, spec, fp16_twins=fp16, rows=rows), not_runnable
 
 

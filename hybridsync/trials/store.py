@@ -38,7 +38,7 @@ import statistics
 import time
 import warnings
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator, Mapping, TextIO
+from typing import Any, BinaryIO, Iterable, Iterator, Mapping, Sequence, TextIO
 
 from hybridsync import envvars
 
@@ -378,6 +378,23 @@ class TrialStore:
                 db.execute("DELETE FROM descriptions WHERE model = ? AND description_id != ? AND description_id "
                            "NOT IN (SELECT DISTINCT description_id FROM trials)", (model, description_id))
         return relinked
+
+    def replace_job(self, job: str, records: Sequence[TrialRecord]) -> int:
+        """Replaces every trial of ``job`` by ``records`` (the job measured again,
+        ``hybridsync.trials.remeasure``) in one transaction, and removes the old trials' descriptions
+        that no trial names any more. Returns the trials removed; ``ValueError`` if the store holds
+        no trial of ``job`` or already holds one of ``records``."""
+        with self._transaction() as db:
+            old_ids = [row[0] for row in db.execute("SELECT DISTINCT description_id FROM trials WHERE job = ?", (job,))]
+            removed = db.execute("DELETE FROM trials WHERE job = ?", (job,)).rowcount
+            if not removed:
+                raise ValueError(f"trial store {self.path} holds no trial of job {job!r}")
+            for record in records:
+                if not self._insert(db, record, ignore=True):
+                    raise ValueError(f"trial {record.uid} is already in the store {self.path}")
+            db.executemany("DELETE FROM descriptions WHERE description_id = ? AND description_id NOT IN "
+                           "(SELECT DISTINCT description_id FROM trials)", [(i,) for i in old_ids])
+        return removed
 
     @staticmethod
     def _insert(db: sqlite3.Connection, record: TrialRecord, *, ignore: bool) -> bool:

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from hybridsync import envvars
-from hybridsync.baselines import NOT_RUNNABLE_SPARSE_FP16
+from hybridsync.baselines import horovod_fp16_blocker
 from hybridsync.frameworks import versions
 from hybridsync.hooks.trials import ResultsFile, slowest_rank_times, utc_now
 from hybridsync.trials.store import HOROVOD_FP16_KIND, base_kind, is_local
@@ -85,8 +85,9 @@ class TrialWorker:
         """A copy of the model under plain ``horovod.torch.DistributedOptimizer``, with
         ``compression=hvd.Compression.fp16`` if ``fp16`` (each made once); ``ValueError`` for fp16
         on a model with sparse gradients, which Horovod 0.28.1 cannot run."""
-        if fp16 and any(info.sparse for info in variables_from_model(self.model).values()):
-            raise ValueError(f"not runnable: {NOT_RUNNABLE_SPARSE_FP16}")
+        blocker = horovod_fp16_blocker(variables_from_model(self.model)) if fp16 else None
+        if blocker:
+            raise ValueError(f"not runnable: {blocker}")
         if fp16 not in self._horovod:
             model = copy.deepcopy(self.model)
             optimizer = self.hvd.DistributedOptimizer(
