@@ -33,31 +33,25 @@ from hybridsync.trials.runner import TrialProtocol, TrialRunner
 from hybridsync.trials.store import TrialRecord, TrialStore, base_kind, cluster_label, is_control
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StoredJob:
-    """The trials one job measured, in the order it measured them."""
+    """The trials one job measured, in the order it measured them (``of``), and what they share."""
 
     trials: tuple[TrialRecord, ...]
+    job: str
+    model: str
+    cluster: ClusterSpec
+    started: str
+    """Its first trial's start (ISO-8601 UTC)."""
+    description_id: str
 
-    @property
-    def job(self) -> str:
-        return self.trials[0].job
-
-    @property
-    def model(self) -> str:
-        return self.trials[0].model
-
-    @property
-    def cluster(self) -> ClusterSpec:
-        return ClusterSpec.from_dict(self.trials[0].cluster)
-
-    @property
-    def started(self) -> str:
-        return self.trials[0].started
-
-    @property
-    def description_id(self) -> str:
-        return self.trials[0].description_id
+    @classmethod
+    def of(cls, trials: Iterable[TrialRecord]) -> "StoredJob":
+        """The job of ``trials`` (one job's, at least one), ordered by start time."""
+        ordered = tuple(sorted(trials, key=lambda r: (r.started, r.uid)))
+        first = ordered[0]
+        return cls(trials=ordered, job=first.job, model=first.model, cluster=ClusterSpec.from_dict(first.cluster),
+                   started=first.started, description_id=first.description_id)
 
     def protocol(self, trial_timeout_s: float = 300.0) -> TrialProtocol:
         """The job's warm-up and timed steps (its first successful trial's; every trial of a job
@@ -98,7 +92,7 @@ def jobs_started_between(store: TrialStore, started_from: str, started_to: str, 
     for record in store.trials():
         if wanted is None or record.model in wanted:
             by_job.setdefault(record.job, []).append(record)
-    jobs = [StoredJob(tuple(sorted(trials, key=lambda r: (r.started, r.uid)))) for trials in by_job.values()]
+    jobs = [StoredJob.of(trials) for trials in by_job.values()]
     return sorted((j for j in jobs if started_from <= j.started and j.started[:len(started_to)] <= started_to),
                   key=lambda j: (j.started, j.job))
 
