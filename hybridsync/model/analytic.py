@@ -384,17 +384,16 @@ def _fit(problems: Sequence[Problem | tuple], initial: CostConstants | None, *, 
     for p in problems:
         if not np.all(np.isfinite(p.measured)) or np.any(p.measured <= 0):
             raise ValueError(f"fit_constants: {p.arrays.name} on {p.cluster}: step times must be finite and > 0")
-    fitted = FITTED
     names = sorted({p.arrays.name for p in problems}) if compute_factors else []
-    column = {name: len(fitted) + k for k, name in enumerate(names)}
-    x0 = np.concatenate([np.log([getattr(initial, name) for name in fitted]), np.zeros(len(names))])
+    column = {name: len(FITTED) + k for k, name in enumerate(names)}
+    x0 = np.concatenate([np.log([getattr(initial, name) for name in FITTED]), np.zeros(len(names))])
     log_measured = [np.log(p.measured) for p in problems]
     jobs = [np.zeros(len(p.measured), int) if p.jobs is None else np.asarray(p.jobs) for p in problems]
     positions = [p.positions if detrend else None for p in problems]
-    weights = np.array([prior_weight] * len(fitted) + [factor_weight] * len(names))
+    weights = np.array([prior_weight] * len(FITTED) + [factor_weight] * len(names))
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        constants = dataclasses.replace(initial, **dict(zip(fitted, np.exp(x[:len(fitted)]))))
+        constants = dataclasses.replace(initial, **dict(zip(FITTED, np.exp(x[:len(FITTED)]))))
         parts = []
         for p, measured, job, position in zip(problems, log_measured, jobs, positions):
             arrays, u = p.arrays, p.units
@@ -404,16 +403,17 @@ def _fit(problems: Sequence[Problem | tuple], initial: CostConstants | None, *, 
             parts.append(job_residuals(np.log(step) - measured, job, position, level_weight=level_weight))
         return np.concatenate(parts + [weights * (x - x0)])
 
-    upper = np.array([0.0 if name in BOUNDED else x + 4.0 for name, x in zip(fitted, x0)] + [3.0] * len(names))
-    lower = np.concatenate([x0[:len(fitted)] - 4.0, [-3.0] * len(names)])
-    if compute_factors:  # a step's compute never runs faster than its profile: a profile that ran slow is its own factor
-        lower[fitted.index("compute_scale")] = 0.0
+    upper = np.array([0.0 if name in BOUNDED else x + 4.0 for name, x in zip(FITTED, x0)] + [3.0] * len(names))
+    lower = np.concatenate([x0[:len(FITTED)] - 4.0, [-3.0] * len(names)])
     sparsity = None
-    if compute_factors:  # a description's factor moves only its own trials' residuals
+    if compute_factors:
+        # a step's compute never runs faster than its profile: a profile that ran slow is its own factor
+        lower[FITTED.index("compute_scale")] = 0.0
+        # a description's factor moves only its own trials' residuals
         sparsity = lil_matrix((sum(len(m) for m in log_measured) + len(x0), len(x0)), dtype=np.int8)
         row = 0
         for p, measured in zip(problems, log_measured):
-            sparsity[row:row + len(measured), :len(fitted)] = 1
+            sparsity[row:row + len(measured), :len(FITTED)] = 1
             sparsity[row:row + len(measured), column[p.arrays.name]] = 1
             row += len(measured)
         for j in range(len(x0)):
@@ -422,5 +422,5 @@ def _fit(problems: Sequence[Problem | tuple], initial: CostConstants | None, *, 
     result = least_squares(residuals, start, method="trf", loss="soft_l1", f_scale=0.3, max_nfev=max_evaluations,
                            bounds=(lower, upper), jac_sparsity=sparsity)
     constants = dataclasses.replace(initial, **{name: float(v) for name, v in
-                                                zip(fitted, np.exp(result.x[:len(fitted)]))})
+                                                zip(FITTED, np.exp(result.x[:len(FITTED)]))})
     return constants, {name: float(np.exp(result.x[column[name]])) for name in names}

@@ -103,9 +103,9 @@ def description_for(store: TrialStore, job: StoredJob, new: ModelDescription | N
     stored = store.descriptions()
     if job.description_id not in stored:
         raise ValueError(f"job {job.job} ({job.model}): its description {job.description_id} is not in the store")
-    old = parse_description(stored[job.description_id]["doc"], where=f"description {job.description_id}")
     if new is None:
         return job.description_id, stored[job.description_id]["doc"]
+    old = parse_description(stored[job.description_id]["doc"], where=f"description {job.description_id}")
     differences = variable_differences(old, new)
     if differences:
         raise ValueError(f"job {job.job} ({job.model}): the new description's variables differ from those its "
@@ -135,7 +135,7 @@ def remeasure_job(store: TrialStore, job: StoredJob, target: JobTarget, *, workd
     """Measures ``job``'s lineup again in one job on ``target`` (its cluster), and replaces the old
     job's trials in ``store`` by the new ones (``description``: the (id, document) the new trials name;
     default: the old job's)."""
-    if target.spec.to_dict() != job.cluster.to_dict():
+    if target.spec != job.cluster:
         raise ValueError(f"job {job.job} ran on {cluster_label(job.cluster.to_dict())}, the target is "
                          f"{cluster_label(target.spec.to_dict())}")
     desc_id, doc = description or description_for(store, job, None)
