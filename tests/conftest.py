@@ -1,6 +1,7 @@
-"""Shared helpers: launching real multi-process jobs with a hard time bound."""
+"""Shared helpers: launching real multi-process jobs with a hard time bound; a description profiled again."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -12,6 +13,7 @@ from typing import Callable, Sequence
 
 import pytest
 
+from hybridsync.description import ModelDescription
 from hybridsync.run.procs import run_bounded
 
 TIERS = ("unit", "multiprocess", "emulated")
@@ -20,6 +22,16 @@ TIERS = ("unit", "multiprocess", "emulated")
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
 BIN = Path(sys.executable).parent
+
+
+def reprofiled(desc: ModelDescription, factor: float) -> ModelDescription:
+    """``desc`` profiled again (or on a loaded machine): every phase and ready time ``factor`` x, the
+    variables the same."""
+    timing = dataclasses.replace(desc.timing, forward_s=desc.timing.forward_s * factor,
+                                 backward_s=desc.timing.backward_s * factor,
+                                 optimizer_s=desc.timing.optimizer_s * factor, step_s=desc.timing.step_s * factor)
+    return dataclasses.replace(desc, timing=timing, variable_timing={
+        name: dataclasses.replace(t, ready_s=t.ready_s * factor) for name, t in desc.variable_timing.items()})
 
 
 def launcher_argv(launcher: str, np: int = 2, hosts: str | None = None) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import reprofiled
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync import baselines
 from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming, load_description
@@ -203,15 +204,6 @@ def test_fit_constants_recovers_a_known_constant():
     assert fitted.ring_alpha_scale > 2  # moved towards the truth (4.5)
 
 
-def profiled_slow(desc: ModelDescription, factor: float) -> ModelDescription:
-    """``desc`` as a profile taken on a loaded machine reads it: every phase and ready time ``factor`` x."""
-    timing = desc.timing
-    slow = dataclasses.replace(timing, forward_s=timing.forward_s * factor, backward_s=timing.backward_s * factor,
-                               optimizer_s=timing.optimizer_s * factor, step_s=timing.step_s * factor)
-    return dataclasses.replace(desc, timing=slow, variable_timing={
-        name: dataclasses.replace(t, ready_s=t.ready_s * factor) for name, t in desc.variable_timing.items()})
-
-
 def test_fit_gives_a_slowly_profiled_model_its_own_compute_factor():
     """One training model's profile ran 5x slow (a loaded machine), the other's did not. The fit
     finds the slow one's factor and keeps the constants the software's, so a third model, profiled
@@ -226,7 +218,7 @@ def test_fit_gives_a_slowly_profiled_model_its_own_compute_factor():
         desc = models[name]
         strategies = [random_strategy(desc.variables, bounds_for(CLUSTER), rng) for _ in range(30)]
         times = predict_analytic(desc, CLUSTER, strategies, truth)
-        profiled = profiled_slow(desc, 5.0) if name == "a" else desc
+        profiled = reprofiled(desc, 5.0) if name == "a" else desc
         train += [Sample(model=name, description=profiled, cluster=CLUSTER, strategy=s, step_s=float(t))
                   for s, t in zip(strategies, times)]
         arrays = model_arrays(profiled)

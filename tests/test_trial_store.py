@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, WORKERS, wait_for
+from conftest import REPO, WORKERS, reprofiled, wait_for
 from hybridsync import envvars
 from hybridsync.cli import main as cli_main
 from hybridsync.description import ModelDescription, description_id, load_description, save_description
@@ -236,14 +236,6 @@ def test_urls_and_store_errors(tmp_path: Path, capsys) -> None:
     assert cli_main(["dataset", "export", "--store", str(tmp_path / "missing.db"), "-o", "x.jsonl"]) == 2
     assert "no trial store at" in capsys.readouterr().err
     assert not (tmp_path / "missing.db").exists()
-
-
-def reprofiled(desc: ModelDescription, factor: float) -> ModelDescription:
-    """``desc`` profiled again: every phase and ready time ``factor`` x, the variables the same."""
-    timing = dataclasses.replace(desc.timing, forward_s=desc.timing.forward_s * factor,
-                                 backward_s=desc.timing.backward_s * factor, step_s=desc.timing.step_s * factor)
-    return dataclasses.replace(desc, timing=timing, variable_timing={
-        name: dataclasses.replace(t, ready_s=t.ready_s * factor) for name, t in desc.variable_timing.items()})
 
 
 def profiled_store(url: str) -> tuple[list[TrialRecord], ModelDescription, ModelDescription]:
