@@ -63,8 +63,8 @@ class ObservedTarget:
         self.target, self.pin, self.spec = target, pin, target.spec
         self.observations: list[dict[str, Any]] = []
 
-    def start(self, command, env, log):
-        job = self.target.start(command, env, log)
+    def start(self, command, env, log, *, servers=True):
+        job = self.target.start(command, env, log, servers=servers)
         roles = self._roles(job)
         started = time.monotonic()
         if self.pin:

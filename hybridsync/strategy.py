@@ -167,6 +167,12 @@ class Strategy:
         """Strategies key sets and dicts; equal strategies have equal documents, hence equal fingerprints."""
         return hash(self.fingerprint())
 
+    @property
+    def uses_ps(self) -> bool:
+        """Whether the default or any variable goes by the parameter-server route: a job with this
+        strategy needs servers exactly then."""
+        return any(config.route == "ps" for config in (self.default, *self.variables.values()))
+
     def config_for(self, name: str) -> VarConfig:
         """The config that applies to the variable ``name``."""
         return self.variables.get(name, self.default)

@@ -58,6 +58,10 @@ def test_failed_trials_are_recorded_with_their_reason_and_the_run_goes_on(tmp_pa
     jobs = {r.job for r in records.values()}
     assert len(jobs) == 3, "a new job after the crash and after the hang"
     assert "4 measured, 3 failed" in proc.stdout
+    logs = tmp_path / "jobs" / "logs"
+    assert "hybridsync.ps.server" in (logs / f"{records['mixed'].job}.log").read_text()
+    assert "hybridsync.ps.server" not in (logs / f"{records['last'].job}.log").read_text(), \
+        "a job whose strategies route nothing to a server starts none (they would wait out their join timeout)"
 
 
 def test_a_killed_runner_loses_at_most_the_trial_in_flight_and_resumes(tmp_path):

@@ -77,7 +77,7 @@ def _run(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
         print(f"hybridsync-run --autotune: {result.winner_kind} won ({strategy_path}); autotuning took "
               f"{tuned:.0f} s; training with it", file=sys.stderr)
         if plan.hosts is None and plan.hostfile is None:
-            code = run_on(target, plan.command, {envvars.STRATEGY: strategy_path})
+            code = run_on(target, plan.command, {envvars.STRATEGY: strategy_path}, servers=result.winner.uses_ps)
     if plan.hosts is not None or plan.hostfile is not None:
         code = run(dataclasses.replace(options, strategy=strategy_path, autotune=False), horovodrun_argv)
     print(f"hybridsync-run --autotune: done in {time.monotonic() - started:.0f} s (autotune {tuned:.0f} s); "
@@ -132,10 +132,11 @@ def variables_digest(variables: Any) -> str:
 
 
 def run_on(target: Any, command: Sequence[str], env: dict[str, str], out: Any = sys.stdout,
-           timeout_s: float | None = None) -> int:
-    """Runs ``command`` on every worker of an entered emulated ``target`` with ``env``, output to
-    ``out``, until it ends (or ``timeout_s``: 124). Returns the first non-zero exit code, or 0."""
-    job = target.start(list(command), env, out)
+           timeout_s: float | None = None, *, servers: bool = True) -> int:
+    """Runs ``command`` on every worker of an entered emulated ``target`` with ``env`` (and its
+    parameter servers, with ``servers``), output to ``out``, until it ends (or ``timeout_s``: 124).
+    Returns the first non-zero exit code, or 0."""
+    job = target.start(list(command), env, out, servers=servers)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:

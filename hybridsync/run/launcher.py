@@ -406,8 +406,7 @@ def _is_this_host(host: str) -> bool:
 def _uses_ps(strategy_path: str | None) -> bool:
     if strategy_path is None:
         return False
-    strategy = Strategy.load(strategy_path)
-    return strategy.default.route == "ps" or any(c.route == "ps" for c in strategy.variables.values())
+    return Strategy.load(strategy_path).uses_ps
 
 
 def _free_port() -> int:

@@ -26,8 +26,10 @@ class RunningJob(Protocol):
 class JobTarget(Protocol):
     spec: ClusterSpec
 
-    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str]) -> RunningJob:
-        """Starts ``command`` on every worker slot (and the servers), output to ``log``."""
+    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str], *, servers: bool = True) -> RunningJob:
+        """Starts ``command`` on every worker slot and, with ``servers``, the cluster's parameter
+        servers (a job whose strategies route nothing to them leaves them out: servers nobody
+        joins wait out their join timeout and fail, loudly, in the job's output), output to ``log``."""
 
 
 @dataclasses.dataclass
@@ -73,19 +75,19 @@ class EmulatedTarget:
     def __exit__(self, *exc_info: object) -> None:
         self._cluster.teardown()
 
-    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str]) -> RunningJob:
+    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str], *, servers: bool = True) -> RunningJob:
         from hybridsync.run.emulated import launch_gloo, launch_servers, ps_env
         cluster = self._cluster
-        servers = (launch_servers(cluster, env=env, stdout=log, stderr=subprocess.STDOUT)
-                   if self.spec.servers_per_node else None)
+        servers = bool(servers and self.spec.servers_per_node)
+        server_job = launch_servers(cluster, env=env, stdout=log, stderr=subprocess.STDOUT) if servers else None
         try:
-            workers = launch_gloo(cluster, command, env={**ps_env(cluster), **env}, stdout=log,
+            workers = launch_gloo(cluster, command, env={**(ps_env(cluster) if servers else {}), **env}, stdout=log,
                                   stderr=subprocess.STDOUT)
         except BaseException:
-            if servers is not None:
-                servers.kill()
+            if server_job is not None:
+                server_job.kill()
             raise
-        return _EmulatedJob(workers=workers, servers=servers)
+        return _EmulatedJob(workers=workers, servers=server_job)
 
 
 _RANK_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.", re.MULTILINE)
@@ -152,10 +154,10 @@ class HostsTarget:
     def __exit__(self, *exc_info: object) -> None:
         pass
 
-    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str]) -> RunningJob:
+    def start(self, command: Sequence[str], env: dict[str, str], log: IO[str], *, servers: bool = True) -> RunningJob:
         launcher = os.path.join(os.path.dirname(sys.executable), "hybridsync-run")
         argv = [launcher, "-np", str(self.spec.num_workers), *self.placement, "--gloo",
-                "--num-servers", str(self.spec.num_servers), *self.launcher_args, *command]
+                "--num-servers", str(self.spec.num_servers if servers else 0), *self.launcher_args, *command]
         from hybridsync.children import die_with_parent
         process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                    text=True, start_new_session=True, preexec_fn=die_with_parent())

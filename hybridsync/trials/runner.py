@@ -266,7 +266,8 @@ class TrialRunner:
                 handle.write(json.dumps({"index": index, **candidate.to_dict()}) + "\n")
         command, env = self.workload.job(f"{base}.schedule.jsonl", f"{base}.results.jsonl", self.protocol, self.seed)
         with open(f"{base}.log", "a", encoding="utf-8") as log:
-            job = self.target.start(command, env, log)
+            job = self.target.start(command, env, log,
+                                    servers=any(c.strategy is not None and c.strategy.uses_ps for c in schedule))
             try:
                 return self._follow(job, job_id, schedule, _Follower(f"{base}.results.jsonl"), f"{base}.log",
                                     on_trial)
