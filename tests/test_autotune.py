@@ -415,23 +415,51 @@ class _DriftingJob:
     def __init__(self, store, tuner, times: dict[str, list[float]]) -> None:
         self.store, self.tuner, self.times = store, tuner, times
 
-    def run(self, schedule) -> None:
+    def run(self, schedule, on_trial=lambda record: None) -> None:
         import datetime
         from hybridsync.description import description_id
         from hybridsync.trials.store import TrialRecord
         start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
         for index, candidate in enumerate(schedule):
             at = (start + datetime.timedelta(seconds=index)).isoformat()
-            self.store.add(TrialRecord(
+            record = TrialRecord(
                 uid=f"t{index}", model=self.tuner.model, description_id=description_id(self.tuner.description),
                 cluster=CLUSTER.to_dict(), kind=candidate.kind, strategy=candidate.strategy.to_dict(),
                 fingerprint=candidate.fingerprint, status="ok", reason=None, warmup_steps=0,
                 step_times=[self.times[candidate.kind][index // 2]] * 3, versions={}, started=at, finished=at,
-                host="h", job="runoff"))
+                host="h", job="runoff")
+            self.store.add(record)
+            on_trial(record)
 
 
 @pytest.mark.unit
-def test_a_runoff_job_takes_a_lead_only_if_it_holds_pass_by_pass(tmp_path):
+def test_progress_counts_new_strategies_against_the_budget_and_names_the_phase():
+    import io
+    import types
+    from hybridsync.autotune.progress import AutotuneProgress
+    ok, failed = types.SimpleNamespace(status="ok"), types.SimpleNamespace(status="failed")
+    stream = io.StringIO()
+    with AutotuneProgress(30, stream=stream) as progress:
+        progress.phase("round 1", expected=3)
+        progress.trial(ok)
+        progress.trial(failed)
+        assert progress.bar.n == 2 and "round 1 2/3 trials, 1 failed" in stream.getvalue()
+        progress.phase("confirmation of 6", expected=24)
+        progress.trial(ok, new_strategy=False)
+        assert progress.bar.n == 2 and progress.failed == 0, "a confirmation trial is no new strategy"
+        progress.line("round 1: 3 strategies measured")
+    assert "autotune: 2/30 strategies" in stream.getvalue() and "confirmation of 6 1/24 trials" in stream.getvalue()
+    assert re.search(r"autotune \[ *\d+ s\] round 1: 3 strategies measured\n", stream.getvalue())
+    quiet = io.StringIO()
+    with AutotuneProgress(30, enabled=False, stream=quiet) as progress:
+        progress.phase("round 1", expected=3)
+        progress.trial(ok)
+        progress.line("round 1: 3 strategies measured")
+    assert quiet.getvalue() == ""
+
+
+@pytest.mark.unit
+def test_a_runoff_job_takes_a_lead_only_if_it_holds_pass_by_pass(tmp_path, capsys):
     from hybridsync.autotune.loop import Autotuner
     from hybridsync.autotune.result import repeats_p
     from hybridsync.description import load_description
@@ -444,14 +472,17 @@ def test_a_runoff_job_takes_a_lead_only_if_it_holds_pass_by_pass(tmp_path):
     lead = {"kind": "search:top1", "step_s": 0.15, "over": "baseline:allreduce-fp16", "p": 0.34}
     drift = np.array([1.0, 1.15, 0.9, 1.1, 0.95, 1.05, 0.85, 1.12])  # +-15% from pass to pass, as within a job
 
-    def runoff(times: dict[str, np.ndarray], elapsed_s: float = 100.0):
+    def runoff(times: dict[str, np.ndarray], elapsed_s: float = 100.0, progress: bool = False):
         tuner = Autotuner(description=description, cluster=CLUSTER, store=TrialStore(str(tmp_path / "t.db")),
-                          runner_for=lambda protocol, store: _DriftingJob(store, tuner, times), progress=False)
+                          runner_for=lambda protocol, store: _DriftingJob(store, tuner, times), progress=progress)
         tuner.seconds["confirm"] = 60.0  # 8 kinds x 4 repeats in the confirmation: ~1.9 s a trial
-        return tuner._runoff(lineup * 4, lead, elapsed_s)
+        with tuner.progress:
+            return tuner._runoff(lineup * 4, lead, elapsed_s)
 
     held = {"search:top1": 0.150 * drift, "baseline:allreduce-fp16": 0.156 * drift}  # 4% faster in every pass
-    winner, left, found = runoff(held)
+    winner, left, found = runoff(held, progress=True)
+    assert "runoff: search:top1 1.040x baseline:allreduce-fp16 over 8 passes (p = 0.008): taken\n" in \
+        capsys.readouterr().err, "the user sees the runoff's verdict as it ends"
     assert winner.kind == "search:top1" and left is None and found["taken"]
     assert found["ratio"] == pytest.approx(1.04) and found["p"] < 0.01 and len(found["step_s"]["search:top1"]) == 8
     assert repeats_p(*found["step_s"].values()) > RESOLVED_P, "unpaired, the same repeats would not resolve it"

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from hybridsync import baselines
+from hybridsync.autotune.progress import AutotuneProgress
 from hybridsync.autotune.result import (MIN_RUNOFF_PASSES, RESOLVED_P, AutotuneResult, TrialOutcome, fair_rivals,
                                         paired_p, repeats_p)
 from hybridsync.cluster.spec import ClusterSpec
@@ -151,7 +152,9 @@ class Autotuner:
         self.description, self.cluster, self.store, self.settings = description, cluster, store, settings
         self.arrays = model_arrays(description)  # ValueError now if the description has no timing
         self.model = description.name or "model"
-        self.runner_for, self.with_horovod, self.progress = runner_for, with_horovod, progress
+        self.runner_for, self.with_horovod = runner_for, with_horovod
+        self.progress = AutotuneProgress(settings.trial_budget, enabled=progress)
+        """The bar over the budget and a line per phase (the search's own bars stay off inside it)."""
         self.base = simulator if simulator is not None else shipped_simulator()
         self.simulator = self.base
         self.confirm_store = confirm_store
@@ -170,6 +173,10 @@ class Autotuner:
         self.levels = JobLevels(strategy_s={}, jobs={})
 
     def run(self) -> AutotuneResult:
+        with self.progress:
+            return self._run()
+
+    def _run(self) -> AutotuneResult:
         start = time.monotonic()
         self.store.add_description(description_id(self.description), self.model, self.description.to_dict())
         self._calibrate()
@@ -189,6 +196,7 @@ class Autotuner:
                 break
             self._measure(batch, round_index)
             self._refit()
+            self._report_round(round_index, len(batch))
             round_index += 1
             if len(self._measured()) >= self.settings.trial_budget:
                 break
@@ -227,7 +235,7 @@ class Autotuner:
         measured.update({r.fingerprint: Strategy.from_dict(r.strategy) for r in records
                          if r.strategy is not None and r.fingerprint not in measured})
         ranked = propose(self.simulator, self.description, self.cluster, seeds=seeds, exclude=exclude,
-                         count=count, budget=self.settings.search_budget, rng=self.rng, progress=self.progress,
+                         count=count, budget=self.settings.search_budget, rng=self.rng, progress=False,
                          exact=self.settings.exact, measured=list(measured.values()))
         self.seconds["search"] += time.monotonic() - started
         return [Candidate(kind=f"{SEARCH_KIND}:r{round_index}", strategy=s) for _, s in ranked]
@@ -236,7 +244,8 @@ class Autotuner:
         predicted = self.simulator.predict(self.description, self.cluster, [self._as_simulated(c) for c in batch])
         started = time.monotonic()
         controls = self._controls(round_index)
-        self.runner_for(self.settings.protocol, self.store).run(batch, controls=controls,
+        self.progress.phase(f"round {round_index + 1}", expected=len(batch))
+        self.runner_for(self.settings.protocol, self.store).run(batch, self.progress.trial, controls=controls,
                                                                block_size=self.settings.block_size,
                                                                rechecks=self._rechecks(controls))
         self.seconds["trials"] += time.monotonic() - started
@@ -248,6 +257,23 @@ class Autotuner:
                                             predicted_s=float(guess), measured_s=record.median_s if ok else None,
                                             reason=None if ok else (record.reason if record else "not measured"),
                                             job=record.job if record else None))
+
+    def _report_round(self, round_index: int, measured: int) -> None:
+        """One line after a round: what it measured, and the fastest search strategy and rival so far at
+        an average job's level (raw milliseconds of different jobs do not compare)."""
+        kinds = {r.fingerprint: r.kind for r in self._records() if r.status == "ok" and not is_control(r.kind)}
+        fastest: dict[str, str] = {}
+        for fingerprint, seconds in self.levels.ranked():
+            if fingerprint in kinds:
+                side = "rival" if is_rival(kinds[fingerprint]) else "search strategy"
+                fastest.setdefault(side, f"fastest {side} {kinds[fingerprint]} {seconds * 1e3:.1f} ms")
+        failed = f", {self.progress.failed} failed" if self.progress.failed else ""
+        self.progress.line(f"round {round_index + 1}: {measured} strategies measured{failed} "
+                           f"({self.progress.phase_s:.0f} s); {'; '.join(fastest.values()) or 'none ran'}")
+
+    def _confirmation_trial(self, record: TrialRecord) -> None:
+        """A confirmation or runoff trial stored: progress within the phase, no new strategy."""
+        self.progress.trial(record, new_strategy=False)
 
     def _rechecks(self, controls: Sequence[Candidate]) -> list[Candidate]:
         """The ``settings.recheck`` fastest search strategies (at an average job's level) measured in one
@@ -281,9 +307,11 @@ class Autotuner:
         if not rechecks:
             return
         started = time.monotonic()
+        self.progress.phase(f"rechecking {len(rechecks)} strategies measured once")
         self.runner_for(self.settings.protocol, self.store).run([], controls=controls, rechecks=rechecks)
         self.seconds["trials"] += time.monotonic() - started
         self._refit()
+        self.progress.line(f"rechecked {len(rechecks)} strategies measured once ({time.monotonic() - started:.0f} s)")
 
     def _last_rechecks(self, controls: Sequence[Candidate]) -> list[Candidate]:
         """``_recheck_last``'s list: ``_rechecks`` and the rivals measured once among one more of each
@@ -317,6 +345,7 @@ class Autotuner:
             return
         from hybridsync.model.calibration import calibrate
         started = time.monotonic()
+        self.progress.phase("calibrating the cluster's paths")
         try:
             links = calibrate(self.runner_for(self.settings.protocol, self.store).target, self.cluster)
         except RuntimeError as error:
@@ -371,7 +400,8 @@ class Autotuner:
         store = self.confirm_store or TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-confirm-"), "confirm.db"))
         with store if own_store else contextlib.nullcontext(store):
             started = time.monotonic()
-            self.runner_for(self.settings.confirm_protocol, store).run(schedule)
+            self.progress.phase(f"confirmation of {len(lineup)}", expected=len(schedule))
+            self.runner_for(self.settings.confirm_protocol, store).run(schedule, self._confirmation_trial)
             self.seconds["confirm"] = time.monotonic() - started
             records = store.trials(model=self.model, cluster=self.cluster.to_dict(), status="ok")
         steps: dict[str, list[float]] = {}
@@ -383,6 +413,10 @@ class Autotuner:
         confirmed = {kind: statistics.median(times) for kind, times in steps.items()}
         if not confirmed:
             raise RuntimeError("the confirmation job measured nothing (every trial failed); see the trial logs")
+        fastest = min(confirmed, key=confirmed.__getitem__)
+        self.progress.line(f"confirmation: {len(lineup)} strategies x {self.settings.confirm_repeats} passes in one "
+                           f"job ({self.seconds['confirm']:.0f} s); fastest there {fastest} "
+                           f"{confirmed[fastest] * 1e3:.1f} ms")
         return confirmed, repeats, lineup
 
     def _winner(self, lineup: list[Candidate], confirmed: dict[str, float],
@@ -422,8 +456,9 @@ class Autotuner:
             return rival, lead, record
         schedule = shuffled_passes([leader, rival], passes, self.rng)
         started = time.monotonic()
+        self.progress.phase(f"runoff {leader.kind} vs {rival.kind}", expected=len(schedule))
         with TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-runoff-"), "runoff.db")) as store:
-            self.runner_for(self.settings.confirm_protocol, store).run(schedule)
+            self.runner_for(self.settings.confirm_protocol, store).run(schedule, self._confirmation_trial)
             records = store.trials(model=self.model, cluster=self.cluster.to_dict())
         self.seconds["runoff"] = time.monotonic() - started
         steps = pass_medians(records, schedule)
@@ -431,6 +466,9 @@ class Autotuner:
         p = paired_p(ratios)
         ratio = statistics.median(ratios) if ratios else None
         taken = ratio is not None and ratio > 1 and p is not None and p < RESOLVED_P
+        self.progress.line(f"runoff: {leader.kind} {'-' if ratio is None else f'{ratio:.3f}x'} {rival.kind} over "
+                           f"{len(ratios)} passes (p = {'-' if p is None else f'{p:.3f}'}): "
+                           f"{'taken' if taken else 'not taken, the rival keeps the win'}")
         record.update(ratio=ratio, p=p, taken=taken,
                       step_s={kind: [by[kind] for by in steps if kind in by] for kind in (leader.kind, rival.kind)})
         return (leader, None, record) if taken else (rival, lead, record)

@@ -1,0 +1,67 @@
+"""What a user sees while an autotune runs: one bar over the trial budget, the phase it is in,
+and one line per finished phase.
+
+An autotune spends minutes in trial jobs that print nothing of their own; without this the
+terminal showed only the search's sub-second bars and then silence until the verdict. The bar
+counts distinct strategies measured against ``trial_budget`` (what the budget counts); controls,
+rechecks, the confirmation and the runoff take time without new strategies, so the phase text says
+which of them is running, with its own count.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+class AutotuneProgress:
+    """A tqdm bar over ``budget`` strategies on ``stream`` (stderr), or nothing when not ``enabled``."""
+
+    def __init__(self, budget: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+        from tqdm import tqdm
+        self.started, self.enabled, self.stream = time.monotonic(), enabled, stream or sys.stderr
+        self.bar = tqdm(total=budget, desc="autotune", dynamic_ncols=True, disable=not enabled, file=self.stream,
+                        mininterval=0,  # a redraw per trial: seconds apart
+                        bar_format="{desc}: {n_fmt}/{total_fmt} strategies |{bar}| {elapsed}{postfix}")
+        self.phase_name, self.done, self.expected, self.failed = "", 0, 0, 0
+        self.phase_started = self.started
+
+    def phase(self, name: str, expected: int = 0) -> None:
+        """Enters ``name`` (e.g. "round 2", "confirmation"), which will store ``expected`` trials."""
+        self.phase_name, self.done, self.expected, self.failed = name, 0, expected, 0
+        self.phase_started = time.monotonic()
+        self._show()
+
+    def trial(self, record: Any, *, new_strategy: bool = True) -> None:
+        """One trial of the current phase stored; ``new_strategy``: it counts against the budget."""
+        self.done += 1
+        self.failed += record.status != "ok"
+        self._show(refresh=not new_strategy)
+        if new_strategy:
+            self.bar.update()  # redraws, with the postfix just set
+
+    @property
+    def phase_s(self) -> float:
+        """Seconds since the current phase began."""
+        return time.monotonic() - self.phase_started
+
+    def line(self, text: str) -> None:
+        """A line above the bar (kept in the terminal and in logs), prefixed with the time so far."""
+        if self.enabled:
+            self.bar.write(f"autotune [{time.monotonic() - self.started:3.0f} s] {text}", file=self.stream)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _show(self, refresh: bool = True) -> None:
+        if not self.enabled:
+            return
+        count = f" {self.done}/{self.expected} trials" if self.expected else ""
+        failed = f", {self.failed} failed" if self.failed else ""
+        self.bar.set_postfix_str(f"{self.phase_name}{count}{failed}", refresh=refresh)
+
+    def __enter__(self) -> "AutotuneProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
