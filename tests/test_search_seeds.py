@@ -92,6 +92,15 @@ def test_the_two_stage_mix_merges_dense_layers_into_two_halves_by_backward_order
     assert two_stage.fingerprint() != merged.fingerprint()
 
 
+def test_seed_kinds_name_a_sparse_route_only_on_a_model_with_sparse_variables():
+    from hybridsync.autotune.loop import seed_candidates
+    for model, sparse in (("resnet", False), ("ncf", True)):
+        kinds = [c.kind for c in seed_candidates(zoo(model), CLUSTER, exact=False, exclude=set())]
+        assert any("dense-two-stage-fp16" in kind for kind in kinds)
+        assert any(kind.startswith("search:seed-sparse-") for kind in kinds) == sparse, kinds
+        assert len(set(kinds)) == len(kinds)
+
+
 def test_seeds_of_a_model_without_sparse_variables_are_dense_mixes_and_not_the_baselines():
     description = zoo("vgg")
     assert not any(info.sparse for info in description.variables.values())

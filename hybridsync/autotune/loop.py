@@ -539,9 +539,9 @@ def seed_candidates(description: ModelDescription, cluster: ClusterSpec, *, exac
                     exclude: set[str]) -> list[Candidate]:
     """The structured seeds (``search.seeds``) for this model and cluster as first-round candidates
     (``search:seed-<recipe>``), less those equal to a rival (``exclude``: fingerprints)."""
-    from hybridsync.search.seeds import structured_seeds
+    from hybridsync.search.seeds import recipe_label, structured_seeds
     from hybridsync.strategy_space import bounds_for
-    return [Candidate(kind=f"{SEARCH_KIND}:seed-{name}", strategy=strategy)
+    return [Candidate(kind=f"{SEARCH_KIND}:seed-{recipe_label(name, description.variables)}", strategy=strategy)
             for name, strategy in structured_seeds(description.variables, bounds_for(cluster, exact=exact),
                                                    rows_touched=rows_touched(description))
             if strategy.fingerprint() not in exclude]

@@ -156,6 +156,15 @@ def structured_seeds(variables: Mapping[str, VariableInfo], bounds: SpaceBounds,
     return list(out.values())
 
 
+def recipe_label(name: str, variables: Mapping[str, VariableInfo]) -> str:
+    """Recipe ``name`` as trials and reports show it for ``variables``: without its ``sparse-<route>-``
+    part on a model that has no sparse variable, where that part does nothing (a vision
+    transformer's two-stage fp16 mix is ``dense-two-stage-fp16``, not ``sparse-ps-dense-...``)."""
+    if name.startswith("sparse-") and not any(info.sparse for info in variables.values()):
+        return name.split("-", 2)[2]
+    return name
+
+
 def embedding_like(variables: Mapping[str, VariableInfo], rows_touched: Mapping[str, int]) -> frozenset[str]:
     """The ``rows`` class: the variables ``strategy_space.is_embedding_like`` (large dense floating,
     profiled steps touching at most ``strategy_space.ROWS_SHARE`` of their rows)."""
