@@ -15,16 +15,28 @@ from typing import Any, TextIO
 
 
 class AutotuneProgress:
-    """A tqdm bar over ``budget`` strategies on ``stream`` (stderr), or nothing when not ``enabled``."""
+    """A tqdm bar over ``budget`` strategies on ``stream`` (stderr) while entered (``with``), unless
+    not ``enabled``; outside that it only counts, silently."""
 
     def __init__(self, budget: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
-        from tqdm import tqdm
-        self.started, self.enabled, self.stream = time.monotonic(), enabled, stream or sys.stderr
-        self.bar = tqdm(total=budget, desc="autotune", dynamic_ncols=True, disable=not enabled, file=self.stream,
-                        mininterval=0,  # a redraw per trial: seconds apart
-                        bar_format="{desc}: {n_fmt}/{total_fmt} strategies |{bar}| {elapsed}{postfix}")
+        self.budget, self.enabled, self.stream = budget, enabled, stream
+        self.bar: Any = None
+        self.started = self.phase_started = time.monotonic()
         self.phase_name, self.done, self.expected, self.failed = "", 0, 0, 0
-        self.phase_started = self.started
+
+    def __enter__(self) -> "AutotuneProgress":
+        if self.enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.budget, desc="autotune", dynamic_ncols=True, file=self.stream or sys.stderr,
+                            mininterval=0,  # a redraw per trial: seconds apart
+                            bar_format="{desc}: {n_fmt}/{total_fmt} strategies |{bar}| {elapsed}{postfix}")
+        self.started = self.phase_started = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
     def phase(self, name: str, expected: int = 0) -> None:
         """Enters ``name`` (e.g. "round 2", "confirmation"), which will store ``expected`` trials."""
@@ -37,7 +49,7 @@ class AutotuneProgress:
         self.done += 1
         self.failed += record.status != "ok"
         self._show(refresh=not new_strategy)
-        if new_strategy:
+        if new_strategy and self.bar is not None:
             self.bar.update()  # redraws, with the postfix just set
 
     @property
@@ -47,21 +59,12 @@ class AutotuneProgress:
 
     def line(self, text: str) -> None:
         """A line above the bar (kept in the terminal and in logs), prefixed with the time so far."""
-        if self.enabled:
-            self.bar.write(f"autotune [{time.monotonic() - self.started:3.0f} s] {text}", file=self.stream)
-
-    def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.write(f"autotune [{time.monotonic() - self.started:3.0f} s] {text}", file=self.bar.fp)
 
     def _show(self, refresh: bool = True) -> None:
-        if not self.enabled:
+        if self.bar is None:
             return
         count = f" {self.done}/{self.expected} trials" if self.expected else ""
         failed = f", {self.failed} failed" if self.failed else ""
         self.bar.set_postfix_str(f"{self.phase_name}{count}{failed}", refresh=refresh)
-
-    def __enter__(self) -> "AutotuneProgress":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
