@@ -71,6 +71,10 @@ CASES = {
     # Sparse gradients where the all-reduce routes cannot send them sparse: made dense for the message.
     "sparse_ring_partitions_groups": ({}, {"strategy": strategy(SPARSE_RING)}, {"sparse": True}, 1e-5),
     "sparse_hierarchical": ({}, {"strategy": strategy(SPARSE_HIERARCHICAL)}, {"sparse": True}, 1e-5),
+    # Gradient clipping as Horovod documents it: synchronize(), clip, step() under skip_synchronize().
+    "clip_hierarchical_mixed": ({"clip": 0.05}, {"strategy": strategy(HIERARCHICAL_MIXED)}, {}, 2e-3),
+    "clip_groups_partitions": ({"clip": 0.05, "backward_passes_per_step": 2}, {"strategy": strategy(MIXED)}, {},
+                               2e-3),
 }
 
 
@@ -110,6 +114,7 @@ PS_CASES = {
     "ps_predivide_backward_passes_2": ({"gradient_predivide_factor": 2.0, "backward_passes_per_step": 2},
                                        {"strategy": {"default": {"route": "ps"}}}, {}, 1e-5),
     "ps_hierarchical_ring_mixed": ({}, {"strategy": strategy(PS_HIERARCHICAL_RING)}, {}, 1e-5),
+    "ps_clip_mixed_with_ring": ({"clip": 0.05}, {"strategy": strategy(PS_MIXED)}, {}, 1e-5),
     "ps_sparse_partitions": ({}, {"strategy": strategy({"emb.weight": {"route": "ps", "partitions": 2}})},
                              {"sparse": True}, 1e-5),
     "ps_sparse_partitions_grouped": ({}, {"strategy": strategy(PS_SPARSE_GROUPED)}, {"sparse": True}, 1e-5),
@@ -204,16 +209,22 @@ def steps(model: nn.Module, make_optimizer, common: dict, extra: dict, gen: torc
     """``STEPS`` training steps of ``model`` with a new (distributed) optimizer; returns the optimizer."""
     base = (torch.optim.Adam(model.parameters(), lr=0.01) if common.get("optim") == "adam"
             else torch.optim.SGD(model.parameters(), lr=0.1))
-    kwargs = {k: v for k, v in common.items() if k != "optim"}
+    kwargs = {k: v for k, v in common.items() if k not in ("optim", "clip")}
     opt = make_optimizer(base, named_parameters=list(model.named_parameters()), **kwargs, **extra)
-    passes = common.get("backward_passes_per_step", 1)
+    passes, clip = common.get("backward_passes_per_step", 1), common.get("clip")
     for _ in range(STEPS):
         opt.zero_grad()
         for _ in range(passes):
             ids = torch.randint(0, 50, (6, 5), generator=gen)
             target = torch.randn(6, 4, generator=gen)
             nn.functional.mse_loss(model(ids), target).backward()
-        opt.step()
+        if clip is None:
+            opt.step()
+            continue
+        opt.synchronize()  # the averaged gradients, clipped before the step (Horovod's documented recipe)
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+        with opt.skip_synchronize():
+            opt.step()
     return opt
 
 
