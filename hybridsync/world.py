@@ -99,8 +99,10 @@ def fit_to_world(strategy: Strategy | None, variables: Sequence[str], world: Wor
 
     default = fitted(strategy.default)
     configs = {name: fitted(config) for name, config in strategy.variables.items()}
-    keeps_ps = any(c.route == "ps" for c in (default, *configs.values()))
-    result = Strategy(default=default, variables=configs, sync=strategy.sync if keeps_ps else None)
+    result = Strategy(default=default, variables=configs)
+    keeps_ps = result.uses_ps
+    if keeps_ps:
+        result = dataclasses.replace(result, sync=strategy.sync)
     moved: dict[tuple[str, str], list[str]] = {}
     for name in variables:
         before, after = strategy.config_for(name), result.config_for(name)
