@@ -432,6 +432,69 @@ class _DriftingJob:
             on_trial(record)
 
 
+class _ClockedJobs:
+    """Stands in for the trial runner of every job (unit test): stores each scheduled trial (controls as
+    ``blocked_schedule`` places them) with a step time fixed per strategy, and moves ``clock`` on by
+    ``per_trial_s`` a trial, as trial jobs on a slow machine would."""
+
+    def __init__(self, store, tuner, clock: list[float], per_trial_s: float) -> None:
+        self.store, self.tuner, self.clock, self.per_trial_s = store, tuner, clock, per_trial_s
+
+    def run(self, candidates, on_trial=lambda record: None, *, controls=(), block_size=5, rechecks=()):
+        import datetime
+        import zlib
+        from hybridsync.description import description_id
+        from hybridsync.trials.runner import RunSummary, blocked_schedule
+        from hybridsync.trials.store import TrialRecord, is_control
+        job = f"j{self.clock[0]:.0f}"
+        schedule = blocked_schedule(list(candidates), list(controls), block_size, list(rechecks))
+        for index, candidate in enumerate(schedule):
+            self.clock[0] += self.per_trial_s
+            at = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc) + datetime.timedelta(seconds=self.clock[0])
+            record = TrialRecord(
+                uid=f"{job}-{index}", model=self.tuner.model, description_id=description_id(self.tuner.description),
+                cluster=CLUSTER.to_dict(), kind=candidate.kind,
+                strategy=None if candidate.strategy is None else candidate.strategy.to_dict(),
+                fingerprint=candidate.fingerprint, status="ok", reason=None, warmup_steps=0,
+                step_times=[0.1 + zlib.crc32(candidate.fingerprint.encode()) % 997 / 1e4] * 3, versions={},
+                started=at.isoformat(), finished=at.isoformat(), host="h", job=job)
+            self.store.add(record)
+            if not is_control(candidate.kind):
+                on_trial(record)
+        controls_run = sum(is_control(c.kind) for c in schedule)
+        return RunSummary(measured=len(schedule) - controls_run, failed=0, skipped=0, jobs=1,
+                          seconds=len(schedule) * self.per_trial_s, controls=controls_run)
+
+
+@pytest.mark.unit
+def test_the_time_limit_stops_the_rounds_short_of_the_budget_so_that_the_autotune_fits_it(tmp_path, monkeypatch):
+    import types
+    from hybridsync.autotune import loop
+    from hybridsync.description import load_description
+    from hybridsync.trials.store import TrialStore
+    description = load_description(DESCRIPTIONS / "ncf.json")
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def autotune(limit: float | None, name: str):
+        clock[0] = 0.0
+        settings = AutotuneSettings(trial_budget=50, per_round=10, search_budget=300, calibrate=False,
+                                    time_limit_s=limit)
+        tuner = loop.Autotuner(description=description, cluster=CLUSTER, store=TrialStore(str(tmp_path / name)),
+                               runner_for=lambda protocol, store: _ClockedJobs(store, tuner, clock, per_trial_s=5.0),
+                               settings=settings, progress=False)
+        return tuner.run(), len(tuner._measured())
+
+    unlimited, measured = autotune(None, "unlimited.db")
+    assert unlimited.rounds_cut is None and measured == 50
+    assert unlimited.seconds["total"] > 600, "at 5 s a trial the whole budget takes longer than 10 minutes"
+    limited, measured = autotune(600.0, "limited.db")
+    assert limited.rounds_cut is not None and limited.rounds_cut["measured"] == measured < 50
+    assert limited.rounds_cut["budget"] == 50 and "would pass the 600 s limit" in limited.rounds_cut["why"]
+    assert limited.seconds["total"] <= 600, "the rounds left room for the recheck job and the confirmation"
+    assert "Time limit: the rounds stopped at" in markdown(to_dict(limited))
+
+
 @pytest.mark.unit
 def test_progress_counts_new_strategies_against_the_budget_and_names_the_phase():
     import io

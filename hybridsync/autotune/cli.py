@@ -58,7 +58,8 @@ def add_autotune_arguments(p: argparse.ArgumentParser) -> None:
                         "passes (default 8; 0: no runoff; else at least 6)")
     p.add_argument("--time-limit", dest="time_limit_s", type=_seconds_or_none, default=argparse.SUPPRESS,
                    metavar="SECONDS",
-                   help="wall time the runoff may not push the autotune past (default 600; none: no limit)")
+                   help="wall time of the whole autotune: rounds stop short of the trial budget and the runoff "
+                        "shrinks to fit it (default 600; none: no limit)")
 
 
 def _seconds_or_none(text: str) -> float | None:

@@ -106,9 +106,12 @@ class AutotuneSettings:
     lead must hold in a second job. Pairs within a pass share the job's drift, so eight passes resolve
     a few percent where four unpaired repeats did not. 0: no runoff; else >= ``MIN_RUNOFF_PASSES``."""
     time_limit_s: float | None = 600.0
-    """Wall time the runoff may not push the autotune past (its passes estimated from the confirmation
-    job's seconds per trial): it runs as many passes as fit, and none if fewer than
-    ``MIN_RUNOFF_PASSES`` fit; ``None``: no limit. The loop before it is bounded by its budgets."""
+    """Wall time of the whole autotune; ``None``: no limit, the budgets alone bound it. Rounds after the
+    first stop, short of ``trial_budget``, when another round (as long as the last), the recheck job, the
+    confirmation and a runoff's fewest passes would not fit (estimated from the trial jobs' seconds per
+    trial); the runoff runs as many passes as fit (its passes estimated from the confirmation job's
+    seconds per trial), and none if fewer than ``MIN_RUNOFF_PASSES`` fit. On a slow model or machine a
+    budget of strategies overran it, and left a lead without the runoff that could resolve it."""
     calibrate: bool = True
     """Before the first search, measure the cluster's collectives in a seconds-long job
     (``model.calibration``) so that the simulator prices its paths as measured, not as its spec says."""
@@ -171,6 +174,9 @@ class Autotuner:
         round measures them beside the rivals, as many as half the budget the rivals leave, and as
         many fewer search proposals."""
         self.levels = JobLevels(strategy_s={}, jobs={})
+        self.trials_run = 0
+        """Trials the round jobs ran (controls and rechecks included): with ``seconds["trials"]``, what a
+        trial costs on this model and cluster."""
 
     def run(self) -> AutotuneResult:
         with self.progress:
@@ -182,7 +188,7 @@ class Autotuner:
         self._calibrate()
         self._refit()  # trials of this model and cluster already in the store (a resumed run) count
         references = self.references
-        round_index = 0
+        round_index, cut_by_time = 0, None
         while True:
             left = self.settings.trial_budget - len(self._measured())
             first = round_index == 0
@@ -194,11 +200,16 @@ class Autotuner:
             batch = [c for c in batch if c.fingerprint not in self._measured()]
             if not batch:
                 break
-            self._measure(batch, round_index)
+            round_s = self._measure(batch, round_index)
             self._refit()
             self._report_round(round_index, len(batch))
             round_index += 1
             if len(self._measured()) >= self.settings.trial_budget:
+                break
+            cut_by_time = self._out_of_time(time.monotonic() - start, round_s, round_index)
+            if cut_by_time is not None:
+                self.progress.line(f"stopping the rounds at {len(self._measured())} of {self.settings.trial_budget} "
+                                   f"strategies: {cut_by_time}")
                 break
         self._recheck_last(round_index)
         confirmed, repeats, lineup = self._confirm()
@@ -213,6 +224,8 @@ class Autotuner:
             confirmed_s=confirmed, confirmed_repeats_s=repeats, unresolved_lead=unresolved_lead, runoff=runoff,
             trial_s={c.kind: self.levels.strategy_s[c.fingerprint] for c in lineup if c.fingerprint in self.levels.strategy_s},
             not_runnable=dict(self.not_runnable), exact=self.settings.exact, seconds=dict(self.seconds),
+            rounds_cut=None if cut_by_time is None else {"measured": len(self._measured()),
+                                                         "budget": self.settings.trial_budget, "why": cut_by_time},
             job_levels={job: {"level": level.level, "drift_per_min": level.drift_per_min, "trials": level.trials}
                         for job, level in self.levels.jobs.items()})
 
@@ -240,15 +253,18 @@ class Autotuner:
         self.seconds["search"] += time.monotonic() - started
         return [Candidate(kind=f"{SEARCH_KIND}:r{round_index}", strategy=s) for _, s in ranked]
 
-    def _measure(self, batch: list[Candidate], round_index: int) -> None:
+    def _measure(self, batch: list[Candidate], round_index: int) -> float:
+        """Measures ``batch`` in one round's job (with its controls and rechecks); returns its seconds."""
         predicted = self.simulator.predict(self.description, self.cluster, [self._as_simulated(c) for c in batch])
         started = time.monotonic()
         controls = self._controls(round_index)
         self.progress.phase(f"round {round_index + 1}", expected=len(batch))
-        self.runner_for(self.settings.protocol, self.store).run(batch, self.progress.trial, controls=controls,
-                                                               block_size=self.settings.block_size,
-                                                               rechecks=self._rechecks(controls))
-        self.seconds["trials"] += time.monotonic() - started
+        summary = self.runner_for(self.settings.protocol, self.store).run(
+            batch, self.progress.trial, controls=controls, block_size=self.settings.block_size,
+            rechecks=self._rechecks(controls))
+        round_s = time.monotonic() - started
+        self.seconds["trials"] += round_s
+        self.trials_run += summary.measured + summary.failed + summary.controls
         by_fingerprint = {r.fingerprint: r for r in self._records() if not is_control(r.kind)}
         for candidate, guess in zip(batch, predicted):
             record = by_fingerprint.get(candidate.fingerprint)
@@ -257,6 +273,29 @@ class Autotuner:
                                             predicted_s=float(guess), measured_s=record.median_s if ok else None,
                                             reason=None if ok else (record.reason if record else "not measured"),
                                             job=record.job if record else None))
+        return round_s
+
+    def _out_of_time(self, elapsed_s: float, round_s: float, rounds: int) -> str | None:
+        """Why another round would not fit ``settings.time_limit_s`` (``None``: it fits, or no limit).
+
+        What must follow the rounds is priced at the trial jobs' seconds per trial so far (job start-up
+        included): the recheck job as it would run after ``rounds`` rounds (its rechecks between two passes
+        over the controls), the confirmation (its lineup ``confirm_repeats`` times) and, with runoffs on, a
+        runoff's ``MIN_RUNOFF_PASSES`` passes of two; another round is priced as long as the last."""
+        limit = self.settings.time_limit_s
+        if limit is None or not self.trials_run:
+            return None
+        per_trial_s = self.seconds["trials"] / self.trials_run
+        controls = self._controls(rounds)
+        rechecks = self._last_rechecks(controls)
+        recheck_job = 2 * len(controls) + len(rechecks) if rechecks else 0
+        lineup = len(self._fastest_references()) + self.settings.confirm_top
+        runoff = 2 * MIN_RUNOFF_PASSES if self.settings.runoff_passes else 0
+        after_s = per_trial_s * (recheck_job + lineup * self.settings.confirm_repeats + runoff)
+        if elapsed_s + round_s + after_s <= limit:
+            return None
+        return (f"{elapsed_s:.0f} s gone, another round (~{round_s:.0f} s) and what follows it (rechecks, "
+                f"confirmation{' and a runoff' if runoff else ''}: ~{after_s:.0f} s) would pass the {limit:.0f} s limit")
 
     def _report_round(self, round_index: int, measured: int) -> None:
         """One line after a round: what it measured, and the fastest search strategy and rival so far at

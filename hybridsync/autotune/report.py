@@ -8,7 +8,8 @@
   confirmation job's (over every strategy in both, and over the pairs the confirmation's repeats
   resolve beyond its noise), each confirmation repeat's median step time, every trial (round,
   job, kind, predicted, measured and job-normalized step time), every trial job's level and
-  drift, and the wall time of each phase;
+  drift, whether the time limit stopped the rounds short of the trial budget, and the wall time of each
+  phase;
 - ``report.md``: the same as tables;
 - ``report.png``: predicted vs measured per trial, and the best step time so far against
   trials measured, with the best fair rival's line.
@@ -38,6 +39,7 @@ def to_dict(result: AutotuneResult) -> dict[str, Any]:
         "speedup_over_best_rival": result.speedup,
         "unresolved_lead": result.unresolved_lead,
         "runoff": result.runoff,
+        "rounds_cut": result.rounds_cut,
         "not_runnable": dict(result.not_runnable),
         "speedups": {kind: result.speedup_over(kind) for kind in sorted(result.confirmed_s)},
         "confirmed_s": dict(sorted(result.confirmed_s.items(), key=lambda item: item[1])),
@@ -79,6 +81,10 @@ def markdown(doc: dict[str, Any]) -> str:
                      "one only on a lead the confirmation job resolves, or a runoff job confirms).")
     if doc.get("runoff"):
         lines.append(f"Runoff: {runoff_text(doc['runoff'])}.")
+    if doc.get("rounds_cut"):
+        cut = doc["rounds_cut"]
+        lines.append(f"Time limit: the rounds stopped at {cut['measured']} of {cut['budget']} strategies "
+                     f"({cut['why']}).")
     for kind, reason in doc["not_runnable"].items():
         lines.append(f"Not runnable on this model: {kind}: {reason}.")
     tau = doc["kendall_tau"]

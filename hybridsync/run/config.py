@@ -19,7 +19,7 @@ flags, and for emulated or described clusters a ``cluster:`` spec (see
         seed: 0
         exact: false                   # true: no fp16, BSP only (plain Horovod's numerics)
         runoff_passes: 8               # an unresolved lead: up to 8 runoff passes (0: none; else >= 6)
-        time_limit_s: 600              # wall time the runoff may not push the autotune past (null: none)
+        time_limit_s: 600              # wall time of the whole autotune: rounds stop early, the runoff shrinks (null: none)
         enabled: true                  # default true when the section is there; false keeps it off
 
 The strategy is a file, never an inline mapping: every rank reads it from
