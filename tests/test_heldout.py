@@ -1,6 +1,6 @@
-"""The held-out examples (``examples/heldout/``: two_tower.py, wide_deep.py): they learn, they train
-as 2-rank jobs with their sparse tables on a parameter server, and nothing the simulator learns
-from holds them."""
+"""The held-out examples (``examples/heldout/``: two_tower.py, wide_deep.py, lstm_lm.py): they learn,
+the sparse ones train as 2-rank jobs with their tables on a parameter server, and nothing the
+simulator learns from holds them."""
 from __future__ import annotations
 
 import gzip
@@ -22,6 +22,8 @@ HELD_OUT = REPO / "examples" / "heldout"
 MODELS = {"two_tower": ("TwoTower", "Clicks", 0.05,
                         {f"{t}.weight" for t in ("user", "age", "region", "device", "item", "category", "brand")}),
           "wide_deep": ("WideDeep", "Impressions", 0.01, {"embedding.weight", "wide.weight"})}
+"""The held-out models with sparse tables: class, data source, learning rate, the sparse variables."""
+MODEL_CLASSES = {**{name: entry[0] for name, entry in MODELS.items()}, "lstm_lm": "LSTMLanguageModel"}
 
 
 def example(name: str):
@@ -35,8 +37,7 @@ def example(name: str):
 
 
 def build(name: str):
-    model_class, _, _, _ = MODELS[name]
-    return getattr(example(name), model_class)()
+    return getattr(example(name), MODEL_CLASSES[name])()
 
 
 def variable_shapes(variables) -> frozenset:
@@ -60,8 +61,45 @@ def test_the_held_out_model_learns_with_sparse_tables(name):
     assert statistics.mean(losses[-10:]) < 0.95 * statistics.mean(losses[:10]), losses
 
 
+class _OneRank:
+    """A plain optimizer with the drop-in's ``synchronize``/``skip_synchronize`` (one rank: nothing to
+    synchronize), for a script's train_step run in one process."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer, self.synchronized = optimizer, 0
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+    def skip_synchronize(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_held_out_lstm_ties_its_table_and_learns_with_clipped_gradients():
+    module = example("lstm_lm")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build("lstm_lm")
+    variables = variables_from_model(model)
+    assert "decoder.weight" not in variables and not any(v.sparse for v in variables.values()), \
+        "the tied decoder is the embedding table: one dense variable"
+    optimizer = _OneRank(torch.optim.Adam(model.parameters(), lr=0.004))
+    batches = module.token_source(rank=0, size=1)
+    losses = [module.train_step(model, optimizer, batches(16)) for _ in range(60)]
+    assert optimizer.synchronized == 60, "the step synchronizes before it clips"
+    assert statistics.mean(losses[-10:]) < 0.9 * statistics.mean(losses[:10]), losses
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
 def test_no_description_the_simulator_learns_from_is_the_held_out_model(name):
     held_out = variable_shapes(variables_from_model(build(name)).values())
     known = [variable_shapes(json.loads(p.read_text())["variables"])
