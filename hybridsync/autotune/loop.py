@@ -107,7 +107,7 @@ class AutotuneSettings:
     a few percent where four unpaired repeats did not. 0: no runoff; else >= ``MIN_RUNOFF_PASSES``."""
     time_limit_s: float | None = 600.0
     """Wall time of the whole autotune; ``None``: no limit, the budgets alone bound it. Rounds after the
-    first stop, short of ``trial_budget``, when another round (as long as the last), the recheck job, the
+    first stop, short of ``trial_budget``, when another round, the recheck job, the
     confirmation and a runoff's fewest passes would not fit (estimated from the trial jobs' seconds per
     trial); the runoff runs as many passes as fit (its passes estimated from the confirmation job's
     seconds per trial), and none if fewer than ``MIN_RUNOFF_PASSES`` fit. On a slow model or machine a
@@ -200,13 +200,13 @@ class Autotuner:
             batch = [c for c in batch if c.fingerprint not in self._measured()]
             if not batch:
                 break
-            round_s = self._measure(batch, round_index)
+            self._measure(batch, round_index)
             self._refit()
             self._report_round(round_index, len(batch))
             round_index += 1
             if len(self._measured()) >= self.settings.trial_budget:
                 break
-            cut_by_time = self._out_of_time(time.monotonic() - start, round_s, round_index)
+            cut_by_time = self._out_of_time(time.monotonic() - start, round_index)
             if cut_by_time is not None:
                 self.progress.line(f"stopping the rounds at {len(self._measured())} of {self.settings.trial_budget} "
                                    f"strategies: {cut_by_time}")
@@ -253,8 +253,8 @@ class Autotuner:
         self.seconds["search"] += time.monotonic() - started
         return [Candidate(kind=f"{SEARCH_KIND}:r{round_index}", strategy=s) for _, s in ranked]
 
-    def _measure(self, batch: list[Candidate], round_index: int) -> float:
-        """Measures ``batch`` in one round's job (with its controls and rechecks); returns its seconds."""
+    def _measure(self, batch: list[Candidate], round_index: int) -> None:
+        """Measures ``batch`` in one round's job, with its controls and rechecks."""
         predicted = self.simulator.predict(self.description, self.cluster, [self._as_simulated(c) for c in batch])
         started = time.monotonic()
         controls = self._controls(round_index)
@@ -262,8 +262,7 @@ class Autotuner:
         summary = self.runner_for(self.settings.protocol, self.store).run(
             batch, self.progress.trial, controls=controls, block_size=self.settings.block_size,
             rechecks=self._rechecks(controls))
-        round_s = time.monotonic() - started
-        self.seconds["trials"] += round_s
+        self.seconds["trials"] += time.monotonic() - started
         self.trials_run += summary.measured + summary.failed + summary.controls
         by_fingerprint = {r.fingerprint: r for r in self._records() if not is_control(r.kind)}
         for candidate, guess in zip(batch, predicted):
@@ -273,20 +272,23 @@ class Autotuner:
                                             predicted_s=float(guess), measured_s=record.median_s if ok else None,
                                             reason=None if ok else (record.reason if record else "not measured"),
                                             job=record.job if record else None))
-        return round_s
 
-    def _out_of_time(self, elapsed_s: float, round_s: float, rounds: int) -> str | None:
+    def _out_of_time(self, elapsed_s: float, rounds: int) -> str | None:
         """Why another round would not fit ``settings.time_limit_s`` (``None``: it fits, or no limit).
 
-        What must follow the rounds is priced at the trial jobs' seconds per trial so far (job start-up
-        included): the recheck job as it would run after ``rounds`` rounds (its rechecks between two passes
-        over the controls), the confirmation (its lineup ``confirm_repeats`` times) and, with runoffs on, a
-        runoff's ``MIN_RUNOFF_PASSES`` passes of two; another round is priced as long as the last."""
+        Every job is priced at the round jobs' seconds per trial so far (job start-up included): the next
+        round (its proposals, a pass over the controls around each block of them, its rechecks), then
+        the recheck job as it would run after ``rounds`` rounds (its rechecks between two passes over the
+        controls), the confirmation (its lineup ``confirm_repeats`` times) and, with runoffs on, a
+        runoff's ``MIN_RUNOFF_PASSES`` passes of two."""
         limit = self.settings.time_limit_s
         if limit is None or not self.trials_run:
             return None
         per_trial_s = self.seconds["trials"] / self.trials_run
         controls = self._controls(rounds)
+        proposals = min(self.settings.per_round, self.settings.trial_budget - len(self._measured()))
+        round_s = per_trial_s * (proposals + (math.ceil(proposals / self.settings.block_size) + 1) * len(controls)
+                                 + self.settings.recheck)
         rechecks = self._last_rechecks(controls)
         recheck_job = 2 * len(controls) + len(rechecks) if rechecks else 0
         lineup = len(self._fastest_references()) + self.settings.confirm_top
