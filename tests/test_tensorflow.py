@@ -99,8 +99,13 @@ def _strategy(tmp_path: Path, doc: dict) -> str:
     return str(path)
 
 
-def _hybridsync_run(strategy: str, *, num_servers: int = 2, mpi: bool = False, np_: int = 2,
+def _hybridsync_run(strategy: str, *, num_servers: int | None = None, mpi: bool = False, np_: int = 2,
                     hosts: str | None = None) -> list[str]:
+    """``hybridsync-run`` with ``strategy`` and ``num_servers`` servers (default: 2 if the strategy routes a
+    variable to the PS, else none: servers nothing joins keep a job 60 s past its end, hybridsync-run's grace)."""
+    from hybridsync.strategy import Strategy
+    if num_servers is None:
+        num_servers = 2 if Strategy.load(strategy).uses_ps else 0
     launcher = ["--mpi"] if mpi else ["--gloo"]
     return [str(BIN / "hybridsync-run"), "--strategy", strategy, "--num-servers", str(num_servers), *launcher,
             "-np", str(np_), "-H", hosts or f"localhost:{np_}"]
