@@ -254,6 +254,19 @@ def test_profile_command_line():
         profile_command([], output="d.json")
 
 
+@pytest.mark.unit
+def test_a_profile_without_a_name_is_named_after_its_script_and_variables():
+    from hybridsync.run.profile import default_name
+    lstm = ModelDescription(variables={"embedding.weight": VariableInfo(name="embedding.weight", shape=(10, 4))})
+    other = ModelDescription(variables={"embedding.weight": VariableInfo(name="embedding.weight", shape=(10, 8))})
+    name = default_name(["python", "examples/heldout/lstm_lm.py", "--steps", "9"], lstm)
+    assert re.fullmatch(r"lstm_lm-[0-9a-f]{8}", name)
+    assert default_name(["/usr/bin/python3", "-u", "/elsewhere/lstm_lm.py"], lstm) == name, "one model, one name"
+    assert default_name(["python", "lstm_lm.py"], other) != name, \
+        "another model of the same script: its trials must not mix with this one's in a shared store"
+    assert default_name(["python", "-m", "hybridsync.zoo.keras_ncf", "--steps", "3"], lstm).startswith("keras_ncf-")
+
+
 # --- jobs: one profiled process each -------------------------------------------------------------------
 
 def _hybridsync(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

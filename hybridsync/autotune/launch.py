@@ -18,8 +18,6 @@ describe those hosts (as many workers as ``-np``). The report and ``strategy.jso
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import sys
 import time
@@ -60,13 +58,11 @@ def _run(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
     started = time.monotonic()
     plan = _plan(options, horovodrun_argv)
     from hybridsync.autotune.session import autotune, trial_target
-    from hybridsync.run.profile import profile_command
+    from hybridsync.run.profile import profile_command, script_name
     from hybridsync.trials.runner import ScriptWorkload
     os.makedirs(plan.report_dir, exist_ok=True)
-    name = _script_name(plan.command)
-    print(f"hybridsync-run --autotune: profiling {name} (one process)", file=sys.stderr)
-    description = profile_command(list(plan.command), output=os.path.join(plan.report_dir, "model.json"), name=name)
-    description = dataclasses.replace(description, name=f"{name}-{variables_digest(description.variables)}")
+    print(f"hybridsync-run --autotune: profiling {script_name(plan.command)} (one process)", file=sys.stderr)
+    description = profile_command(list(plan.command), output=os.path.join(plan.report_dir, "model.json"))
     strategy_path = os.path.join(plan.report_dir, "strategy.json")
     with trial_target(plan.cluster, hosts=plan.hosts, hostfile=plan.hostfile) as target:
         result = autotune(description, plan.cluster, target=target, workload=ScriptWorkload(plan.command),
@@ -113,22 +109,6 @@ def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
                  store=options.store or tune.get("store", DEFAULT_STORE),
                  report_dir=os.path.abspath(options.autotune_report or tune.get("report", DEFAULT_REPORT_DIR)),
                  simulator=tune.get("simulator"))
-
-
-def _script_name(command: Sequence[str]) -> str:
-    """A name for the trials of this command: the script's (``train``), or the module's."""
-    words = list(command)
-    if "-m" in words[:-1]:
-        return words[words.index("-m") + 1].rpartition(".")[2]
-    scripts = [w for w in words if w.endswith(".py")]
-    return os.path.splitext(os.path.basename(scripts[0] if scripts else words[0]))[0]
-
-
-def variables_digest(variables: Any) -> str:
-    """8 hex digits of the variables' names, shapes, dtypes and sparsity: the trials of one script's
-    model share a name in the store across runs (its timing varies), another model's do not."""
-    canonical = json.dumps(sorted((name, list(info.shape), info.dtype, info.sparse) for name, info in variables.items()))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:8]
 
 
 def run_on(target: Any, command: Sequence[str], env: dict[str, str], out: Any = sys.stdout,

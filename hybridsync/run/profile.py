@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -34,7 +36,9 @@ def profile_command(command: Sequence[str], *, output: str | os.PathLike,
                     env: Mapping[str, str] | None = None) -> ModelDescription:
     """Run ``command`` as one profiled process (at most ``timeout`` s) and write its description to ``output``.
 
-    ``name`` and ``batch_size`` are recorded as given (the profiler cannot know them).
+    ``name`` and ``batch_size`` are recorded as given (the profiler cannot know them); without a
+    ``name``, ``default_name``: the script's name and its variables' digest (the name an autotune
+    stores its trials under: a store shared by two nameless models must not mix their trials).
     ``output`` is replaced only by a complete, valid description. Raises ``ProfileFailed``.
     """
     if not command:
@@ -63,10 +67,26 @@ def profile_command(command: Sequence[str], *, output: str | os.PathLike,
             os.remove(written)
     if batch_size is not None and desc.timing is not None:
         desc = dataclasses.replace(desc, timing=dataclasses.replace(desc.timing, batch_size=batch_size))
-    if name is not None:
-        desc = dataclasses.replace(desc, name=name)
+    desc = dataclasses.replace(desc, name=name if name is not None else default_name(command, desc))
     save_description(desc, output)
     return desc
+
+
+def script_name(command: Sequence[str]) -> str:
+    """A name for this command: the script's (``train``), or the module's."""
+    words = list(command)
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1].rpartition(".")[2]
+    scripts = [w for w in words if w.endswith(".py")]
+    return os.path.splitext(os.path.basename(scripts[0] if scripts else words[0]))[0]
+
+
+def default_name(command: Sequence[str], desc: ModelDescription) -> str:
+    """``<script>-<8 hex digits of the variables' names, shapes, dtypes and sparsity>``: the trials of one
+    script's model share a name in a store across runs (its timing varies), another model's do not."""
+    canonical = json.dumps(sorted((name, list(info.shape), info.dtype, info.sparse)
+                                  for name, info in desc.variables.items()))
+    return f"{script_name(command)}-{hashlib.sha256(canonical.encode('utf-8')).hexdigest()[:8]}"
 
 
 def _tail(output: str | bytes | None) -> str:
@@ -130,7 +150,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help=f"unprofiled steps before them (default {envvars.PROFILE_WARMUP_DEFAULT})")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds before the command is killed (default {DEFAULT_TIMEOUT_S:g})")
-    p.add_argument("--name", help="a name for the model, recorded in the description")
+    p.add_argument("--name", help="a name for the model, recorded in the description (default: the script's name "
+                   "and a digest of its variables, e.g. train-1a2b3c4d; trials are stored under it)")
     p.add_argument("--batch-size", type=_at_least(1), help="samples per step, recorded in the description")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the training command")
     p.set_defaults(func=_run)
