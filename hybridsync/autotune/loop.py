@@ -21,7 +21,8 @@ is mostly the luckiest, so each job also measures again the best few search stra
 only once (``recheck``), and one short job after the last round does so for that round's finds
 and for the rivals the confirmation may take (every trial job first waits ``TrialProtocol.settle_s``).
 
-Rounds go on until ``trial_budget`` strategies have been measured (rivals included).
+Rounds go on until ``trial_budget`` strategies have been measured (rivals included), or until
+another round would leave too little of ``time_limit_s`` for what must follow it.
 Then one confirmation job measures the best few search strategies, plain Horovod and the
 fastest rivals of each kind again, ``confirm_repeats`` times each in passes of shuffled order, so the
 final comparison comes from one job, side by side. The winner is the fastest of that job,
