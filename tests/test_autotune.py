@@ -364,10 +364,9 @@ def test_autotune_on_hosts_from_the_config_alone(tmp_path):
 
 @pytest.mark.unit
 def test_rechecks_are_the_best_search_strategies_measured_once_less_the_controls(tmp_path):
-    import datetime
     from hybridsync.autotune.loop import Autotuner
     from hybridsync.description import description_id, load_description
-    from hybridsync.trials.store import TrialRecord, TrialStore
+    from hybridsync.trials.store import TrialStore
     description = load_description(DESCRIPTIONS / "ncf.json")
     store = TrialStore(str(tmp_path / "trials.db"))
     store.add_description(description_id(description), description.name, description.to_dict())
@@ -376,15 +375,9 @@ def test_rechecks_are_the_best_search_strategies_measured_once_less_the_controls
     rival = next(c for c in tuner.references if c.strategy is not None)
     searched = [dataclasses.replace(c, kind="search:r0") for c in tuner.seeds[:5]]
     assert len(searched) == 5
-    start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 
     def add(candidate, seconds: float, job: str, minute: int) -> None:
-        at = start + datetime.timedelta(minutes=minute)
-        store.add(TrialRecord(uid=f"{job}-{minute}", model=tuner.model, description_id=description_id(description),
-                              cluster=CLUSTER.to_dict(), kind=candidate.kind,
-                              strategy=candidate.strategy.to_dict(), fingerprint=candidate.fingerprint, status="ok",
-                              reason=None, warmup_steps=0, step_times=[seconds] * 3, versions={},
-                              started=at.isoformat(), finished=at.isoformat(), host="h", job=job))
+        _store_trial(store, tuner, candidate, uid=f"{job}-{minute}", step_s=seconds, job=job, at_s=60 * minute)
     add(rival.as_control(), 0.30, "j0", 0)
     for minute, (candidate, seconds) in enumerate(zip(searched, [0.20, 0.21, 0.22, 0.23, 0.24]), start=1):
         add(candidate, seconds, "j0", minute)
@@ -408,6 +401,22 @@ def test_rechecks_are_the_best_search_strategies_measured_once_less_the_controls
 
 
 
+def _store_trial(store, tuner, candidate, *, uid: str, step_s: float, job: str, at_s: float):
+    """Stores (and returns) a successful trial of ``candidate`` for ``tuner``'s model and ``CLUSTER``:
+    three steps of ``step_s``, started and finished ``at_s`` seconds into 2026."""
+    import datetime
+    from hybridsync.description import description_id
+    from hybridsync.trials.store import TrialRecord
+    at = (datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc) + datetime.timedelta(seconds=at_s)).isoformat()
+    record = TrialRecord(
+        uid=uid, model=tuner.model, description_id=description_id(tuner.description), cluster=CLUSTER.to_dict(),
+        kind=candidate.kind, strategy=None if candidate.strategy is None else candidate.strategy.to_dict(),
+        fingerprint=candidate.fingerprint, status="ok", reason=None, warmup_steps=0, step_times=[step_s] * 3,
+        versions={}, started=at, finished=at, host="h", job=job)
+    store.add(record)
+    return record
+
+
 class _DriftingJob:
     """Stands in for the trial runner of one runoff job (unit test): stores each scheduled trial with
     step times ``times[kind][pass]``, as a job on shared cores whose level drifts from pass to pass would."""
@@ -416,20 +425,9 @@ class _DriftingJob:
         self.store, self.tuner, self.times = store, tuner, times
 
     def run(self, schedule, on_trial=lambda record: None) -> None:
-        import datetime
-        from hybridsync.description import description_id
-        from hybridsync.trials.store import TrialRecord
-        start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
         for index, candidate in enumerate(schedule):
-            at = (start + datetime.timedelta(seconds=index)).isoformat()
-            record = TrialRecord(
-                uid=f"t{index}", model=self.tuner.model, description_id=description_id(self.tuner.description),
-                cluster=CLUSTER.to_dict(), kind=candidate.kind, strategy=candidate.strategy.to_dict(),
-                fingerprint=candidate.fingerprint, status="ok", reason=None, warmup_steps=0,
-                step_times=[self.times[candidate.kind][index // 2]] * 3, versions={}, started=at, finished=at,
-                host="h", job="runoff")
-            self.store.add(record)
-            on_trial(record)
+            on_trial(_store_trial(self.store, self.tuner, candidate, uid=f"t{index}",
+                                  step_s=self.times[candidate.kind][index // 2], job="runoff", at_s=index))
 
 
 class _ClockedJobs:
@@ -441,24 +439,15 @@ class _ClockedJobs:
         self.store, self.tuner, self.clock, self.per_trial_s = store, tuner, clock, per_trial_s
 
     def run(self, candidates, on_trial=lambda record: None, *, controls=(), block_size=5, rechecks=()):
-        import datetime
         import zlib
-        from hybridsync.description import description_id
         from hybridsync.trials.runner import RunSummary, blocked_schedule
-        from hybridsync.trials.store import TrialRecord, is_control
+        from hybridsync.trials.store import is_control
         job = f"j{self.clock[0]:.0f}"
         schedule = blocked_schedule(list(candidates), list(controls), block_size, list(rechecks))
         for index, candidate in enumerate(schedule):
             self.clock[0] += self.per_trial_s
-            at = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc) + datetime.timedelta(seconds=self.clock[0])
-            record = TrialRecord(
-                uid=f"{job}-{index}", model=self.tuner.model, description_id=description_id(self.tuner.description),
-                cluster=CLUSTER.to_dict(), kind=candidate.kind,
-                strategy=None if candidate.strategy is None else candidate.strategy.to_dict(),
-                fingerprint=candidate.fingerprint, status="ok", reason=None, warmup_steps=0,
-                step_times=[0.1 + zlib.crc32(candidate.fingerprint.encode()) % 997 / 1e4] * 3, versions={},
-                started=at.isoformat(), finished=at.isoformat(), host="h", job=job)
-            self.store.add(record)
+            record = _store_trial(self.store, self.tuner, candidate, uid=f"{job}-{index}", job=job, at_s=self.clock[0],
+                                  step_s=0.1 + zlib.crc32(candidate.fingerprint.encode()) % 997 / 1e4)
             if not is_control(candidate.kind):
                 on_trial(record)
         controls_run = sum(is_control(c.kind) for c in schedule)
