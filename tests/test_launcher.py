@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -232,6 +233,30 @@ def test_config_file_strategy_takes_effect_in_a_real_job(tmp_path):
         assert report["env"] == {"HYBRIDSYNC_STRATEGY": str(tmp_path / "strategies" / "ps.json"),
                                  "DMLC_NUM_SERVER": "2", "BYTEPS_PARTITION_BYTES": "400",
                                  "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024)}
+
+
+@pytest.mark.multiprocess
+def test_servers_no_worker_joined_are_stopped_when_the_job_ends(tmp_path):
+    """``--num-servers 1`` beside a job that never routes to the PS: its worker never joins the
+    server, which would wait out its join timeout (120 s) and the launcher its grace (60 s) after
+    the job. The launcher asks the rendezvous, stops it at once, and leaves no server behind."""
+    import psutil
+    tag = f"servers-nobody-joined-{tmp_path.name}"
+    argv = [str(BIN / "hybridsync-run"), "-np", "1", "-H", "localhost:1", "--num-servers", "1",
+            sys.executable, "-c", "import time; time.sleep(1)"]
+    started = time.monotonic()
+    proc = run_job(argv, timeout=120, env={"HYBRIDSYNC_TEST_TAG": tag})
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert took < 45, f"the launcher waited its servers' grace: {took:.0f} s"
+    assert "Traceback" not in proc.stdout, proc.stdout[-4000:]
+
+    def tagged(p: psutil.Process) -> bool:
+        try:
+            return p.environ().get("HYBRIDSYNC_TEST_TAG") == tag
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+    assert [p.cmdline() for p in psutil.process_iter() if tagged(p)] == []
 
 
 @pytest.mark.unit

@@ -40,7 +40,7 @@ from typing import Sequence
 
 from hybridsync.run import procs
 from hybridsync.run.horovodrun import horovodrun_command
-from hybridsync.run.ps_servers import ps_environment, server_command, server_environment
+from hybridsync.run.ps_servers import any_worker_joined, ps_environment, server_command, server_environment
 from hybridsync.strategy import Strategy
 
 _OWN_FLAGS = ("--strategy", "--num-servers", "--server-hosts", "--partition-bytes", "--ps-root-port",
@@ -474,12 +474,17 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     finally:
         if job is not None and job.poll() is None:
             procs.stop(job)
-        _stop_servers(servers, server_grace_s)
+        _stop_servers(servers, server_grace_s, env)
         signal.signal(signal.SIGTERM, previous)
 
 
-def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
-    """Servers leave on their own once every worker said goodbye; stop the ones that do not."""
+def _stop_servers(servers: list[subprocess.Popen], grace_s: float, env: dict[str, str]) -> None:
+    """Servers leave on their own once every worker said goodbye; stop the ones that do not, and at
+    once when no worker ever joined them (they would wait for workers that are gone). The first
+    process hosts the rendezvous that knows who joined (server 0's supervisor, or the horovodrun
+    that started every server): asked only while it runs."""
+    if servers and servers[0].poll() is None and not any_worker_joined(env):
+        grace_s = 0.0
     deadline = time.monotonic() + grace_s
     for server in servers:
         try:

@@ -8,6 +8,7 @@ written here once, so a launcher can differ only in where it puts the servers.
 from __future__ import annotations
 
 import sys
+from typing import Mapping
 
 from hybridsync import envvars
 
@@ -42,3 +43,21 @@ def server_environment(server_id: int | None = None, *, host: str | None = None)
     if host is not None:
         env[envvars.DMLC_NODE_HOST] = host
     return env
+
+
+def any_worker_joined(env: Mapping[str, str], *, timeout_s: float = 5.0) -> bool:
+    """Whether any worker of the job ``env`` describes (``ps_environment``) joined its servers, as the
+    rendezvous store (server 0's supervisor hosts it) says. ``True`` when the store cannot be asked
+    within ``timeout_s``: a launcher then keeps its servers' grace, as it would without asking.
+
+    A job whose strategy never routes to the PS starts servers only when asked to (``--num-servers``,
+    a config's ``num_servers``), and its workers never join them: those servers would wait out their
+    join timeout, and the launcher its grace, for nothing.
+    """
+    from hybridsync.backends.ps import group
+    from hybridsync.backends.ps.config import PSConfig
+    try:
+        store = group.open_store(PSConfig.from_env(env, role="worker", index=0), timeout_s=timeout_s)
+        return group.any_worker_joined(store, int(env[envvars.DMLC_NUM_WORKER]))
+    except (RuntimeError, ValueError, KeyError):  # unreachable store, or settings not those of a PS job
+        return True

@@ -212,6 +212,12 @@ def count_join(store: Any, name: str) -> None:
     store.add(store_key("joined"), 1)
 
 
+def any_worker_joined(store: Any, num_workers: int) -> bool:
+    """Whether any of the job's ``num_workers`` workers ever joined (``count_join``): once the job's
+    workers are gone, servers that none joined have nothing to wait for."""
+    return any(store.check([store_key("members", worker_name(w))]) for w in range(num_workers))
+
+
 def count_departed(store: Any, names: Iterable[str]) -> None:
     """Members that died (a replacement's predecessors) will never leave: stop counting them."""
     for name in names:
