@@ -49,6 +49,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd = hvd
         named = _checked_named_parameters(named_parameters, self.param_groups)
         self._named = named
+        _HELD_VARIABLES.update(name for name, _ in named)
         self._groups = None if options.groups is None else grouped_names(options.groups, self.param_groups,
                                                                          {p: name for name, p in named})
         """``groups`` as variable names: applied to every strategy this optimizer is given."""
@@ -68,7 +69,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requested_strategy = options.strategy
         """The strategy as given (or to ``set_strategy``); ``rebuild_for_world`` fits it to each world."""
         self._elastic = elastic_job()
-        self.strategy, self.plan, self.process_set = self._plan_for(options.strategy)
+        self._unheld = _unheld_variables(options.strategy)
+        """Variables the strategy names that no optimizer holds yet: the script may build the optimizer
+        that holds them after this one (a sparse and a dense one), so the first ``step()`` checks them."""
+        self.strategy, self.plan, self.process_set = self._plan_for(options.strategy, check_held=False)
         # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps
         # locally; and an elastic job synchronizes with one rank too, ready for the world to grow.
         self._synchronizing = self.process_set.included() and (hvd.size() > 1 or self._elastic)
@@ -134,8 +138,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The ``hybridsync.hooks.profiler.Profiler`` of this process when ``HYBRIDSYNC_PROFILE`` is set, else ``None``."""
         return self._profiler
 
-    def _plan_for(self, strategy: Strategy | None) -> tuple[Strategy | None, RoutingPlan, Any]:
-        """The strategy with this optimizer's ``groups`` applied, its plan, and the process set it runs on."""
+    def _plan_for(self, strategy: Strategy | None, *, check_held: bool = True) -> tuple[Strategy | None,
+                                                                                     RoutingPlan, Any]:
+        """This optimizer's part of the strategy (``Strategy.restricted_to``: a strategy is for the whole
+        model, which a script may split among optimizers) with its ``groups`` applied, its plan, and the
+        process set it runs on. ``ValueError`` (with ``check_held``) if the strategy names a variable that
+        no optimizer of this process holds."""
+        if check_held:
+            _check_held(_unheld_variables(strategy))
+        if strategy is not None:
+            strategy = strategy.restricted_to(name for name, _ in self._named)
         if self._groups is not None:
             strategy = strategy_with_groups(strategy, self._groups)
         plan = build_plan(variables_from_parameters(self._named), strategy,
@@ -385,6 +397,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "consider using optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
             self.synchronize()
+        if self._unheld:  # the first step: every optimizer of the script has been built by now
+            _check_held(_unheld_variables(self._requested_strategy))
+            self._unheld = []
         self._synchronized = False
         (self._router or self._built_router()).before_step()
         for hook in self._hooks:
@@ -406,6 +421,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it "
                                  "can cause a race condition.")
         return super(self.__class__, self).zero_grad(set_to_none)
+
+
+_HELD_VARIABLES: set[str] = set()
+"""The variable names of every DistributedOptimizer built in this process: a strategy names the whole
+model's variables, and each optimizer routes its own part of them."""
+
+
+def _unheld_variables(strategy: Strategy | None) -> list[str]:
+    """The variables ``strategy`` names that no optimizer of this process holds."""
+    return [] if strategy is None else sorted(set(strategy.variables) - _HELD_VARIABLES)
+
+
+def _check_held(unheld: list[str]) -> None:
+    """``ValueError`` naming the strategy's variables that no optimizer holds (a misspelt name, a
+    strategy for another model), as ``Strategy.validate_for`` names them."""
+    if unheld:
+        raise ValueError("strategy does not fit the model:\n  - " + "\n  - ".join(
+            f"variable {name!r} is not in the model (in no DistributedOptimizer of this process)" for name in unheld))
 
 
 def _checked_named_parameters(named_parameters: Iterable | None, param_groups) -> list[tuple[str, Any]]:

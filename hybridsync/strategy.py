@@ -26,7 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 from hybridsync import envvars, knobs
 from hybridsync.description import FLOATING_DTYPES, VariableInfo
@@ -222,6 +222,17 @@ class Strategy:
             # ASP/SSP exchange parameters, not gradients: rows (BSP only) has nothing to send there
             return dataclasses.replace(config, protocol=protocol, rows=config.rows and protocol == "bsp")
         return Strategy(default=swap(self.default), variables={n: swap(c) for n, c in self.variables.items()})
+
+    def restricted_to(self, names: Iterable[str]) -> "Strategy":
+        """The entries of ``names`` only: one optimizer's part of a strategy for the whole model (a
+        script with a sparse and a dense optimizer gets one strategy for both). The default stays;
+        a dynamic ``sync`` policy stays while a PS-routed variable (or a PS default) is left."""
+        names = set(names)
+        kept = {name: config for name, config in self.variables.items() if name in names}
+        if len(kept) == len(self.variables):
+            return self
+        keeps_ps = any(config.route == "ps" for config in (self.default, *kept.values()))
+        return Strategy(default=self.default, variables=kept, sync=self.sync if keeps_ps else None)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Strategy":

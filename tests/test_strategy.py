@@ -88,6 +88,20 @@ def test_validation_against_model_names_every_culprit():
     assert "group 1: its variables disagree" in message
 
 
+def test_an_optimizers_part_of_a_strategy_keeps_its_variables_and_the_default():
+    """A script that splits its model between optimizers (sparse and dense) gives each the whole
+    strategy; each routes its own part. A dynamic sync policy stays with the part that has PS variables."""
+    doc = {"default": {"route": "allreduce", "algorithm": "hierarchical"},
+           "variables": {"emb": {"route": "ps", "protocol": "bsp"}, "fc.weight": {"route": "allreduce", "partitions": 2}},
+           "sync": {"policy": "switch", "switch_at": 10}}
+    whole = Strategy.from_dict(doc)
+    sparse, dense = whole.restricted_to(["emb"]), whole.restricted_to(iter(["fc.weight", "fc.bias"]))
+    assert sparse.variables == {"emb": whole.variables["emb"]} and sparse.sync == whole.sync
+    assert dense.variables == {"fc.weight": whole.variables["fc.weight"]} and dense.sync is None
+    assert sparse.default == dense.default == whole.default
+    assert whole.restricted_to(["emb", "fc.weight", "other"]) is whole
+
+
 def test_resolve_reads_environment(tmp_path, monkeypatch):
     path = tmp_path / "s.json"
     Strategy.from_dict(EXAMPLE).save(path)

@@ -35,6 +35,32 @@ def backward(m: nn.Module) -> None:
     m(torch.randn(3, 4)).sum().backward()
 
 
+def step_with(strategy) -> None:
+    """A strategy names the whole model's variables (a script may split them among optimizers): one
+    that no optimizer holds is refused at the first step, once the script built every optimizer."""
+    m, opt = make(strategy)
+    backward(m)
+    opt.step()
+
+
+def two_optimizers_share_a_strategy():
+    """One strategy for a model split between two optimizers (as a sparse and a dense one are): each
+    routes its own variables as the strategy says, neither refuses the other's."""
+    m = model()
+    strategy = {"variables": {"0.weight": {"route": "allreduce", "partitions": 2},
+                              "2.weight": {"route": "allreduce", "compression": "fp16"}}}
+    first, second = ([(n, p) for n, p in m.named_parameters() if n.startswith("0.")],
+                     [(n, p) for n, p in m.named_parameters() if n.startswith("2.")])
+    opts = [hs.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named_parameters=named,
+                                    strategy=strategy) for named in (first, second)]
+    backward(m)
+    for opt in opts:
+        opt.step()
+    routed = [sorted(opt.strategy.variables) for opt in opts]
+    if routed != [["0.weight"], ["2.weight"]]:
+        raise AssertionError(f"each optimizer should route its own part, got {routed}")
+
+
 def rank_dependent_strategy():
     if hvd.rank() == 0:
         return make({"variables": {"0.weight": {"route": "allreduce", "partitions": 2}}})
@@ -65,7 +91,7 @@ def strategy_from_environment():
         json.dump({"version": 1, "variables": {"nope.weight": {"route": "allreduce"}}}, f)
     os.environ["HYBRIDSYNC_STRATEGY"] = path
     try:
-        make(None)
+        step_with(None)
     finally:
         del os.environ["HYBRIDSYNC_STRATEGY"]
 
@@ -100,7 +126,8 @@ def sparse_on_one_rank():
 
 CASES = {
     "fingerprint_mismatch": rank_dependent_strategy,
-    "unknown_variable": lambda: make({"variables": {"missing.weight": {"route": "allreduce"}}}),
+    "two_optimizers_share_a_strategy": two_optimizers_share_a_strategy,
+    "unknown_variable": lambda: step_with({"variables": {"missing.weight": {"route": "allreduce"}}}),
     "bad_value": lambda: make({"variables": {"0.weight": {"route": "allreduce", "partitions": 0,
                                                           "compression": "int3"}}}),
     "too_many_partitions": lambda: make({"variables": {"2.bias": {"route": "allreduce", "partitions": 5}}}),
