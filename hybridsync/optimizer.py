@@ -69,10 +69,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requested_strategy = options.strategy
         """The strategy as given (or to ``set_strategy``); ``rebuild_for_world`` fits it to each world."""
         self._elastic = elastic_job()
-        self._unheld = _unheld_variables(options.strategy)
-        """Variables the strategy names that no optimizer holds yet: the script may build the optimizer
-        that holds them after this one (a sparse and a dense one), so the first ``step()`` checks them."""
-        self.strategy, self.plan, self.process_set = self._plan_for(options.strategy, check_held=False)
+        self._stepped = False
+        """A ``step()`` began: every optimizer of the script is built by now (a strategy's variables that
+        none holds are refused from then on; before, the script may still build the one holding them)."""
+        self.strategy, self.plan, self.process_set = self._plan_for(options.strategy)
         # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps
         # locally; and an elastic job synchronizes with one rank too, ready for the world to grow.
         self._synchronizing = self.process_set.included() and (hvd.size() > 1 or self._elastic)
@@ -138,13 +138,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The ``hybridsync.hooks.profiler.Profiler`` of this process when ``HYBRIDSYNC_PROFILE`` is set, else ``None``."""
         return self._profiler
 
-    def _plan_for(self, strategy: Strategy | None, *, check_held: bool = True) -> tuple[Strategy | None,
-                                                                                     RoutingPlan, Any]:
+    def _plan_for(self, strategy: Strategy | None) -> tuple[Strategy | None, RoutingPlan, Any]:
         """This optimizer's part of the strategy (``Strategy.restricted_to``: a strategy is for the whole
         model, which a script may split among optimizers) with its ``groups`` applied, its plan, and the
-        process set it runs on. ``ValueError`` (with ``check_held``) if the strategy names a variable that
-        no optimizer of this process holds."""
-        if check_held:
+        process set it runs on. ``ValueError`` if the strategy names a variable that no optimizer of this
+        process holds (checked by the first ``step()`` when planned before it)."""
+        if self._stepped:
             _check_held(_unheld_variables(strategy))
         if strategy is not None:
             strategy = strategy.restricted_to(name for name, _ in self._named)
@@ -397,9 +396,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "consider using optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
             self.synchronize()
-        if self._unheld:  # the first step: every optimizer of the script has been built by now
+        if not self._stepped:
+            self._stepped = True
             _check_held(_unheld_variables(self._requested_strategy))
-            self._unheld = []
         self._synchronized = False
         (self._router or self._built_router()).before_step()
         for hook in self._hooks:

@@ -236,7 +236,11 @@ def test_profiler_settings_from_the_environment(monkeypatch, tmp_path):
     try:
         assert isinstance(first, StepHook)
         assert (first.steps, first.warmup) == (4, envvars.PROFILE_WARMUP_DEFAULT)
-        with pytest.warns(UserWarning, match="only the first DistributedOptimizer"):
+        # a second optimizer's variables join the running profile; names it already has are left out
+        other = [("emb.weight", torch.nn.Parameter(torch.zeros(3, 2)))]
+        assert builder.profiler_from_environment(other, num_ranks=1) is None
+        assert [name for name, _ in first._named] == ["weight", "bias", "emb.weight"]
+        with pytest.warns(UserWarning, match="variables weight, bias are not profiled: another optimizer's"):
             assert builder.profiler_from_environment(named, num_ranks=1) is None
     finally:
         first.close()
@@ -277,12 +281,14 @@ def _train_command(*args: str) -> list[str]:
     return [sys.executable, str(WORKERS / "profile_train.py"), *args]
 
 
+@pytest.mark.parametrize("optimizers", [[], ["--two-optimizers"]], ids=["one-optimizer", "two-optimizers"])
 @pytest.mark.multiprocess
-def test_hybridsync_profile_writes_a_valid_description(tmp_path):
+def test_hybridsync_profile_writes_a_valid_description(tmp_path, optimizers):
+    """With two optimizers (the embedding's, the dense layers'), the one model is described whole."""
     out = tmp_path / "desc.json"
     proc = _hybridsync("profile", "--steps", str(STEPS), "--warmup", str(WARMUP), "--timeout", "120",
                        "--name", "tiny", "--batch-size", "64", "-o", str(out), "--",
-                       *_train_command("--steps", "100000"))
+                       *_train_command("--steps", "100000", *optimizers))
     assert proc.returncode == 0, proc.stdout
     desc = load_description(out)
     assert f"wrote {out} (id {description_id(desc)}): 7 variables (1 sparse)" in proc.stdout, proc.stdout

@@ -27,14 +27,15 @@ STRATEGIES = {
 }
 
 
-def run_script_trials(tmp_path, steps_per_run: int, controls: tuple[str, ...] = ()) -> tuple[dict, object]:
+def run_script_trials(tmp_path, steps_per_run: int, controls: tuple[str, ...] = (), strategies: dict = STRATEGIES,
+                      script_args: tuple[str, ...] = ()) -> tuple[dict, object]:
     candidates = [Candidate(kind="drop-in", strategy=None)] + [
-        Candidate(kind=kind, strategy=Strategy.from_dict(doc)) for kind, doc in STRATEGIES.items()]
+        Candidate(kind=kind, strategy=Strategy.from_dict(doc)) for kind, doc in strategies.items()]
     protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120)
     with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
         runner = TrialRunner(model="tiny", description_id="tiny-0", target=target, store=store, protocol=protocol,
                              workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, SCRIPT, "--steps",
-                                                                             str(steps_per_run))))
+                                                                             str(steps_per_run), *script_args)))
         summary = runner.run(candidates, controls=[c for c in candidates if c.kind in controls], block_size=3)
         if controls:
             return {"kinds": sorted(r.kind for r in store.trials() if r.status == "ok" or r.kind == "refused"),
@@ -51,6 +52,22 @@ def test_the_optimizer_measures_every_strategy_of_the_schedule_in_one_run(tmp_pa
         assert len(records[kind].step_times) == 4 and records[kind].median_s > 0
     assert records["refused"].status == "failed" and "no_such.weight" in records["refused"].reason
     assert summary.jobs == 1 and summary.measured == 5 and summary.failed == 1
+
+
+def test_a_script_with_two_optimizers_runs_each_trials_strategy_in_both(tmp_path):
+    """A trial's strategy is for the whole model: the optimizer of the second layer (built last,
+    stepped first) takes its part at its own step's end, PS included; a part only it refuses (more
+    shards than its bias has rows) fails that trial, and the next trials still run."""
+    strategies = {"ps-both": {"version": 1, "variables": {"0.weight": {"route": "ps"}, "2.weight": {"route": "ps"}}},
+                  "refused-by-second": {"version": 1, "variables": {"2.bias": {"route": "allreduce", "partitions": 2}}},
+                  "mixed": STRATEGIES["mixed"] | {"variables": {"0.weight": {"route": "ps"},
+                                                               "2.weight": {"route": "allreduce", "compression": "fp16"}}}}
+    records, summary = run_script_trials(tmp_path, steps_per_run=1000, strategies=strategies,
+                                         script_args=("--two-optimizers",))
+    assert {kind: r.status for kind, r in records.items()} == {"drop-in": "ok", "ps-both": "ok",
+                                                               "refused-by-second": "failed", "mixed": "ok"}
+    assert "'2.bias': partitions 2 exceeds its 1 rows" in records["refused-by-second"].reason
+    assert summary.jobs == 1 and summary.measured == 3 and summary.failed == 1
 
 
 def test_a_script_that_trains_fewer_steps_than_the_schedule_is_started_again_for_the_rest(tmp_path):

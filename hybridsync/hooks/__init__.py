@@ -8,7 +8,6 @@ place they are made; this process's builder is ``BUILDER``.
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Sequence
 
@@ -31,20 +30,24 @@ class StepHookBuilder:
     def profiler_from_environment(self, named_parameters: Sequence[tuple[str, Any]], num_ranks: int,
                                   torch_hooks: bool = True) -> profiler.Profiler | None:
         """A started profiler if ``HYBRIDSYNC_PROFILE`` is set and no other runs (one closed makes
-        room), else ``None``. ``torch_hooks=False``: the front end reports each backward pass."""
+        room), else ``None``: the running one then profiles this optimizer's variables too (the
+        first optimizer's steps time them all). ``torch_hooks=False``: the front end reports each
+        backward pass."""
         if self._profiler is not None and not self._profiler.closed:
-            if os.environ.get(envvars.PROFILE):
-                warnings.warn(f"{envvars.PROFILE}: only the first DistributedOptimizer of a process is profiled; "
-                              f"this one is not")
+            clashing = self._profiler.add_variables(named_parameters)
+            if clashing:
+                warnings.warn(f"{envvars.PROFILE}: this DistributedOptimizer's variables {', '.join(clashing)} are "
+                              f"not profiled: another optimizer's have the same names (pass named_parameters)")
             return None
         made = profiler.from_environment(named_parameters, num_ranks, torch_hooks=torch_hooks)
         self._profiler = made or self._profiler
         return made
 
-    def trials_from_environment(self, optimizer: Any, hvd: Any) -> trials.ScriptTrials | None:
-        """The trial schedule's hook if ``HYBRIDSYNC_TRIALS`` is set and no optimizer drives it yet."""
+    def trials_from_environment(self, optimizer: Any, hvd: Any) -> StepHook | None:
+        """If ``HYBRIDSYNC_TRIALS`` is set, the trial schedule's hook: the first optimizer drives it
+        (``ScriptTrials``), any other follows its strategies (``FollowingTrials``)."""
         if self._trials is not None:
-            return None
+            return trials.FollowingTrials(optimizer, self._trials)
         self._trials = trials.from_environment(optimizer, hvd)
         return self._trials
 

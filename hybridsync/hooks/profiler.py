@@ -1,8 +1,8 @@
 """Profiling a training script from a step hook of ``DistributedOptimizer``: the model description's timing.
 
-When ``HYBRIDSYNC_PROFILE=<path>`` is set, the (first) ``hybridsync.DistributedOptimizer``
-of a single-process job records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after
-``HYBRIDSYNC_PROFILE_WARMUP`` warm-up steps:
+When ``HYBRIDSYNC_PROFILE=<path>`` is set, the first ``hybridsync.DistributedOptimizer`` of a
+single-process job (with the variables of any other the script builds: ``add_variables``)
+records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after ``HYBRIDSYNC_PROFILE_WARMUP`` warm-up steps:
 
 - forward: from the first module forward call of a step (torch's global module
   forward pre-hook) to the start of the backward pass, so the loss is included;
@@ -111,6 +111,18 @@ class Profiler(StepHook):
             self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)]
             self._handles += [p.register_post_accumulate_grad_hook(self._ready_hook(name))
                               for name, p in self._named if p.requires_grad]
+
+    def add_variables(self, named_parameters: Sequence[tuple[str, Any]]) -> list[str]:
+        """Profile another optimizer's variables too (a script's sparse and dense optimizers train one
+        model, and one step drives both); returns the names left out because a variable already
+        profiled has them (optimizers built without ``named_parameters`` name theirs alike)."""
+        known = {name for name, _ in self._named}
+        added = [(name, p) for name, p in named_parameters if name not in known]
+        self._named += added
+        if self._handles:  # torch hooks (the torch front end)
+            self._handles += [p.register_post_accumulate_grad_hook(self._ready_hook(name))
+                              for name, p in added if p.requires_grad]
+        return [name for name, _ in named_parameters if name in known]
 
     # --- events ------------------------------------------------------------------------
     def _on_forward(self, module: Any, args: Any) -> None:

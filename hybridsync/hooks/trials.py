@@ -15,6 +15,8 @@ drives the trials from ``step()``, whatever loop the script runs:
 - before the first trial every rank waits ``_SETTLE_S`` seconds, while the job's other
   processes (parameter servers) finish starting: a job's first seconds run slow;
 - a strategy the optimizer refuses (``ValueError`` on every rank) is a failed trial;
+- the script's other optimizers follow (``FollowingTrials``): each takes its part of the
+  trial's strategy at the end of its own step, and one that refuses it fails the trial;
 - after the last trial rank 0 writes ``done`` and the hook ends the run (the front end
   ends the process with exit code 0).
 
@@ -100,6 +102,10 @@ class ScriptTrials(StepHook):
         self.schedule: list[dict[str, Any]] = hvd.broadcast_object(schedule, root_rank=0, name="trials.schedule")
         self.position = 0
         """Index into the schedule of the trial being measured (== len(schedule): all done)."""
+        self.running: Strategy | None = None
+        """The strategy of the trial being measured, for the script's other optimizers (``FollowingTrials``)."""
+        self._refused: str | None = None
+        """Why another optimizer refused ``running``: the trial fails at the next ``after_step``."""
         self.steps_seen = 0
         self._times: list[float] = []
         self._last = time.perf_counter()
@@ -120,7 +126,12 @@ class ScriptTrials(StepHook):
         self.steps_seen += 1
         self._times.append(now - self._last)
         self._last = now
-        if len(self._times) == self.warmup + self.timed:
+        if self._refused is not None:  # raised on every rank, as set_strategy's refusals are
+            self._trial("failed", f"refused: {self._refused}", [])
+            self._refused = None
+            self.position += 1
+            self.done = not self._begin()
+        elif len(self._times) == self.warmup + self.timed:
             times = slowest_rank_times(self.hvd, self._times, name=f"trials.{self.position}.times")
             self._trial("ok", None, times)
             self.position += 1
@@ -133,9 +144,10 @@ class ScriptTrials(StepHook):
         while self.position < len(self.schedule):
             entry = self.schedule[self.position]
             self._started = utc_now()
+            strategy = Strategy.from_dict(entry["strategy"]) if entry["strategy"] is not None else Strategy(variables={})
             try:
-                self.optimizer.set_strategy(Strategy.from_dict(entry["strategy"]) if entry["strategy"] is not None
-                                            else Strategy(variables={}))
+                self.optimizer.set_strategy(strategy)
+                self.running = strategy
             except ValueError as error:  # raised on every rank; the previous plan stays in force
                 self._trial("failed", f"refused: {error}", [])
                 self.position += 1
@@ -146,6 +158,10 @@ class ScriptTrials(StepHook):
         self._write({"event": "done", "time": utc_now()})
         self.hvd.barrier()
         return False
+
+    def refuse(self, why: str) -> None:
+        """Another optimizer of the script refused the running strategy: the trial fails at the next step."""
+        self._refused = why
 
     def _trial(self, status: str, reason: str | None, times: list[float]) -> None:
         self._write({"event": "trial", "index": self.schedule[self.position]["index"], "status": status,
@@ -159,3 +175,27 @@ class ScriptTrials(StepHook):
         if self.position < len(self.schedule):
             self._write({"event": "exhausted", "index": self.schedule[self.position]["index"],
                          "steps": self.steps_seen, "time": utc_now()})
+
+
+class FollowingTrials(StepHook):
+    """Another optimizer of a script whose first optimizer drives the trials (``ScriptTrials``): a
+    script may split its model between optimizers (a sparse and a dense one), and a trial's strategy
+    is for the whole model. This one takes its part of the strategy the trials run at the end of each
+    of its own steps (its gradients may be in flight while the first one switches; the trial's warm-up
+    steps cover the step in between). A strategy it refuses fails that trial."""
+
+    def __init__(self, optimizer: Any, leader: ScriptTrials) -> None:
+        self.optimizer, self.leader = optimizer, leader
+        self._taken: Strategy | None = None
+        self.after_step()  # built after the first optimizer: no gradient of its own in flight yet
+
+    def after_step(self) -> bool:
+        """Switch to the strategy the trials run now, if it changed; the first optimizer ends the run."""
+        wanted = self.leader.running
+        if wanted is not None and wanted is not self._taken:
+            self._taken = wanted
+            try:
+                self.optimizer.set_strategy(wanted)
+            except ValueError as error:  # raised on every rank; this optimizer's previous plan stays
+                self.leader.refuse(str(error))
+        return False

@@ -1,6 +1,6 @@
 """A small deterministic training script for the profiler: a sparse embedding and a few Linear layers.
 
-Usage: python profile_train.py --steps N [--params OUT.pt]
+Usage: python profile_train.py --steps N [--params OUT.pt] [--two-optimizers]
 
 Step k looks up ids ``(arange(BATCH) % UNIQUE_IDS) + (k % 10) * 50``: exactly UNIQUE_IDS
 distinct rows of the embedding per step. Prints ``step k`` after each step and
@@ -39,21 +39,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--params", help="save the parameters here when the process ends")
+    parser.add_argument("--two-optimizers", action="store_true", help="the embedding's own optimizer")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     hs.init()
     model = Model()
-    opt = hs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                  named_parameters=model.named_parameters())
+    named = list(model.named_parameters())
+    if args.two_optimizers:  # the embedding by one, the dense layers by another: stepped dense first
+        sparse = [(n, p) for n, p in named if n.startswith("emb.")]
+        dense = [(n, p) for n, p in named if not n.startswith("emb.")]
+        opts = [hs.DistributedOptimizer(torch.optim.SGD([p for _, p in part], lr=0.01), named_parameters=part)
+                for part in (dense, sparse)]
+    else:
+        opts = [hs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=named)]
     target = torch.randn(BATCH, 1)
     try:
         for step in range(args.steps):
             ids = (torch.arange(BATCH) % UNIQUE_IDS) + (step % 10) * 50
-            opt.zero_grad()
+            for opt in opts:
+                opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(ids), target)
             loss.backward()
-            opt.step()
+            for opt in opts:
+                opt.step()
             print(f"step {step}", flush=True)
         print(f"trained {args.steps} steps", flush=True)
     finally:
