@@ -69,9 +69,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requested_strategy = options.strategy
         """The strategy as given (or to ``set_strategy``); ``rebuild_for_world`` fits it to each world."""
         self._elastic = elastic_job()
-        self._stepped = False
-        """A ``step()`` began: every optimizer of the script is built by now (a strategy's variables that
-        none holds are refused from then on; before, the script may still build the one holding them)."""
+        self._all_built = frontend != "torch"
+        """Every optimizer of the script is built: a strategy's variables that none holds are refused from
+        then on. A torch script may build the one holding them after this one, so the first ``step()``
+        sets it; hybridsync.tensorflow builds one per tape or Keras optimizer, for the variables it is
+        given, and may never call ``step()`` (a one-rank job passes the gradients through): at once."""
         self.strategy, self.plan, self.process_set = self._plan_for(options.strategy)
         # As in Horovod, a rank outside the process set neither hooks nor synchronizes: it steps
         # locally; and an elastic job synchronizes with one rank too, ready for the world to grow.
@@ -99,6 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """A step hook ended the run at the last ``step()``: the front end ends the process (``end_run``)."""
         # hybridsync.tensorflow reports its backward pass to the profiler itself: no torch hook sees it.
         self._profiler = BUILDER.profiler_from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
+        self._profile_hook = BUILDER.profile_hook()
         self._sync_controller = None if self._router is None else self._controller_for(options.strategy)
         self._trials = None
         self._hooks = self._step_hooks()
@@ -121,7 +124,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _step_hooks(self) -> tuple[StepHook, ...]:
         """The hooks ``step()`` calls, in order: the controller before the trials, which may switch plans."""
-        return tuple(hook for hook in (self._profiler, self._sync_controller, self._trials) if hook is not None)
+        return tuple(hook for hook in (self._profile_hook, self._sync_controller, self._trials) if hook is not None)
 
     @property
     def step_hooks(self) -> tuple[StepHook, ...]:
@@ -143,7 +146,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         model, which a script may split among optimizers) with its ``groups`` applied, its plan, and the
         process set it runs on. ``ValueError`` if the strategy names a variable that no optimizer of this
         process holds (checked by the first ``step()`` when planned before it)."""
-        if self._stepped:
+        if self._all_built:
             _check_held(_unheld_variables(strategy))
         if strategy is not None:
             strategy = strategy.restricted_to(name for name, _ in self._named)
@@ -396,8 +399,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "consider using optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
             self.synchronize()
-        if not self._stepped:
-            self._stepped = True
+        if not self._all_built:
+            self._all_built = True
             _check_held(_unheld_variables(self._requested_strategy))
         self._synchronized = False
         (self._router or self._built_router()).before_step()

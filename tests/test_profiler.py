@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -236,12 +237,16 @@ def test_profiler_settings_from_the_environment(monkeypatch, tmp_path):
     try:
         assert isinstance(first, StepHook)
         assert (first.steps, first.warmup) == (4, envvars.PROFILE_WARMUP_DEFAULT)
-        # a second optimizer's variables join the running profile; names it already has are left out
+        # a second optimizer's variables join the running profile; one rebuilt over the same parameters
+        # adds nothing; other parameters under names it already has are left out, with a warning
         other = [("emb.weight", torch.nn.Parameter(torch.zeros(3, 2)))]
         assert builder.profiler_from_environment(other, num_ranks=1) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert builder.profiler_from_environment(named, num_ranks=1) is None
         assert [name for name, _ in first._named] == ["weight", "bias", "emb.weight"]
         with pytest.warns(UserWarning, match="variables weight, bias are not profiled: another optimizer's"):
-            assert builder.profiler_from_environment(named, num_ranks=1) is None
+            assert builder.profiler_from_environment(list(torch.nn.Linear(2, 1).named_parameters()), 1) is None
     finally:
         first.close()
     again = builder.profiler_from_environment(named, num_ranks=1)  # the first one closed: the next one may profile
@@ -281,10 +286,12 @@ def _train_command(*args: str) -> list[str]:
     return [sys.executable, str(WORKERS / "profile_train.py"), *args]
 
 
-@pytest.mark.parametrize("optimizers", [[], ["--two-optimizers"]], ids=["one-optimizer", "two-optimizers"])
+@pytest.mark.parametrize("optimizers", [[], ["--two-optimizers"], ["--rebuild"]],
+                         ids=["one-optimizer", "two-optimizers", "rebuilt"])
 @pytest.mark.multiprocess
 def test_hybridsync_profile_writes_a_valid_description(tmp_path, optimizers):
-    """With two optimizers (the embedding's, the dense layers'), the one model is described whole."""
+    """With two optimizers (the embedding's, the dense layers'), the one model is described whole; with
+    one rebuilt over the same parameters (the first never steps), the new one times the steps."""
     out = tmp_path / "desc.json"
     proc = _hybridsync("profile", "--steps", str(STEPS), "--warmup", str(WARMUP), "--timeout", "120",
                        "--name", "tiny", "--batch-size", "64", "-o", str(out), "--",

@@ -70,6 +70,17 @@ def test_a_script_with_two_optimizers_runs_each_trials_strategy_in_both(tmp_path
     assert summary.jobs == 1 and summary.measured == 3 and summary.failed == 1
 
 
+def test_a_script_that_rebuilds_its_optimizer_is_measured_through_the_new_one(tmp_path):
+    """The first optimizer is never stepped (the script built another over the same parameters, as
+    after loading a checkpoint): the newest one times the steps, so the trials end in one job."""
+    strategies = {kind: STRATEGIES[kind] for kind in ("ring", "ps", "refused")}
+    records, summary = run_script_trials(tmp_path, steps_per_run=1000, strategies=strategies,
+                                         script_args=("--rebuild",))
+    assert {kind: r.status for kind, r in records.items()} == {"drop-in": "ok", "ring": "ok", "ps": "ok",
+                                                               "refused": "failed"}
+    assert summary.jobs == 1 and summary.measured == 3
+
+
 def test_a_script_that_trains_fewer_steps_than_the_schedule_is_started_again_for_the_rest(tmp_path):
     records, summary = run_script_trials(tmp_path, steps_per_run=9)  # two trials of 4 steps per run
     assert all(records[k].status == "ok" for k in ("drop-in", "ring", "ps", "grouped", "mixed"))

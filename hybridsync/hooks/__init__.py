@@ -43,13 +43,16 @@ class StepHookBuilder:
         self._profiler = made or self._profiler
         return made
 
+    def profile_hook(self) -> StepHook | None:
+        """The newest optimizer's hook into the running profile (it times the steps from now on), or ``None``."""
+        return None if self._profiler is None or self._profiler.closed else self._profiler.hook()
+
     def trials_from_environment(self, optimizer: Any, hvd: Any) -> StepHook | None:
-        """If ``HYBRIDSYNC_TRIALS`` is set, the trial schedule's hook: the first optimizer drives it
-        (``ScriptTrials``), any other follows its strategies (``FollowingTrials``)."""
-        if self._trials is not None:
-            return trials.FollowingTrials(optimizer, self._trials)
-        self._trials = trials.from_environment(optimizer, hvd)
-        return self._trials
+        """If ``HYBRIDSYNC_TRIALS`` is set, ``optimizer``'s hook in the trial schedule (one schedule per
+        process, started by the first optimizer; the newest one times it: ``ScriptTrials``), else ``None``."""
+        if self._trials is None:
+            self._trials = trials.from_environment(optimizer, hvd)
+        return None if self._trials is None else self._trials.hook_for(optimizer)
 
     @staticmethod
     def sync_controller(optimizer: Any, strategy: Strategy | None, job: str) -> syncswitch.SyncController | None:

@@ -1,8 +1,8 @@
 """Profiling a training script from a step hook of ``DistributedOptimizer``: the model description's timing.
 
 When ``HYBRIDSYNC_PROFILE=<path>`` is set, the first ``hybridsync.DistributedOptimizer`` of a
-single-process job (with the variables of any other the script builds: ``add_variables``)
-records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after ``HYBRIDSYNC_PROFILE_WARMUP`` warm-up steps:
+single-process job (with the variables of any other the script builds, ``add_variables``; the
+newest optimizer times the steps, ``hook``) records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after ``HYBRIDSYNC_PROFILE_WARMUP`` warm-up steps:
 
 - forward: from the first module forward call of a step (torch's global module
   forward pre-hook) to the start of the backward pass, so the loss is included;
@@ -104,6 +104,8 @@ class Profiler(StepHook):
         self._last_backward_end = 0.0
         """End of the last pass given to ``record_backward``: the next pass's forward starts there or later."""
         self._sparse: set[str] = set()
+        self._timing: _TimingHook | None = None
+        """The hook of the optimizer whose steps are timed (``hook``)."""
         self._original_backward = torch.autograd.backward
         self._handles: list[Any] = []
         if torch_hooks:
@@ -114,15 +116,22 @@ class Profiler(StepHook):
 
     def add_variables(self, named_parameters: Sequence[tuple[str, Any]]) -> list[str]:
         """Profile another optimizer's variables too (a script's sparse and dense optimizers train one
-        model, and one step drives both); returns the names left out because a variable already
-        profiled has them (optimizers built without ``named_parameters`` name theirs alike)."""
-        known = {name for name, _ in self._named}
+        model, and one step drives both; one rebuilt over the same parameters adds none); returns the
+        names left out because another variable already profiled has them (optimizers built without
+        ``named_parameters`` name theirs alike)."""
+        known = dict(self._named)
         added = [(name, p) for name, p in named_parameters if name not in known]
         self._named += added
         if self._handles:  # torch hooks (the torch front end)
             self._handles += [p.register_post_accumulate_grad_hook(self._ready_hook(name))
                               for name, p in added if p.requires_grad]
-        return [name for name, _ in named_parameters if name in known]
+        return [name for name, p in named_parameters if name in known and known[name] is not p]
+
+    def hook(self) -> StepHook:
+        """A step hook for the newest optimizer of the script, which times the steps from now on (a
+        script that rebuilds its optimizer steps the newest only); older optimizers' hooks do nothing."""
+        self._timing = _TimingHook(self)
+        return self._timing
 
     # --- events ------------------------------------------------------------------------
     def _on_forward(self, module: Any, args: Any) -> None:
@@ -265,6 +274,20 @@ class Profiler(StepHook):
         if torch.autograd.backward == self._backward:
             torch.autograd.backward = self._original_backward
         self.closed = True
+
+
+class _TimingHook(StepHook):
+    """One optimizer's profiling hook: only the newest optimizer's (``Profiler.hook``) times steps."""
+
+    def __init__(self, profiler: Profiler) -> None:
+        self.profiler = profiler
+
+    def before_step(self) -> None:
+        if self.profiler._timing is self:
+            self.profiler.before_step()
+
+    def after_step(self) -> bool:
+        return self.profiler._timing is self and self.profiler.after_step()
 
 
 def _median_seconds(values: Sequence[float]) -> float:

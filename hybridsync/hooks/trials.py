@@ -15,8 +15,10 @@ drives the trials from ``step()``, whatever loop the script runs:
 - before the first trial every rank waits ``_SETTLE_S`` seconds, while the job's other
   processes (parameter servers) finish starting: a job's first seconds run slow;
 - a strategy the optimizer refuses (``ValueError`` on every rank) is a failed trial;
-- the script's other optimizers follow (``FollowingTrials``): each takes its part of the
-  trial's strategy at the end of its own step, and one that refuses it fails the trial;
+- a script may build several optimizers (a sparse and a dense one; one rebuilt for a new
+  phase): each gets its own hook (``ScriptTrials.hook_for``), the newest one times the steps,
+  and every other one takes its part of the trial's strategy at the end of its own step (its
+  gradients may be in flight while the timing one switches); one that refuses it fails the trial;
 - after the last trial rank 0 writes ``done`` and the hook ends the run (the front end
   ends the process with exit code 0).
 
@@ -87,8 +89,10 @@ def slowest_rank_times(hvd: Any, times: list[float], name: str) -> list[float]:
     return [max(rank_times[i] for rank_times in everyone) for i in range(len(times))]
 
 
-class ScriptTrials(StepHook):
-    """One rank's progress through the schedule; the optimizer calls ``after_step`` after every step."""
+class ScriptTrials:
+    """One rank's progress through the schedule. Each optimizer of the script steps it through its own
+    hook (``hook_for``); the newest one, ``optimizer``, times the steps and switches the strategies
+    (a script that rebuilds its optimizer steps the newest only), the others follow it."""
 
     def __init__(self, optimizer: Any, hvd: Any, schedule_path: str, results_path: str, *,
                  warmup: int, timed: int, settle_s: float = 0.0) -> None:
@@ -103,9 +107,11 @@ class ScriptTrials(StepHook):
         self.position = 0
         """Index into the schedule of the trial being measured (== len(schedule): all done)."""
         self.running: Strategy | None = None
-        """The strategy of the trial being measured, for the script's other optimizers (``FollowingTrials``)."""
+        """The strategy of the trial being measured, which every optimizer of the script takes."""
+        self._timing: _TrialsHook | None = None
+        """The hook of ``optimizer``, the one that times the steps."""
         self._refused: str | None = None
-        """Why another optimizer refused ``running``: the trial fails at the next ``after_step``."""
+        """Why another optimizer refused ``running``: the trial fails at the timing optimizer's next step."""
         self.steps_seen = 0
         self._times: list[float] = []
         self._last = time.perf_counter()
@@ -117,9 +123,40 @@ class ScriptTrials(StepHook):
         self.done = not self._begin()
         """Every trial of the schedule is over: the next ``after_step`` ends the run."""
 
-    def after_step(self) -> bool:
-        """Ends one step's interval; at the end of a trial, records it and switches to the next.
-        ``True`` once the schedule is done: the run is over."""
+    def hook_for(self, optimizer: Any) -> StepHook:
+        """The hook of ``optimizer``: the first one's (which built this) or a newer one's, which times
+        the steps from now on (it takes the running strategy now: none of its gradients is in flight
+        yet); the trial under way starts its steps again with it."""
+        hook = _TrialsHook(self, optimizer)
+        if self._timing is not None:
+            self._timing.taken = self.running
+            self.optimizer = optimizer
+            self._switch(hook)
+            self._times, self._last = [], time.perf_counter()
+        self._timing = hook
+        return hook
+
+    def after_step_of(self, hook: "_TrialsHook") -> bool:
+        """``hook``'s optimizer ended a step: the timing one ends an interval, any other takes the
+        running strategy if it changed. ``True`` once the schedule is done: the run is over."""
+        if hook is not self._timing:
+            if hook.taken is not self.running:
+                self._switch(hook)
+            return False
+        return self._after_step()
+
+    def _switch(self, hook: "_TrialsHook") -> None:
+        """Give ``hook``'s optimizer its part of the running strategy; a refusal fails the trial."""
+        hook.taken = self.running
+        if self.running is None:
+            return
+        try:
+            hook.optimizer.set_strategy(self.running)
+        except ValueError as error:  # raised on every rank; this optimizer's previous plan stays
+            self._refused = str(error)
+
+    def _after_step(self) -> bool:
+        """Ends one step's interval; at the end of a trial, records it and switches to the next."""
         if self.done:
             return True
         now = time.perf_counter()
@@ -159,10 +196,6 @@ class ScriptTrials(StepHook):
         self.hvd.barrier()
         return False
 
-    def refuse(self, why: str) -> None:
-        """Another optimizer of the script refused the running strategy: the trial fails at the next step."""
-        self._refused = why
-
     def _trial(self, status: str, reason: str | None, times: list[float]) -> None:
         self._write({"event": "trial", "index": self.schedule[self.position]["index"], "status": status,
                      "reason": reason, "step_times": times, "started": self._started, "finished": utc_now()})
@@ -177,25 +210,13 @@ class ScriptTrials(StepHook):
                          "steps": self.steps_seen, "time": utc_now()})
 
 
-class FollowingTrials(StepHook):
-    """Another optimizer of a script whose first optimizer drives the trials (``ScriptTrials``): a
-    script may split its model between optimizers (a sparse and a dense one), and a trial's strategy
-    is for the whole model. This one takes its part of the strategy the trials run at the end of each
-    of its own steps (its gradients may be in flight while the first one switches; the trial's warm-up
-    steps cover the step in between). A strategy it refuses fails that trial."""
+class _TrialsHook(StepHook):
+    """One optimizer's part in the trials: its steps reach ``ScriptTrials``, which knows it by this hook."""
 
-    def __init__(self, optimizer: Any, leader: ScriptTrials) -> None:
-        self.optimizer, self.leader = optimizer, leader
-        self._taken: Strategy | None = None
-        self.after_step()  # built after the first optimizer: no gradient of its own in flight yet
+    def __init__(self, trials: ScriptTrials, optimizer: Any) -> None:
+        self.trials, self.optimizer = trials, optimizer
+        self.taken: Strategy | None = None
+        """The strategy last given to ``optimizer`` (one that does not time the steps follows ``running``)."""
 
     def after_step(self) -> bool:
-        """Switch to the strategy the trials run now, if it changed; the first optimizer ends the run."""
-        wanted = self.leader.running
-        if wanted is not None and wanted is not self._taken:
-            self._taken = wanted
-            try:
-                self.optimizer.set_strategy(wanted)
-            except ValueError as error:  # raised on every rank; this optimizer's previous plan stays
-                self.leader.refuse(str(error))
-        return False
+        return self.trials.after_step_of(self)

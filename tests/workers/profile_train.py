@@ -1,6 +1,6 @@
 """A small deterministic training script for the profiler: a sparse embedding and a few Linear layers.
 
-Usage: python profile_train.py --steps N [--params OUT.pt] [--two-optimizers]
+Usage: python profile_train.py --steps N [--params OUT.pt] [--two-optimizers] [--rebuild]
 
 Step k looks up ids ``(arange(BATCH) % UNIQUE_IDS) + (k % 10) * 50``: exactly UNIQUE_IDS
 distinct rows of the embedding per step. Prints ``step k`` after each step and
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--params", help="save the parameters here when the process ends")
     parser.add_argument("--two-optimizers", action="store_true", help="the embedding's own optimizer")
+    parser.add_argument("--rebuild", action="store_true", help="build the optimizer again, step the new one only")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -52,6 +53,8 @@ def main() -> None:
         opts = [hs.DistributedOptimizer(torch.optim.SGD([p for _, p in part], lr=0.01), named_parameters=part)
                 for part in (dense, sparse)]
     else:
+        opts = [hs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=named)]
+    if args.rebuild:  # built again over the same parameters (as after loading a checkpoint): the new one steps
         opts = [hs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=named)]
     target = torch.randn(BATCH, 1)
     try:

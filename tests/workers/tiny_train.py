@@ -1,6 +1,6 @@
 """A user's training script as hybridsync sees it: plain loop, hybridsync.DistributedOptimizer.
 
-    python tiny_train.py --steps 8 [--two-optimizers]
+    python tiny_train.py --steps 8 [--two-optimizers] [--rebuild]
 
 Trains a two-layer regression for ``--steps`` steps and prints the final loss; used by the
 script-trial and autotune tests (the trial runner drives its optimizer through HYBRIDSYNC_TRIALS).
@@ -15,6 +15,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--two-optimizers", action="store_true",
                     help="each layer its own optimizer, the second layer's built last and stepped first")
+parser.add_argument("--rebuild", action="store_true",
+                    help="build the optimizer again (as after loading a checkpoint) and step the new one only")
 args = parser.parse_args()
 
 hs.init()
@@ -26,6 +28,9 @@ if not args.two_optimizers:
     layers = [layers[0] + layers[1]]
 optimizers = [hs.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.05), named_parameters=named)
               for named in layers]
+if args.rebuild:
+    optimizers = [hs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          named_parameters=model.named_parameters())]
 hs.broadcast_parameters(model.state_dict(), root_rank=0)
 generator = torch.Generator().manual_seed(hs.rank())
 x = torch.randn(256, 32, generator=generator)
