@@ -76,9 +76,9 @@ def _run(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
             code = run_on(target, plan.command, {envvars.STRATEGY: strategy_path}, servers=result.winner.uses_ps)
     if plan.hosts is not None or plan.hostfile is not None:
         code = run(dataclasses.replace(options, strategy=strategy_path, autotune=False), horovodrun_argv)
-    ended = "done" if code == 0 else f"training with the winner failed (exit code {code})"
-    print(f"hybridsync-run --autotune: {ended} after {time.monotonic() - started:.0f} s (autotune {tuned:.0f} s); "
-          f"report in {plan.report_dir}", file=sys.stderr)
+    took = f"{time.monotonic() - started:.0f} s (autotune {tuned:.0f} s)"
+    ended = f"done in {took}" if code == 0 else f"training with the winner failed (exit code {code}) after {took}"
+    print(f"hybridsync-run --autotune: {ended}; report in {plan.report_dir}", file=sys.stderr)
     return code
 
 
