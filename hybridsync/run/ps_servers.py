@@ -7,8 +7,11 @@ written here once, so a launcher can differ only in where it puts the servers.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import sys
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from hybridsync import envvars
 
@@ -57,7 +60,25 @@ def any_worker_joined(env: Mapping[str, str], *, timeout_s: float = 5.0) -> bool
     from hybridsync.backends.ps import group
     from hybridsync.backends.ps.config import PSConfig
     try:
-        store = group.open_store(PSConfig.from_env(env, role="worker", index=0), timeout_s=timeout_s)
-        return group.any_worker_joined(store, int(env[envvars.DMLC_NUM_WORKER]))
-    except (RuntimeError, ValueError, KeyError):  # unreachable store, or settings not those of a PS job
+        config = PSConfig.from_env(env, role="worker", index=0)
+        # A store that is gone (servers that served close it as they leave) is answered at once, where
+        # torch's client would retry for timeout_s and print a C++ trace per try.
+        socket.create_connection((config.root_uri, config.root_port), timeout=1.0).close()
+        with _quiet_stderr():  # the store may still close in between
+            store = group.open_store(config, timeout_s=timeout_s)
+        return group.any_worker_joined(store, config.num_workers)
+    except (OSError, RuntimeError, ValueError):  # no store to ask, or settings not those of a PS job
         return True
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Nothing written to file descriptor 2 (torch's C++ log included) reaches it meanwhile."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
