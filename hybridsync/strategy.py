@@ -231,8 +231,8 @@ class Strategy:
         kept = {name: config for name, config in self.variables.items() if name in names}
         if len(kept) == len(self.variables):
             return self
-        keeps_ps = any(config.route == "ps" for config in (self.default, *kept.values()))
-        return Strategy(default=self.default, variables=kept, sync=self.sync if keeps_ps else None)
+        part = Strategy(default=self.default, variables=kept)
+        return dataclasses.replace(part, sync=self.sync) if part.uses_ps else part
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Strategy":

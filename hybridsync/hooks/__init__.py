@@ -30,8 +30,8 @@ class StepHookBuilder:
     def profiler_from_environment(self, named_parameters: Sequence[tuple[str, Any]], num_ranks: int,
                                   torch_hooks: bool = True) -> profiler.Profiler | None:
         """A started profiler if ``HYBRIDSYNC_PROFILE`` is set and no other runs (one closed makes
-        room), else ``None``: the running one then profiles this optimizer's variables too (the
-        first optimizer's steps time them all). ``torch_hooks=False``: the front end reports each
+        room), else ``None``: the running one then profiles this optimizer's variables too (the newest
+        optimizer times the steps: ``profile_hook``). ``torch_hooks=False``: the front end reports each
         backward pass."""
         if self._profiler is not None and not self._profiler.closed:
             clashing = self._profiler.add_variables(named_parameters)

@@ -2,7 +2,8 @@
 
 When ``HYBRIDSYNC_PROFILE=<path>`` is set, the first ``hybridsync.DistributedOptimizer`` of a
 single-process job (with the variables of any other the script builds, ``add_variables``; the
-newest optimizer times the steps, ``hook``) records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps after ``HYBRIDSYNC_PROFILE_WARMUP`` warm-up steps:
+newest optimizer times the steps, ``hook``) records, for ``HYBRIDSYNC_PROFILE_STEPS`` steps
+after ``HYBRIDSYNC_PROFILE_WARMUP`` warm-up steps:
 
 - forward: from the first module forward call of a step (torch's global module
   forward pre-hook) to the start of the backward pass, so the loss is included;

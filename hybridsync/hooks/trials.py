@@ -166,13 +166,13 @@ class ScriptTrials:
         if self._refused is not None:  # raised on every rank, as set_strategy's refusals are
             self._trial("failed", f"refused: {self._refused}", [])
             self._refused = None
-            self.position += 1
-            self.done = not self._begin()
         elif len(self._times) == self.warmup + self.timed:
             times = slowest_rank_times(self.hvd, self._times, name=f"trials.{self.position}.times")
             self._trial("ok", None, times)
-            self.position += 1
-            self.done = not self._begin()
+        else:
+            return False
+        self.position += 1
+        self.done = not self._begin()
         return self.done
 
     def _begin(self) -> bool:
