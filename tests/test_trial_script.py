@@ -28,13 +28,13 @@ STRATEGIES = {
 
 
 def run_script_trials(tmp_path, steps_per_run: int, controls: tuple[str, ...] = (), strategies: dict = STRATEGIES,
-                      script_args: tuple[str, ...] = ()) -> tuple[dict, object]:
+                      script_args: tuple[str, ...] = (), script: tuple[str, ...] = (SCRIPT,)) -> tuple[dict, object]:
     candidates = [Candidate(kind="drop-in", strategy=None)] + [
         Candidate(kind=kind, strategy=Strategy.from_dict(doc)) for kind, doc in strategies.items()]
     protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120)
     with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
         runner = TrialRunner(model="tiny", description_id="tiny-0", target=target, store=store, protocol=protocol,
-                             workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, SCRIPT, "--steps",
+                             workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, *script, "--steps",
                                                                              str(steps_per_run), *script_args)))
         summary = runner.run(candidates, controls=[c for c in candidates if c.kind in controls], block_size=3)
         if controls:
@@ -81,6 +81,23 @@ def test_a_script_that_rebuilds_its_optimizer_is_measured_through_the_new_one(tm
     assert summary.jobs == 1 and summary.measured == 3
 
 
+def test_an_eager_tensorflow_loop_with_a_tape_per_step_is_measured_in_one_job(tmp_path, monkeypatch):
+    """TensorFlow eagerly, a new ``DistributedGradientTape`` every step (as Horovod's docs show): the
+    tapes share one torch optimizer, which the trials switch. Before, each step's tape built a new
+    one and no trial ever ended (every hand-over restarted the trial's steps)."""
+    pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (scripts/bootstrap.sh installs it)")
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    strategies = {"ps": STRATEGIES["ps"],
+                  "mixed": {"version": 1, "variables": {"embedding/embeddings": {"route": "ps"},
+                                                        "hidden/kernel": {"route": "allreduce", "partitions": 2}}}}
+    script = (str(REPO / "tests" / "workers" / "tf_train.py"), str(tmp_path / "tf"), "--impl", "hybridsync",
+              "--api", "tape")
+    records, summary = run_script_trials(tmp_path, steps_per_run=1000, strategies=strategies, script=script)
+    assert {kind: r.status for kind, r in records.items()} == {"drop-in": "ok", "ps": "ok", "mixed": "ok"}
+    assert summary.jobs == 1 and summary.measured == 3
+
+
 def test_a_script_that_trains_fewer_steps_than_the_schedule_is_started_again_for_the_rest(tmp_path):
     records, summary = run_script_trials(tmp_path, steps_per_run=9)  # two trials of 4 steps per run
     assert all(records[k].status == "ok" for k in ("drop-in", "ring", "ps", "grouped", "mixed"))
@@ -111,7 +128,7 @@ def test_the_first_trial_waits_for_the_job_to_settle(tmp_path):
     protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120, settle_s=3.0)
     with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
         runner = TrialRunner(model="tiny", description_id="tiny-0", target=target, store=store, protocol=protocol,
-                             workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, SCRIPT, "--steps", "100")))
+                             workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, *script, "--steps", "100")))
         assert runner.run(candidates).measured == 1
     events = [json.loads(line) for path in tmp_path.glob("*.results.jsonl") for line in path.read_text().splitlines()]
     at = {e["event"]: datetime.datetime.fromisoformat(e.get("started") or e["time"]) for e in events}

@@ -140,16 +140,18 @@ class GradientBridge:
         may change (``set_strategy``) after its step is traced. A tape's is decided when traced."""
         self.horovod_ring = False
         """The current plan syncs by Horovod's ops in a graph (every rank agreed)."""
-        # An eager tape's bridge lives one step and never runs in a graph: no vote (a collective) for it.
-        graph_possible = allow_parameter_exchange or not tf.executing_eagerly()
         allowed = expressed = False
-        if not self.passthrough and graph_possible:
+        if not self.passthrough:
             allowed, expressed = agreed(options_allow(options, self.optimizer),
                                         plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
         if allowed:
             # A tape's plan never changes: Horovod's TensorFlow core starts only if its ops will run.
             if expressed or allow_parameter_exchange:
                 self._horovod = HorovodRing(options, prefix=f"hybridsync.tf.{next(_BRIDGE_NUMBERS)}")
+                # Eagerly each op would run alone and wait, one gradient at a time; traced, they run together
+                # and Horovod fuses them (Horovod's tape does the same eagerly). Traced per pattern of Nones.
+                self._horovod_eager = tf.function(
+                    lambda gradients: self._horovod.allreduce(gradients, self.variables, self.names))
                 self.horovod_ring = expressed
             if allow_parameter_exchange:
                 with tf.init_scope():
@@ -169,6 +171,8 @@ class GradientBridge:
             # as Horovod, which densifies before its size test
             return _densified(gradients) if self._sparse_as_dense else gradients
         if tf.executing_eagerly():
+            if self.horovod_ring:  # Horovod's ops, as Horovod runs them eagerly: in a function of their own
+                return self._horovod_eager(_densified(gradients) if self._sparse_as_dense else gradients)
             synced = self._synchronize_now(gradients)
             self._end_if_run_finished()
             return synced
@@ -237,6 +241,8 @@ class GradientBridge:
         if self.passthrough:
             return None
         if tf.executing_eagerly():
+            if self.horovod_ring:  # nothing went through the torch optimizer (nor rides along)
+                return None
             self._after_update_now()
             self._end_if_run_finished()
             return None
@@ -398,20 +404,30 @@ class Bridges:
     on first use under the caller's options: what a tape and a Keras optimizer both keep."""
 
     def __init__(self, options: SyncOptions, *, allow_parameter_exchange: bool, owner: str,
-                 follower: Callable[[], StepFollower] | None = None) -> None:
-        """``follower``: makes each bridge's ``StepFollower`` (the Keras optimizer's)."""
+                 follower: Callable[[], StepFollower] | None = None, keep: int | None = None) -> None:
+        """``follower``: makes each bridge's ``StepFollower`` (the Keras optimizer's). ``keep``: at most
+        this many bridges, the least recently used dropped (``None``: every one)."""
         self.options = options
         self._allow_parameter_exchange = allow_parameter_exchange
         self._owner = owner
         self._follower = follower
+        self._keep = keep
         self._built: dict[tuple[int, ...], GradientBridge] = {}
+        """By the ids of the variables (the bridge holds them: their ids stay theirs), in the order
+        built; with ``keep``, least recently used first."""
 
     def for_variables(self, variables: Sequence[tf.Variable]) -> GradientBridge:
         key = tuple(id(v) for v in variables)
-        if key not in self._built:
-            self._built[key] = GradientBridge(variables, self.options, owner=self._owner,
-                                              allow_parameter_exchange=self._allow_parameter_exchange,
-                                              follower=None if self._follower is None else self._follower())
+        if key in self._built:
+            if self._keep is not None:  # the most recently used last
+                self._built[key] = self._built.pop(key)
+            return self._built[key]
+        # Built on every rank in the same order: the optimizer's construction is collective.
+        self._built[key] = GradientBridge(variables, self.options, owner=self._owner,
+                                          allow_parameter_exchange=self._allow_parameter_exchange,
+                                          follower=None if self._follower is None else self._follower())
+        if self._keep is not None and len(self._built) > self._keep:
+            del self._built[next(iter(self._built))]
         return self._built[key]
 
     def __iter__(self) -> Iterator[GradientBridge]:

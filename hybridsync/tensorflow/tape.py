@@ -1,6 +1,7 @@
 """``DistributedGradientTape``: ``horovod.tensorflow.DistributedGradientTape`` routed by a strategy."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import tensorflow as tf
@@ -8,6 +9,42 @@ import tensorflow as tf
 from hybridsync.tensorflow.bridge import Bridges, scaled
 from hybridsync.horovod_options import SyncOptions
 from hybridsync.tensorflow.options import checked_options, refuse_dynamic_sync
+
+
+_OWNER = "DistributedGradientTape"
+_EAGER_OPTIONS_KEPT = 4
+_EAGER_LISTS_KEPT = 8
+_eager_bridges: list[Bridges] = []
+"""The bridges of eager tapes, the most recently used last. An eager loop builds a tape every step
+(as Horovod's examples do); each takes the bridges of the previous tapes of the same options, so the
+torch optimizer under them lives across steps as a Keras optimizer's does: built once (a collective,
+~50 ms), one plan, one ``backward_passes_per_step`` count, one set of step hooks (profiler, trials).
+At most ``_EAGER_OPTIONS_KEPT`` options x ``_EAGER_LISTS_KEPT`` lists of variables are kept alive."""
+
+
+def _bridges_for(options: SyncOptions) -> Bridges:
+    """A tape's bridges: in a graph its own (built once, when the step is traced); eagerly, those of
+    the previous eager tapes under equal options. Every rank builds its tapes in the same order, so
+    every rank reuses (or builds, a collective) the same bridges."""
+    if not tf.executing_eagerly():
+        return Bridges(options, allow_parameter_exchange=False, owner=_OWNER)
+    key = _reuse_key(options)
+    for kept in _eager_bridges:
+        if _reuse_key(kept.options) == key:
+            _eager_bridges.remove(kept)
+            _eager_bridges.append(kept)
+            return kept
+    made = Bridges(options, allow_parameter_exchange=False, owner=_OWNER, keep=_EAGER_LISTS_KEPT)
+    _eager_bridges.append(made)
+    del _eager_bridges[:-_EAGER_OPTIONS_KEPT]
+    return made
+
+
+def _reuse_key(options: SyncOptions) -> SyncOptions:
+    """``options`` with the variables in ``groups`` by identity (a variable's ``==`` compares values)."""
+    if not isinstance(options.groups, list):
+        return options
+    return dataclasses.replace(options, groups=[[id(v) for v in group] for group in options.groups])
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -18,7 +55,7 @@ class _DistributedGradientTape(tf.GradientTape):
         super(self.__class__, self).__init__(persistent, watch_accessed_variables)
         self._tape = tape
         self._hybridsync = options
-        self._bridges = Bridges(options, allow_parameter_exchange=False, owner="DistributedGradientTape")
+        self._bridges = _bridges_for(options)
         self._local_sources: set[int] = set()
         """ids of the worker-local variables."""
 

@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=2, help="--impl single: how many ranks' shards per batch")
     parser.add_argument("--switch-to", help="keras APIs: optimizer.set_strategy(this file) at --switch-at")
     parser.add_argument("--switch-at", type=int, default=0)
-    parser.add_argument("--passes", type=int, default=1, help="keras APIs: backward_passes_per_step")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="backward_passes_per_step (tape APIs: hybridsync only, Horovod's tape has none)")
     parser.add_argument("--average-aggregated", action="store_true", help="keras APIs: average_aggregated_gradients")
     parser.add_argument("--unused", action="store_true",
                         help="tape APIs: one more variable, outside the model, whose gradient is None")
@@ -92,6 +93,8 @@ def main() -> None:
     loss_fn = tf.keras.losses.MeanSquaredError()
     extra = {"sparse_as_dense": args.sparse_as_dense} if args.impl != "single" else {}
 
+    if args.passes > 1 and args.impl == "hybridsync" and not args.api.startswith("keras"):
+        extra["backward_passes_per_step"] = args.passes
     if args.api.startswith("keras"):
         if args.impl != "single":
             if args.passes > 1:
@@ -154,6 +157,8 @@ def main() -> None:
         summary["horovod_ring"] = [b.horovod_ring for b in bridges]  # the plan runs on Horovod's ops in a graph
         summary["bridged_passes"] = sum(b.bridged_passes for b in bridges)  # and the passes that did not
         summary["overlapped_groups"] = sum(b.overlapped_groups for b in bridges)  # handed over during backward
+        if tapes:  # an eager loop's tapes (one per step) share their bridges: one torch optimizer in all
+            summary["tape_bridges"] = len({id(b) for tape in tapes for b in tape._bridges})
     with open(f"{args.prefix}.rank{rank}.json", "w") as out:
         json.dump(summary, out)
 
