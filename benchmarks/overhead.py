@@ -4,7 +4,7 @@
     OVERHEAD_MODEL=sparse .venv/bin/python benchmarks/overhead.py   # dropin_cluster.py's wide & deep model
     sudo OVERHEAD_CLUSTER=horovodrun_configs/cluster_2x2_1gbit.yaml .venv/bin/python benchmarks/overhead.py
         # the same job on the emulated cluster of that config (all its slots, Gloo launcher)
-    OVERHEAD_FRAMEWORK=tensorflow [OVERHEAD_TF_API=keras] .venv/bin/python benchmarks/overhead.py
+    OVERHEAD_FRAMEWORK=tensorflow [OVERHEAD_TF_API=keras] [OVERHEAD_TF_EAGER=1] .venv/bin/python benchmarks/overhead.py
     sudo OVERHEAD_FRAMEWORK=tensorflow OVERHEAD_MODEL=deep OVERHEAD_CLUSTER=... \
         OVERHEAD_TF_STRATEGY='{"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}' \
         .venv/bin/python benchmarks/overhead.py     # a 28 MB Keras model, two more copies under that strategy
@@ -27,7 +27,8 @@ mostly measures the other jobs, while the thread's CPU time is the work the step
 the same 50 tensors trained by a ``tf.function`` step: Horovod's
 ``horovod.tensorflow.DistributedGradientTape`` (built first and last) against
 ``hybridsync.tensorflow.DistributedGradientTape`` (``OVERHEAD_TF_API=keras``: the two Keras
-``DistributedOptimizer`` wrappers), under ``TF_USE_LEGACY_KERAS=1``. Both cores run in each
+``DistributedOptimizer`` wrappers; ``OVERHEAD_TF_EAGER=1``: eager steps, a new tape each), under
+``TF_USE_LEGACY_KERAS=1``. Both cores run in each
 process (``hybridsync.tensorflow.horovod_core``). TensorFlow runs a step on its executor's
 threads, so the CPU column is the process's CPU time per step (both Horovod cores included).
 """
@@ -52,6 +53,8 @@ FRAMEWORK = os.environ.get("OVERHEAD_FRAMEWORK", "torch")
 """``torch`` or ``tensorflow``."""
 TF_API = os.environ.get("OVERHEAD_TF_API", "tape")
 """TensorFlow only: ``tape`` (``DistributedGradientTape``) or ``keras`` (the Keras ``DistributedOptimizer``)."""
+TF_EAGER = os.environ.get("OVERHEAD_TF_EAGER", "") == "1"
+"""TensorFlow only: run each step eagerly (no ``tf.function``), a new tape every step, as an eager loop does."""
 TF_STRATEGY = os.environ.get("OVERHEAD_TF_STRATEGY", "")
 """TensorFlow only: a strategy (JSON text or file) for two more copies trained after hybridsync's:
 ``strategy`` under it, and ``one-call`` under it with ``HYBRIDSYNC_TF_OVERLAP_BYTES=0`` (the bridge's
@@ -120,7 +123,7 @@ def tensorflow_worker() -> None:
             runs[name]()  # warm-up: traces, threads, fusion buffers
     report(rotate(runs, time.process_time), hvd.rank(),
            f"model: keras {MODEL} ({2 * layers} variables, {4 * layers * (width + 1) * width / 1e6:.1f} MB), "
-           f"{TF_API} API, TensorFlow {tf.__version__}",
+           f"{TF_API} API{', eager' if TF_EAGER else ''}, TensorFlow {tf.__version__}",
            f"{hvd.size()} ranks (Gloo)", "process CPU", wait="sleep (hybridsync.tensorflow's default)")
     hvd_torch.barrier()  # no rank leaves while another still waits in a collective
 
@@ -146,7 +149,6 @@ def _tensorflow_run(frontend, data, strategy):
         optimizer = keras.DistributedOptimizer(optimizer, **extra)
     frontend.broadcast_variables(model.variables, root_rank=0)
 
-    @tf.function
     def step(inputs, target):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(inputs) - target))
@@ -159,6 +161,9 @@ def _tensorflow_run(frontend, data, strategy):
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
+
+    if not TF_EAGER:
+        step = tf.function(step)
 
     def timed() -> list[float]:
         times = []
