@@ -128,7 +128,7 @@ def test_the_first_trial_waits_for_the_job_to_settle(tmp_path):
     protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120, settle_s=3.0)
     with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
         runner = TrialRunner(model="tiny", description_id="tiny-0", target=target, store=store, protocol=protocol,
-                             workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, *script, "--steps", "100")))
+                             workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, SCRIPT, "--steps", "100")))
         assert runner.run(candidates).measured == 1
     events = [json.loads(line) for path in tmp_path.glob("*.results.jsonl") for line in path.read_text().splitlines()]
     at = {e["event"]: datetime.datetime.fromisoformat(e.get("started") or e["time"]) for e in events}

@@ -139,13 +139,14 @@ class GradientBridge:
         """Whether a graph runs Horovod's ops or the bridge, read at each step: a Keras optimizer's plan
         may change (``set_strategy``) after its step is traced. A tape's is decided when traced."""
         self.horovod_ring = False
-        """The current plan syncs by Horovod's ops in a graph (every rank agreed)."""
+        """The current plan syncs by Horovod's ops, in a graph or eagerly (every rank agreed)."""
         allowed = expressed = False
         if not self.passthrough:
             allowed, expressed = agreed(options_allow(options, self.optimizer),
                                         plan_expressed(self.optimizer.plan, self.optimizer.step_hooks))
         if allowed:
-            # A tape's plan never changes: Horovod's TensorFlow core starts only if its ops will run.
+            # A tape's plan never changes (trials and the profiler, which switch or time it, keep it off
+            # Horovod's ops): Horovod's TensorFlow core starts only if its ops will run.
             if expressed or allow_parameter_exchange:
                 self._horovod = HorovodRing(options, prefix=f"hybridsync.tf.{next(_BRIDGE_NUMBERS)}")
                 # Eagerly each op would run alone and wait, one gradient at a time; traced, they run together
