@@ -14,8 +14,8 @@ from hybridsync.tensorflow.options import checked_options, refuse_dynamic_sync
 _OWNER = "DistributedGradientTape"
 _EAGER_OPTIONS_KEPT = 4
 _EAGER_LISTS_KEPT = 8
-_eager_bridges: list[Bridges] = []
-"""The bridges of eager tapes, the most recently used last. An eager loop builds a tape every step
+_eager_bridges: list[tuple[SyncOptions, Bridges]] = []
+"""The bridges of eager tapes by their options' ``_reuse_key``, the most recently used last. An eager loop builds a tape every step
 (as Horovod's examples do); each takes the bridges of the previous tapes of the same options, so the
 torch optimizer under them lives across steps as a Keras optimizer's does: built once (a collective,
 ~50 ms), one plan, one ``backward_passes_per_step`` count, one set of step hooks (profiler, trials).
@@ -29,13 +29,13 @@ def _bridges_for(options: SyncOptions) -> Bridges:
     if not tf.executing_eagerly():
         return Bridges(options, allow_parameter_exchange=False, owner=_OWNER)
     key = _reuse_key(options)
-    for kept in _eager_bridges:
-        if _reuse_key(kept.options) == key:
-            _eager_bridges.remove(kept)
-            _eager_bridges.append(kept)
-            return kept
+    for entry in _eager_bridges:
+        if entry[0] == key:
+            _eager_bridges.remove(entry)
+            _eager_bridges.append(entry)
+            return entry[1]
     made = Bridges(options, allow_parameter_exchange=False, owner=_OWNER, keep=_EAGER_LISTS_KEPT)
-    _eager_bridges.append(made)
+    _eager_bridges.append((key, made))
     del _eager_bridges[:-_EAGER_OPTIONS_KEPT]
     return made
 

@@ -154,7 +154,7 @@ def main() -> None:
         bridges = optimizer.strategy_bridges if args.api.startswith("keras") else list(tapes[-1]._bridges)
         summary["messages"] = sorted(f"{m.config.route_name}:{','.join(p.var_name for p in m.pieces)}"
                                      for b in bridges for m in b.optimizer.plan.messages)
-        summary["horovod_ring"] = [b.horovod_ring for b in bridges]  # the plan runs on Horovod's ops in a graph
+        summary["horovod_ring"] = [b.horovod_ring for b in bridges]  # the plan runs on Horovod's ops (graph or eager)
         summary["bridged_passes"] = sum(b.bridged_passes for b in bridges)  # and the passes that did not
         summary["overlapped_groups"] = sum(b.overlapped_groups for b in bridges)  # handed over during backward
         if tapes:  # an eager loop's tapes (one per step) share their bridges: one torch optimizer in all
