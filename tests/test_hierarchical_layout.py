@@ -17,7 +17,7 @@ import torch
 
 from hybridsync.backends.hierarchical.flat_buffers import (copy_into, copy_out, flatten_padded, node_slice,
                                                           padded_length, slice_range)
-from hybridsync.backends.hierarchical.node_memory import NodeSegment, PeerExitedError
+from hybridsync.backends.hierarchical.node_memory import LEFT, NodeSegment, PeerExitedError
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
@@ -86,6 +86,30 @@ def test_node_segment_is_shared_between_processes_and_leaves_no_file(tmp_path) -
     del forgotten
     gc.collect()
     assert not os.path.exists(path)
+
+
+@pytest.mark.unit
+def test_a_rank_that_leaves_a_segment_is_not_waited_for(tmp_path) -> None:
+    """A node peer that lets go of the segment (its plan dropped after a failed step) while its
+    process lives on, e.g. re-forming an elastic job: waiting for it is an error, not a wait
+    for a rank that waits in turn; what it published before leaving is still taken."""
+    path = str(tmp_path / "segment")
+    mine = NodeSegment(path, local_size=2, padded=4, dtype=torch.float32, local_rank=0)
+    peer = NodeSegment(path, local_size=2, padded=4, dtype=torch.float32, local_rank=1)
+    peer.leave()
+    again = NodeSegment(path, local_size=2, padded=4, dtype=torch.float32, local_rank=0, pids=[0, os.getpid()])
+    assert int(again.pids[1]) == LEFT  # a rank mapping it later does not bring the peer back
+    with pytest.raises(PeerExitedError, match=r"local rank 1 of this node left while testing"):
+        mine.wait_until(lambda: False, lambda: [1], "testing")
+    asked: list[int] = []
+
+    def waiting_for() -> list[int]:  # what was awaited arrives as the check runs: no error
+        asked.append(1)
+        return [1]
+
+    mine.wait_until(lambda: bool(asked), waiting_for, "testing")
+    assert asked
+    mine.unlink()
 
 
 def child_pid(child: subprocess.CompletedProcess) -> int:

@@ -179,8 +179,11 @@ class HierarchicalAllreduce(StagedBackend):
 
         At a step boundary, on every rank (a router's ``close``): segment files are already
         unlinked once mapped, so dropping the mappings frees the memory once the node's ranks did.
+        Or on one rank mid-step (``Router.abandon``): the node's ranks waiting for this one in a
+        segment fail instead of waiting (``NodeSegment.leave``).
         """
         for segment in self._segments.values():
+            segment.leave()
             segment.unlink()
         self._segments.clear()
         self._uses.clear()

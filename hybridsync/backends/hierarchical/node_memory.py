@@ -14,7 +14,9 @@ use n" and "my output slice is final for use n": ranks wait on each other's coun
 on a collective, so each reads a slice the moment it is ready. x86's ordered stores make a
 counter visible only after the data written before it; ``supported()`` says where that
 holds. A waiting rank checks the pids of the ranks it waits for: one that died is an
-error within seconds, not a hang.
+error within seconds, not a hang; so is one that lives on but left the segment (its plan
+dropped after a failed step, e.g. while an elastic job is re-formed), which writes ``LEFT``
+in place of its pid.
 
 The file is unlinked as soon as every rank of the node has mapped it, so nothing stays in
 ``/dev/shm`` however the job ends; the memory goes back when the last rank unmaps it.
@@ -41,6 +43,8 @@ LIVENESS_CHECK_S = 1.0
 STALL_WARNING_S = 60.0
 SPIN_S = 1e-3
 MAX_SLEEP_S = 200e-6
+LEFT = -1
+"""Written by a rank in place of its pid when it lets go of a segment (``NodeSegment.leave``)."""
 
 
 def supported() -> bool:
@@ -94,7 +98,8 @@ class NodeSegment:
         self.inputs = [flat[i * padded:(i + 1) * padded] for i in range(local_size)]
         self.output = flat[local_size * padded:]
         for i, pid in enumerate(pids):
-            self.pids[i] = pid
+            if int(self.pids[i]) == 0:  # a rank that mapped it already (or left it) says so itself
+                self.pids[i] = pid
         self.pids[local_rank] = os.getpid()
         # Also at exit, for a message submitted but never waited for (an exception in between).
         self.unlink = weakref.finalize(self, _remove, path)
@@ -112,7 +117,12 @@ class NodeSegment:
                 if now >= next_check:
                     next_check = now + LIVENESS_CHECK_S
                     late = waiting_for()
-                    self.check_alive(late, what)
+                    try:
+                        self.check_alive(late, what)
+                    except PeerExitedError:
+                        if ready():  # what it owed was published before it exited or left
+                            return
+                        raise
                     if late and not warned and now - start > STALL_WARNING_S:
                         warned = True
                         warnings.warn(f"local ranks {late} have not answered for {now - start:.0f} s while {what}",
@@ -125,12 +135,22 @@ class NodeSegment:
                     delay = min(max(2 * delay, 20e-6), cap)
                     time.sleep(delay)
 
+    def leave(self) -> None:
+        """This rank will not use the segment again (its router closed, or was abandoned after a
+        failed step): a rank of the node still waiting for it fails at once (``PeerExitedError``)
+        instead of waiting for a process that has gone elsewhere, e.g. into ``hvd.init()`` to
+        re-form an elastic job, where it waits for the very rank that waits here."""
+        self.pids[self.local_rank] = LEFT
+
     def check_alive(self, local_ranks: list[int], what: str) -> None:
-        """Raises ``PeerExitedError`` if one of ``local_ranks`` mapped the segment and has exited since."""
+        """Raises ``PeerExitedError`` if one of ``local_ranks`` mapped the segment and has exited or left it since."""
         for i in local_ranks:
             pid = int(self.pids[i])
             if pid == 0:
                 continue  # not mapped yet: still on its way here
+            if pid == LEFT:
+                raise PeerExitedError(f"local rank {i} of this node left while {what} (it dropped this plan: "
+                                      f"its step failed, or the job is being re-formed)")
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
