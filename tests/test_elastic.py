@@ -10,8 +10,9 @@ of 2 nodes x 2 ranks where the hierarchical route runs. Emulated: on two network
 hosts (ssh replaced by the emulated cluster's stand-in), a job grows from 2 x 1 to 2 x 2,
 where the hierarchical route runs across the shaped link, then loses host 1 mid-run (both
 its workers killed at once) and ends on host 0's two. Each must end with every rank holding
-the same model, and that model must be the one a single process computes from the world size of each
-committed step (``replay``): the gradients were averaged over exactly the ranks there were.
+the same model, and that model must be the one a single process computes from the world size
+of each committed step (``replay``): the gradients were averaged over exactly the ranks there
+were.
 """
 from __future__ import annotations
 
