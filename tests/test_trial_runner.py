@@ -64,6 +64,13 @@ def test_failed_trials_are_recorded_with_their_reason_and_the_run_goes_on(tmp_pa
         "a job whose strategies route nothing to a server starts none (they would wait out their join timeout)"
 
 
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
 def test_a_killed_runner_loses_at_most_the_trial_in_flight_and_resumes(tmp_path):
     candidates = [HOROVOD] + [{"kind": f"ring-{i}", "strategy": {"version": 1, "default": {"route": "allreduce"},
                                                                  "variables": {"gmf_user.weight": {"partitions": i}}}}
@@ -85,12 +92,17 @@ def test_a_killed_runner_loses_at_most_the_trial_in_flight_and_resumes(tmp_path)
                 return 0
         wait_for(lambda: stored() >= 2, timeout=240, what="two trials stored")
     finally:
+        # The runner and its job, which runs in sessions of its own; not horovodrun's resource
+        # tracker: it exits by itself once they are gone, unlinking the named semaphores they
+        # leave (killed too, it left ~10 /dev/shm/sem.mp-* files behind per run of this test).
         family = [runner.pid] + [p.pid for p in psutil.Process(runner.pid).children(recursive=True)]
-        for pid in family:  # the runner and its job, which runs in sessions of its own
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        trackers = [pid for pid in family if _is_resource_tracker(pid)]
+        for pid in family:
+            if pid not in trackers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         runner.wait(timeout=10)
         psutil.wait_procs([psutil.Process(p) for p in family if psutil.pid_exists(p)], timeout=10)
     with sqlite3.connect(db) as connection:
