@@ -123,6 +123,21 @@ def test_bad_files_are_clear(tmp_path):
         Strategy.load(tmp_path / "absent.yaml")
 
 
+def test_a_file_read_again_is_parsed_once_and_a_changed_file_anew(tmp_path):
+    """An eager TensorFlow loop resolves ``HYBRIDSYNC_STRATEGY`` at every step: the same text gives
+    the strategy already made; new text (the file rewritten, by a trial say) is read and checked."""
+    path = tmp_path / "s.json"
+    Strategy.from_dict(EXAMPLE).save(path)
+    first = Strategy.load(path)
+    assert Strategy.load(path) is first
+    changed = {**EXAMPLE, "default": {"route": "allreduce", "partitions": 2}}
+    Strategy.from_dict(changed).save(path)
+    assert Strategy.load(path) == Strategy.from_dict(changed) != first
+    path.write_text(path.read_text().replace('"partitions": 2', '"partitions": 0'))
+    with pytest.raises(ValueError, match="s.json"):
+        Strategy.load(path)
+
+
 def test_shard_bounds_are_near_equal_and_cover():
     assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert shard_bounds(1, 1) == [(0, 1)]
