@@ -4,7 +4,8 @@
     OVERHEAD_MODEL=sparse .venv/bin/python benchmarks/overhead.py   # dropin_cluster.py's wide & deep model
     sudo OVERHEAD_CLUSTER=horovodrun_configs/cluster_2x2_1gbit.yaml .venv/bin/python benchmarks/overhead.py
         # the same job on the emulated cluster of that config (all its slots, Gloo launcher)
-    OVERHEAD_FRAMEWORK=tensorflow [OVERHEAD_TF_API=keras] [OVERHEAD_TF_EAGER=1] .venv/bin/python benchmarks/overhead.py
+    OVERHEAD_FRAMEWORK=tensorflow [OVERHEAD_TF_API=keras] [OVERHEAD_TF_EAGER=1] [OVERHEAD_MODEL=sparse] \
+        .venv/bin/python benchmarks/overhead.py     # sparse: an embedding's IndexedSlices and two Dense layers
     sudo OVERHEAD_FRAMEWORK=tensorflow OVERHEAD_MODEL=deep OVERHEAD_CLUSTER=... \
         OVERHEAD_TF_STRATEGY='{"version": 1, "default": {"route": "allreduce", "algorithm": "hierarchical"}}' \
         .venv/bin/python benchmarks/overhead.py     # a 28 MB Keras model, two more copies under that strategy
@@ -111,9 +112,8 @@ def tensorflow_worker() -> None:
     from hybridsync.tensorflow.horovod_core import horovod_tensorflow
     hst.init()
     hvd = horovod_tensorflow(hvd_torch)  # Horovod's TensorFlow core, beside hybridsync's
-    width, layers = TF_MODELS[MODEL]
     tf.random.set_seed(0)
-    data = [(tf.random.normal((32, width)), tf.random.normal((32, width))) for _ in range(ROUND_STEPS)]
+    data = _keras_batches(tf)
     runs = {}
     for name in NAMES:
         frontend = hvd if name.startswith("horovod") else hst
@@ -122,7 +122,7 @@ def tensorflow_worker() -> None:
         with mock.patch.dict(os.environ, {envvars.TF_OVERLAP_BYTES: "0"} if name == "one-call" else {}):
             runs[name]()  # warm-up: traces, threads, fusion buffers
     report(rotate(runs, time.process_time), hvd.rank(),
-           f"model: keras {MODEL} ({2 * layers} variables, {4 * layers * (width + 1) * width / 1e6:.1f} MB), "
+           f"model: keras {MODEL} ({_keras_model_size(tf)}), "
            f"{TF_API} API{', eager' if TF_EAGER else ''}, TensorFlow {tf.__version__}",
            f"{hvd.size()} ranks (Gloo)", "process CPU", wait="sleep (hybridsync.tensorflow's default)")
     hvd_torch.barrier()  # no rank leaves while another still waits in a collective
@@ -130,6 +130,40 @@ def tensorflow_worker() -> None:
 
 TF_MODELS = {"mlp": (256, 25), "deep": (768, 12)}
 """TensorFlow's ``OVERHEAD_MODEL``: (width, Dense layers). ``deep``: 28 MB of gradients (issue 24 §4)."""
+TF_SPARSE = (20_000, 64, 16, 512)
+"""``OVERHEAD_MODEL=sparse`` for TensorFlow: (vocabulary, embedding width, ids per example, Dense width),
+a user's eager two-tower loop: an ``Embedding`` (its gradient ``IndexedSlices``, all-gathered by Horovod)
+mean-pooled into two ``Dense`` layers and a scalar output."""
+
+
+def _keras_model(tf):
+    if MODEL == "sparse":
+        vocabulary, dim, ids, width = TF_SPARSE
+        # named, so that OVERHEAD_TF_STRATEGY can name the embedding in every copy
+        inputs = tf.keras.Input((ids,), dtype="int32")
+        x = tf.keras.layers.Embedding(vocabulary, dim, name="embedding")(inputs)
+        x = tf.keras.layers.GlobalAveragePooling1D()(x)
+        for i in range(2):
+            x = tf.keras.layers.Dense(width, activation="relu", name=f"dense_{i}")(x)
+        return tf.keras.Model(inputs, tf.keras.layers.Dense(1, name="out")(x))
+    width, layers = TF_MODELS[MODEL]
+    return tf.keras.Sequential([tf.keras.Input((width,))] + [tf.keras.layers.Dense(width, activation="relu")
+                                                             for _ in range(layers)])
+
+
+def _keras_batches(tf) -> list:
+    """``ROUND_STEPS`` (inputs, target) batches of 32 for ``_keras_model``."""
+    if MODEL == "sparse":
+        vocabulary, _, ids, _ = TF_SPARSE
+        return [(tf.random.uniform((32, ids), 0, vocabulary, dtype=tf.int32), tf.random.normal((32, 1)))
+                for _ in range(ROUND_STEPS)]
+    width, _ = TF_MODELS[MODEL]
+    return [(tf.random.normal((32, width)), tf.random.normal((32, width))) for _ in range(ROUND_STEPS)]
+
+
+def _keras_model_size(tf) -> str:
+    variables = _keras_model(tf).trainable_variables
+    return f"{len(variables)} variables, {sum(4 * int(tf.size(v)) for v in variables) / 1e6:.1f} MB"
 
 
 def _tensorflow_run(frontend, data, strategy):
@@ -138,10 +172,8 @@ def _tensorflow_run(frontend, data, strategy):
     import json
 
     import tensorflow as tf
-    width, layers = TF_MODELS[MODEL]
     tf.random.set_seed(0)
-    model = tf.keras.Sequential([tf.keras.Input((width,))] + [tf.keras.layers.Dense(width, activation="relu")
-                                                              for _ in range(layers)])
+    model = _keras_model(tf)
     optimizer = tf.keras.optimizers.SGD(1e-4)
     extra = {} if strategy is None else {"strategy": json.loads(strategy) if strategy.startswith("{") else strategy}
     if TF_API == "keras":
