@@ -9,7 +9,7 @@ from typing import Mapping
 
 from hybridsync import knobs
 from hybridsync.description import VariableInfo
-from hybridsync.router.plan import build_plan
+from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.strategy import Strategy, VarConfig
 
 _NAME_WIDTH = 32
@@ -43,7 +43,24 @@ def explain(strategy: Strategy, variables: Mapping[str, VariableInfo] | None = N
     lines += ["", "per route:"]
     for route, (count, nbytes, messages) in sorted(totals.items()):
         lines.append(f"  {route:<9} {count:>4} variables  {messages:>4} messages  {_human(nbytes):>10}")
+    dense = sent_dense(plan)
+    if dense:
+        lines += ["", f"sparse gradients sent at their full dense size: {', '.join(dense)}",
+                  "  (on the all-reduce route a sparse gradient travels as the rows a step touched only whole and",
+                  "  alone on the ring; partitioned, merged or hierarchical it is made dense; the parameter",
+                  "  servers take its rows in any shape)"]
     return "\n".join(lines)
+
+
+def sent_dense(plan: RoutingPlan) -> list[str]:
+    """The sparse variables ``plan`` sends at their full dense size: on the all-reduce route only a
+    whole variable alone in its message on the ring goes as Horovod's all-gather of touched rows;
+    partitioned, merged or hierarchical, the router makes it dense (``hybridsync.router.runtime``).
+    A strategy can cost a model many times its step this way without a word from the job."""
+    names = {piece.var_name for message in plan.messages if message.config.route == "allreduce"
+             and not (len(message.pieces) == 1 and message.pieces[0].whole and message.config.algorithm == "ring")
+             for piece in message.pieces if piece.sparse and not piece.rows}
+    return sorted(names)
 
 
 def _table(rows: list[tuple[str, VarConfig, int | None]], largest: int) -> list[str]:

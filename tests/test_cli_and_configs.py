@@ -29,6 +29,25 @@ def test_explain_with_model(tmp_path, capsys):
     assert "emb.weight" in out and "62.5 KB" in out
     assert "ps           1 variables     4 messages" in out
     assert "allreduce    2 variables     1 messages" in out
+    assert "sent at their full dense size" not in out, "the servers take a sparse gradient's rows in any shape"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config, dense", [
+    ({"route": "allreduce"}, False),  # Horovod's all-gather of the touched rows
+    ({"route": "allreduce", "compression": "fp16"}, False),
+    ({"route": "allreduce", "partitions": 2}, True),
+    ({"route": "allreduce", "group": 1}, True),
+    ({"route": "allreduce", "algorithm": "hierarchical"}, True),
+    ({"route": "ps", "partitions": 2}, False)])
+def test_explain_names_the_sparse_gradients_a_strategy_sends_dense(tmp_path, capsys, config, dense):
+    """What the router does (``hybridsync.router.runtime``): a sparse gradient partitioned, merged or
+    hierarchical on the all-reduce route is made dense for the message."""
+    (tmp_path / "m.json").write_text(MODEL)
+    variables = {"emb.weight": config, **({"fc.weight": {"group": 1}} if "group" in config else {})}
+    Strategy.from_dict({"variables": variables}).save(tmp_path / "s.json")
+    assert main(["explain", str(tmp_path / "s.json"), "--model", str(tmp_path / "m.json")]) == 0
+    assert ("sparse gradients sent at their full dense size: emb.weight\n" in capsys.readouterr().out) == dense
 
 
 @pytest.mark.unit
