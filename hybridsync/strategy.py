@@ -245,6 +245,7 @@ class Strategy:
             raise ValueError(f"cannot read strategy file {path!r}: {e.strerror}") from e
         key = (path.endswith((".yaml", ".yml")), text)
         if cls is Strategy and key in _LOADED:
+            _LOADED[key] = _LOADED.pop(key)  # the most recently read last: the oldest goes first
             return _LOADED[key]
         try:
             doc = _parse_document(path, text)
