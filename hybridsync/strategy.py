@@ -243,7 +243,7 @@ class Strategy:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"cannot read strategy file {path!r}: {e.strerror}") from e
-        key = (path.endswith((".yaml", ".yml")), text)
+        key = (_is_yaml(path), text)
         if cls is Strategy and key in _LOADED:
             _LOADED[key] = _LOADED.pop(key)  # the most recently read last: the oldest goes first
             return _LOADED[key]
@@ -265,7 +265,7 @@ class Strategy:
         """Write the canonical document; YAML if the name ends in .yaml/.yml, else JSON."""
         path = os.fspath(path)
         with open(path, "w", encoding="utf-8") as f:
-            if path.endswith((".yaml", ".yml")):
+            if _is_yaml(path):
                 import yaml
                 yaml.safe_dump(self.to_dict(), f, sort_keys=False)
             else:
@@ -330,8 +330,13 @@ TensorFlow loop builds a tape per step, each resolving ``HYBRIDSYNC_STRATEGY``) 
 validated once (~0.9 ms for 50 variables), and a changed file is read anew (strategies are values)."""
 
 
+def _is_yaml(path: str) -> bool:
+    """Strategy files are YAML by their name (``.yaml``, ``.yml``), else JSON."""
+    return path.endswith((".yaml", ".yml"))
+
+
 def _parse_document(path: str, text: str) -> Any:
-    if path.endswith((".yaml", ".yml")):
+    if _is_yaml(path):
         import yaml
         try:
             return yaml.safe_load(text)

@@ -17,9 +17,10 @@ _EAGER_LISTS_KEPT = 8
 _eager_bridges: list[tuple[SyncOptions, Bridges]] = []
 """The bridges of eager tapes by their options' ``_reuse_key``, the most recently used last. An eager
 loop builds a tape every step (as Horovod's examples do); each takes the bridges of the previous tapes
-of the same options, so the torch optimizer under them lives across steps as a Keras optimizer's does: built once (a collective,
-~50 ms), one plan, one ``backward_passes_per_step`` count, one set of step hooks (profiler, trials).
-At most ``_EAGER_OPTIONS_KEPT`` options x ``_EAGER_LISTS_KEPT`` lists of variables are kept alive."""
+of the same options, so the torch optimizer under them lives across steps as a Keras optimizer's
+does: built once (a collective, ~50 ms), one plan, one ``backward_passes_per_step`` count, one set
+of step hooks (profiler, trials). At most ``_EAGER_OPTIONS_KEPT`` options x ``_EAGER_LISTS_KEPT``
+lists of variables are kept alive."""
 
 
 def _bridges_for(options: SyncOptions) -> Bridges:
