@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import textwrap
 from typing import Sequence
 
 from hybridsync import baselines
@@ -56,21 +57,36 @@ def _baseline(args: argparse.Namespace) -> int:
     return 0
 
 
+MODEL_HELP = ("model description JSON (write one with: hybridsync profile -o model.json -- python train.py), "
+              "or a zoo model name (ncf, bert, vgg, resnet)")
+
+
+def _baselines_epilog() -> str:
+    """The baselines, one line each (the builder's docstring), and which of them have twins."""
+    width = max(map(len, baselines.BUILDERS))
+    lines = [textwrap.fill(builder.__doc__.splitlines()[0].replace("``", ""), 100,
+                           initial_indent=f"  {name:<{width}}  ", subsequent_indent=" " * (width + 4))
+             for name, builder in baselines.BUILDERS.items()]
+    twins = (f"twins of {', '.join(baselines.TWINS)}: <name>-fp16 (fp16 on every dense gradient, as Horovod's "
+             "Compression.fp16), <name>-rows (the --rows embeddings sent as their nonzero rows), <name>-rows-fp16")
+    return "baselines:\n" + "\n".join(lines) + "\n\n" + textwrap.fill(twins, 100)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridsync", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="hybridsync", description="Inspect, build, measure and search synchronization strategies; run emulated "
+        "clusters. Training jobs start with hybridsync-run (hybridsync-run --help).")
     commands = parser.add_subparsers(dest="subcommand", required=True)  # "command" is a script's argv
     p = commands.add_parser("explain", help="print what a strategy does to each variable")
     p.add_argument("strategy", help="strategy file (.json/.yaml)")
-    p.add_argument("--model", help="model description JSON: {\"variables\": [{\"name\", \"shape\", ...}]}, "
-                   "or a zoo model name (ncf, bert, vgg, resnet)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.set_defaults(func=_explain)
-    p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model")
     twins = baselines.twin_names(fp16=True, rows=True)
-    p.add_argument("name", choices=sorted([*baselines.BUILDERS, *twins]))
-    p.add_argument("--model", required=True,
-                   help="model description JSON; write it with hybridsync.description.save_model_description("
-                        "variables_from_model(model), path) so sparse embeddings are marked sparse; "
-                        "or a zoo model name")
+    p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model",
+                            epilog=_baselines_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=sorted([*baselines.BUILDERS, *twins]), metavar="name",
+                   help="a baseline below, or a twin of one: <name>-fp16, <name>-rows, <name>-rows-fp16")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
     p.add_argument("--rows", nargs="+", metavar="VARIABLE",
                    help="the dense embeddings a rows twin (<name>-rows[-fp16]) sends as their nonzero rows")

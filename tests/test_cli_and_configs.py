@@ -100,6 +100,22 @@ def test_baseline_writes_a_loadable_strategy(tmp_path, capsys):
     assert "a rows twin sends the dense embeddings named by --rows" in capsys.readouterr().err
 
 
+
+@pytest.mark.unit
+def test_baseline_help_says_what_each_baseline_is(capsys):
+    """The choices alone are 19 names: the help gives each builder a line, in plain text, and names the
+    twins; a wrong name still lists every choice."""
+    from hybridsync import baselines
+    with pytest.raises(SystemExit):
+        main(["baseline", "--help"])
+    help_text = capsys.readouterr().out
+    for name in baselines.BUILDERS:
+        assert f"\n  {name} " in help_text, name
+    assert "``" not in help_text and "<name>-rows-fp16" in help_text
+    with pytest.raises(SystemExit):
+        main(["baseline", "parallax-typo", "--model", "ncf", "-o", "x.json"])
+    assert "invalid choice: 'parallax-typo'" in capsys.readouterr().err
+
 @pytest.mark.multiprocess
 def test_console_script_runs():
     proc = subprocess.run([str(Path(sys.executable).parent / "hybridsync"), "--help"], capture_output=True,
