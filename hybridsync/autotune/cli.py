@@ -46,7 +46,7 @@ def add_autotune_arguments(p: argparse.ArgumentParser) -> None:
                    help="real trials to spend, baselines included (default 0: simulator only)")
     p.add_argument("--store", default=DEFAULT_STORE, help=f"trial store URL (default {DEFAULT_STORE})")
     p.add_argument("--report", help="directory for report.json/.md/.png (default: next to --output)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the search's random choices (default 0)")
     p.add_argument("--search-budget", type=int, default=DEFAULT_SEARCH_BUDGET,
                    help=f"simulator evaluations per search round (default {DEFAULT_SEARCH_BUDGET})")
     p.add_argument("--per-round", type=int, default=10, help="trials per round (default 10)")

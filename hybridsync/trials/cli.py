@@ -39,7 +39,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--clusters", nargs="+", required=True, help="cluster spec YAML files (emulated)")
     p.add_argument("--descriptions", help="directory of profiled descriptions <model>.json (optional)")
     p.add_argument("--sample", type=int, default=80, help="random strategies per model and cluster")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random strategies (default 0)")
     p.add_argument("--export", help="write the whole store as JSON lines here when done")
     _run_arguments(p)
     p.set_defaults(func=_sweep)
