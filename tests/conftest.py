@@ -69,16 +69,18 @@ def rank_results(launcher: str, worker: str, tmp_path_factory, timeout: float = 
     return _rank_results[launcher, worker]
 
 
-def small_autotune(tmp_path: Path, trial_budget: int, exact: bool = False,
-                   workers_per_node: int = 2) -> tuple[list[str], Path, str]:
+def small_autotune(tmp_path: Path, trial_budget: int, exact: bool = False, workers_per_node: int = 2,
+                   runoff: bool = True) -> tuple[list[str], Path, str]:
     """``hybridsync-run --autotune`` from the example config (emulated 2 x 2 at 250 Mbit/s; with
     ``workers_per_node=1``, 2 x 1: half the processes on this machine's two cores) with a small
     budget: 3 trials per round, 400 simulator evaluations (``exact``: no fp16, and so no fp16
-    rivals to measure). Returns the command up to the training script, the report directory and
-    the trial store's URL."""
+    rivals to measure; ``runoff=False``: no runoff job for a lead the confirmation leaves
+    unresolved). Returns the command up to the training script, the report directory and the
+    trial store's URL."""
     import yaml
     config = yaml.safe_load((REPO / "horovodrun_configs" / "autotune_2x2_250mbit.yaml").read_text())
-    config["hybridsync"]["autotune"].update(trial_budget=trial_budget, per_round=3, search_budget=400, exact=exact)
+    config["hybridsync"]["autotune"].update(trial_budget=trial_budget, per_round=3, search_budget=400, exact=exact,
+                                            **({} if runoff else {"runoff_passes": 0}))
     config["hybridsync"]["cluster"]["workers_per_node"] = workers_per_node
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     report, store = tmp_path / "report", f"sqlite:///{tmp_path / 'trials.db'}"
