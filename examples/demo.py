@@ -52,7 +52,7 @@ def main() -> int:
     with open(report, encoding="utf-8") as handle:
         doc = json.load(handle)
     winner, best, tau = doc["winner"], doc["best_rival"], doc["kendall_tau"]["tau"]
-    print(f"\n== {doc['model']} on {doc['cluster_label']}: {len(doc['trials'])} trials")
+    print(f"\n== {args.model} (profiled as {doc['model']}) on {doc['cluster_label']}: {len(doc['trials'])} trials")
     print(f"winner: {winner['kind']}, {winner['step_s'] * 1e3:.1f} ms per step (confirmation job; levers: "
           f"{', '.join(winner['levers']) or 'none'})")
     print(f"best fair hand-made rival: {best['kind']}, {best['step_s'] * 1e3:.1f} ms per step")

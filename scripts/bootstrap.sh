@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything hybridsync needs into .venv/ at the repo root, idempotently.
-# A second run only checks: Horovod (a ~5 minute build) is rebuilt only when
+# A second run only checks: Horovod (a ~8 minute build) is rebuilt only when
 # `horovod.torch` and `horovod.tensorflow` do not both import with Gloo and MPI built.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -52,7 +52,7 @@ sys.exit(0 if all(h.gloo_built() and h.mpi_built() for h in (hvd_torch, hvd_tf))
 PY
 }
 if ! horovod_ok; then
-  log "building horovod==0.28.1 with PyTorch, TensorFlow, Gloo and MPI (takes ~5 minutes on 2 cores)"
+  log "building horovod==0.28.1 with PyTorch, TensorFlow, Gloo and MPI (takes ~8 minutes on 2 cores)"
   pip install "setuptools<70" wheel
   # An installed Horovod built without TensorFlow would otherwise count as already satisfied.
   pip uninstall -y horovod 2>/dev/null || true
