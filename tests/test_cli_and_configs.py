@@ -100,7 +100,6 @@ def test_baseline_writes_a_loadable_strategy(tmp_path, capsys):
     assert "a rows twin sends the dense embeddings named by --rows" in capsys.readouterr().err
 
 
-
 @pytest.mark.unit
 def test_baseline_help_says_what_each_baseline_is(capsys):
     """The choices alone are 19 names: the help gives each builder a line, in plain text, and names the
@@ -115,6 +114,7 @@ def test_baseline_help_says_what_each_baseline_is(capsys):
     with pytest.raises(SystemExit):
         main(["baseline", "parallax-typo", "--model", "ncf", "-o", "x.json"])
     assert "invalid choice: 'parallax-typo'" in capsys.readouterr().err
+
 
 @pytest.mark.multiprocess
 def test_console_script_runs():
