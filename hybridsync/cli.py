@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("baseline", help="write a hand-made baseline strategy for a model",
                             epilog=_baselines_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", choices=sorted([*baselines.BUILDERS, *twins]), metavar="name",
-                   help="a baseline below, or a twin of one: <name>-fp16, <name>-rows, <name>-rows-fp16")
+                   help="a baseline below, or one of its twins")
     p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--num-servers", type=int, default=1, help="parameter servers (PS baselines)")
     p.add_argument("--rows", nargs="+", metavar="VARIABLE",

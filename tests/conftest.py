@@ -79,8 +79,9 @@ def small_autotune(tmp_path: Path, trial_budget: int, exact: bool = False, worke
     trial store's URL."""
     import yaml
     config = yaml.safe_load((REPO / "horovodrun_configs" / "autotune_2x2_250mbit.yaml").read_text())
-    config["hybridsync"]["autotune"].update(trial_budget=trial_budget, per_round=3, search_budget=400, exact=exact,
-                                            **({} if runoff else {"runoff_passes": 0}))
+    config["hybridsync"]["autotune"].update(trial_budget=trial_budget, per_round=3, search_budget=400, exact=exact)
+    if not runoff:
+        config["hybridsync"]["autotune"]["runoff_passes"] = 0
     config["hybridsync"]["cluster"]["workers_per_node"] = workers_per_node
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     report, store = tmp_path / "report", f"sqlite:///{tmp_path / 'trials.db'}"
