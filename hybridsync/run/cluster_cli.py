@@ -30,7 +30,11 @@ EXIT_TIMEOUT = 124
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hybridsync cluster``."""
-    parser = argparse.ArgumentParser(prog="hybridsync cluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="hybridsync cluster", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Bring an emulated multi-node cluster up (network namespaces joined by shaped links),\n"
+                    "run a job across it, tear it down. Needs root.",
+        epilog="examples:\n" + __doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="action", required=True)
 
     up = sub.add_parser("up", help="bring a cluster up and hold it until interrupted")

@@ -299,9 +299,20 @@ def _take_over(server: Server, store: Any, restore_timeout_s: float) -> None:
     server.barrier.expect(workers, timeout_s=restore_timeout_s)
 
 
+USAGE = """\
+A hybridsync parameter server. hybridsync-run starts these for you when a strategy routes
+variables through the PS (--num-servers, --server-hosts); start one by hand only for a job you
+launch yourself (mpirun, a scheduler).
+
+It reads BytePS's settings from the environment: DMLC_ROLE=server, DMLC_SERVER_ID,
+DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT. It exits with status 0
+once every worker has finished, and with status 1 and a message naming the worker as soon as a
+worker stops answering (waiting for its pushes would hang every other worker). With --supervise
+it restarts the server when it dies or hangs; the workers give the new one its values back."""
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry: settings from the environment, a few timeouts from flags."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--join-timeout", type=float, default=120.0,
                         help="seconds to wait for every server and worker to join (default 120)")
     parser.add_argument("--id-from-launcher-rank", action="store_true",
