@@ -198,6 +198,8 @@ def test_a_killed_mpirun_takes_its_ranks_and_the_servers_notice(tmp_path):
     launcher = None
     try:
         argv = launcher_argv("mpirun") + [word for name in (*ps, "HYBRIDSYNC_STRATEGY") for word in ("-x", name)]
+        # SIGKILLed ranks cannot unlink their shared-memory segments: keep them out of /dev/shm
+        argv += ["--mca", "btl_vader_backing_directory", str(tmp_path)]
         launcher, _, ready = waiting_job(tmp_path, argv, env={**ps, "HYBRIDSYNC_STRATEGY": str(strategy)})
         ranks = [r["pid"] for r in ready]
         os.kill(launcher.pid, signal.SIGKILL)
