@@ -29,7 +29,9 @@ RUNOFF_KNOBS = ("runoff_passes", "time_limit_s")
 def add_parser(commands: Any) -> None:
     """Adds ``search`` to the ``hybridsync`` command's subparsers."""
     p = commands.add_parser("search", help="pick a strategy with the simulator (and, with --trials, real trials)")
-    p.add_argument("--model", required=True, help="profiled model description (.json) or a zoo model name")
+    p.add_argument("--model", required=True,
+                   help="profiled model description JSON (write one with: hybridsync profile -o model.json -- "
+                        "python train.py), or a zoo model name (ncf, bert, vgg, resnet; profiled now)")
     p.add_argument("--cluster", required=True, help="cluster spec YAML, or a run config with a hybridsync: cluster:")
     p.add_argument("-o", "--output", required=True, help="where to write the winning strategy")
     add_autotune_arguments(p)
