@@ -305,6 +305,28 @@ def test_keras_3_works_too(tmp_path, tmp_path_factory):
         _assert_close(ranks, _reference(tmp_path_factory, "single", api, env=keras3), EXACT, "the whole batch")
 
 
+@pytest.mark.parametrize("keras", [2, 3])
+def test_mixed_precision_skips_an_overflowing_step_on_every_rank(keras, tmp_path):
+    """Rank 0's second batch overflows float16, rank 1's does not (``tf_mixed_precision.py``): the
+    loss-scale optimizer skips that step on both ranks, which end equal. Keras 2's, wrapped around
+    the optimizer by ``model.compile``, sees the ranks' vote; Keras 3's, which would test each rank
+    alone, is refused and named the order that works. A Keras 3 loop calling ``apply`` synchronizes."""
+    prefix = tmp_path / "out"
+    proc = run_job(launcher_argv("horovodrun") + [sys.executable, str(WORKERS / "tf_mixed_precision.py"),
+                                                  str(prefix)],
+                   timeout=180, env={**TF_ENV, "TF_USE_LEGACY_KERAS": "1" if keras == 2 else "0"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    ranks = [json.loads((tmp_path / f"out.rank{rank}.json").read_text()) for rank in range(2)]
+    if keras == 3:
+        for result in ranks:
+            assert "LossScaleOptimizer(optimizer)) tests the synchronized" in result.pop("compiled")["error"]
+            assert "checksum" in result["apply"]
+    else:
+        assert ranks[0]["compiled"] == ranks[0]["wrapped_inside"]
+        assert ranks[0]["compiled_legacy"]["loss_scale"] == 2.0 ** 14
+    assert ranks[0] == ranks[1] and ranks[0]["keras"] == keras
+    assert ranks[0]["wrapped_inside"]["loss_scale"] == 2.0 ** 14 and ranks[0]["wrapped_inside"]["finite"]
+
 def test_an_active_profiler_keeps_a_traced_step_on_the_bridge(tmp_path):
     """The profiler is a step hook, and a step hook keeps a graph off Horovod's ops (``options_allow``)
     and on one bridge call (it times the whole backward pass): profiling ``model.fit``'s traced step in

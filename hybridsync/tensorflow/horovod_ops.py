@@ -48,13 +48,15 @@ def plan_expressed(plan: Any, step_hooks: Sequence[Any] = ()) -> bool:
     return True
 
 
-def agreed(*local: bool) -> tuple[bool, ...]:
-    """Per question, whether ``local`` is true on every rank, in one collective: all ranks sync by
-    Horovod's ops, or none does."""
+def agreed(*local: bool, process_set: Any = None) -> tuple[bool, ...]:
+    """Per question, whether ``local`` is true on every rank (of ``process_set``, a ``horovod.torch``
+    process set; ``None``: the job), in one collective: e.g. all ranks sync by Horovod's ops, or none does."""
     import torch
     hvd = horovod_torch("hybridsync.tensorflow")
-    votes = hvd.allreduce(torch.tensor([int(answer) for answer in local]), op=hvd.Sum, name="hybridsync.tf.horovod_ops")
-    return tuple(int(count) == hvd.size() for count in votes.tolist())
+    process_set = hvd.global_process_set if process_set is None else process_set
+    votes = hvd.allreduce(torch.tensor([int(answer) for answer in local]), op=hvd.Sum, name="hybridsync.tf.agreed",
+                          process_set=process_set)
+    return tuple(int(count) == process_set.size() for count in votes.tolist())
 
 
 class HorovodRing:

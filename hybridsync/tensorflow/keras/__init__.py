@@ -6,7 +6,8 @@ then applies them, then lets the variables on the parameter server under ASP/SSP
 their parameters. ``model.fit`` and custom loops (``tape.gradient`` then
 ``optimizer.apply_gradients``) both go through it, eagerly or inside ``tf.function``.
 ``backward_passes_per_step`` > 1 accumulates locally as Horovod's does (``aggregation.py``);
-a dynamic ``sync`` policy scales this optimizer's learning rate (``syncswitch.py``).
+a dynamic ``sync`` policy scales this optimizer's learning rate (``syncswitch.py``); under a
+loss-scale optimizer every rank skips the same steps (``loss_scale.py``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import tensorflow as tf
 from hybridsync.tensorflow.bridge import Bridges, GradientBridge
 from hybridsync.tensorflow.keras import callbacks
 from hybridsync.tensorflow.keras.aggregation import LocalAggregation
+from hybridsync.tensorflow.keras.loss_scale import finite_on_every_rank, refuse_loss_scale_wrapper
 from hybridsync.tensorflow.keras.syncswitch import SyncSwitchFollower, check_sync_policy
 from hybridsync.tensorflow.options import checked_options
 
@@ -32,13 +34,47 @@ class _DistributedOptimizer:
         synced = bridge.synchronize([g for g, _ in grads_and_vars])
 
         def apply(gradients: list) -> Any:
-            return super(self.__class__, self).apply_gradients(list(zip(gradients, variables)), *args, **kwargs)
+            self._hybridsync_applying = True  # Keras 3's apply_gradients calls apply: synchronized already
+            try:
+                return super(self.__class__, self).apply_gradients(list(zip(gradients, variables)), *args, **kwargs)
+            finally:
+                self._hybridsync_applying = False
 
         if self._hybridsync_aggregation is not None:
             return self._hybridsync_aggregation.apply_every_nth(self, bridge, synced, apply)
         result = apply(synced)
         bridge.after_update()  # in a tf.function, ordered after the update by its automatic control dependencies
         return result
+
+    @tf.autograph.experimental.do_not_convert
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        """Keras 3: what ``apply_gradients`` calls, and what a loop may call itself: synchronized here too."""
+        if self._hybridsync_applying:
+            return super(self.__class__, self).apply(grads, trainable_variables)
+        refuse_loss_scale_wrapper(self)
+        variables = self._trainable_variables if trainable_variables is None else trainable_variables
+        return self.apply_gradients(zip(grads, variables))
+
+    @tf.autograph.experimental.do_not_convert
+    def aggregate_gradients(self, grads_and_vars: Any) -> Any:
+        """Keras 2: a ``LossScaleOptimizer`` wrapping this one calls this before it tests the gradients
+        for inf/NaN; the ranks vote so that all of them skip the step or none does (``loss_scale.py``)."""
+        if self._hybridsync_applying:  # this optimizer's own apply_gradients, after synchronizing
+            return super(self.__class__, self).aggregate_gradients(grads_and_vars)
+        return self._finite_on_every_rank(grads_and_vars)
+
+    @tf.autograph.experimental.do_not_convert
+    def _aggregate_gradients(self, grads_and_vars: Any) -> Any:
+        """``aggregate_gradients`` of Keras 2's legacy optimizers (``tf.keras.optimizers.legacy``)."""
+        if self._hybridsync_applying:
+            return super(self.__class__, self)._aggregate_gradients(grads_and_vars)
+        return self._finite_on_every_rank(grads_and_vars)
+
+    def _finite_on_every_rank(self, grads_and_vars: Any) -> list:
+        grads_and_vars = list(grads_and_vars)
+        variables = [v for _, v in grads_and_vars]
+        process_set = self._hybridsync.for_variables(variables).optimizer.process_set
+        return list(zip(finite_on_every_rank([g for g, _ in grads_and_vars], process_set), variables))
 
     @property
     def strategy_bridges(self) -> list[GradientBridge]:
@@ -95,6 +131,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     wrapped._hybridsync = Bridges(options, allow_parameter_exchange=True,
                                   owner="hybridsync.tensorflow.keras.DistributedOptimizer",
                                   follower=lambda: SyncSwitchFollower(wrapped))
+    wrapped._hybridsync_applying = False
     wrapped._hybridsync_aggregation = (None if backward_passes_per_step == 1 else
                                        LocalAggregation(backward_passes_per_step, average_aggregated_gradients))
     return wrapped
