@@ -58,7 +58,7 @@ def _baseline(args: argparse.Namespace) -> int:
 
 
 MODEL_HELP = ("model description JSON (write one with: hybridsync profile -o model.json -- python train.py), "
-              "or a zoo model name (ncf, bert, vgg, resnet)")
+              "or a zoo model name (ncf, bert, vgg, resnet, or generated: gen-recsys-7)")
 
 
 def _baselines_epilog() -> str:

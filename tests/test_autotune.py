@@ -211,7 +211,7 @@ def test_launcher_reads_the_autotune_flags_anywhere_before_the_command():
 def test_search_with_the_simulator_alone_beats_the_baselines_it_predicts(tmp_path, capsys):
     spec = tmp_path / "cluster.yaml"
     spec.write_text("nodes: 2\nworkers_per_node: 2\ninter_node_bandwidth: 250mbit\nservers_per_node: 1\n")
-    out = tmp_path / "s.json"
+    out = tmp_path / "strategies" / "s.json"  # a folder not made yet: made, as the report's is
     assert main(["search", "--model", str(DESCRIPTIONS / "vgg.json"), "--cluster", str(spec), "-o", str(out),
                  "--search-budget", "600", "--seed", "3"]) == 0
     printed = capsys.readouterr().out

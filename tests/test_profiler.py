@@ -292,7 +292,7 @@ def _train_command(*args: str) -> list[str]:
 def test_hybridsync_profile_writes_a_valid_description(tmp_path, optimizers):
     """With two optimizers (the embedding's, the dense layers'), the one model is described whole; with
     one rebuilt over the same parameters (the first never steps), the new one times the steps."""
-    out = tmp_path / "desc.json"
+    out = tmp_path / "profiles" / "desc.json"  # a folder not made yet: made before the script runs
     proc = _hybridsync("profile", "--steps", str(STEPS), "--warmup", str(WARMUP), "--timeout", "120",
                        "--name", "tiny", "--batch-size", "64", "-o", str(out), "--",
                        *_train_command("--steps", "100000", *optimizers))
@@ -300,7 +300,7 @@ def test_hybridsync_profile_writes_a_valid_description(tmp_path, optimizers):
     desc = load_description(out)
     assert f"wrote {out} (id {description_id(desc)}): 7 variables (1 sparse)" in proc.stdout, proc.stdout
     assert "first head." in proc.stdout and "last emb.weight" in proc.stdout, proc.stdout
-    assert list(tmp_path.iterdir()) == [out]  # the partial file is gone
+    assert list(out.parent.iterdir()) == [out]  # the partial file is gone
     assert desc.name == "tiny" and desc.timing.batch_size == 64 and desc.timing.steps == STEPS
     assert set(desc.variable_timing) == set(desc.variables)
     assert [name for name, v in desc.variables.items() if v.sparse] == ["emb.weight"]

@@ -47,7 +47,8 @@ def add_autotune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", "--trial-budget", dest="trials", type=int, default=0,
                    help="real trials to spend, baselines included (default 0: simulator only)")
     p.add_argument("--store", default=DEFAULT_STORE, help=f"trial store URL (default {DEFAULT_STORE})")
-    p.add_argument("--report", help="directory for report.json/.md/.png (default: next to --output)")
+    p.add_argument("--report",
+                   help="with --trials: directory for report.json/.md/.png (default: autotune-report/ beside --output)")
     p.add_argument("--seed", type=int, default=0, help="seed of the search's random choices (default 0)")
     p.add_argument("--search-budget", type=int, default=DEFAULT_SEARCH_BUDGET,
                    help=f"simulator evaluations per search round (default {DEFAULT_SEARCH_BUDGET})")
@@ -94,9 +95,16 @@ def _search(args: argparse.Namespace) -> int:
     with trial_target(cluster, hosts=args.hosts, hostfile=args.hostfile) as target:
         result = autotune(description, cluster, target=target, workload=workload, settings=settings,
                           store_url=args.store, report_dir=report, simulator=args.simulator)
-    result.winner.save(args.output)
+    _save(result.winner, args.output)
     print(f"wrote {args.output}: {result.winner_kind}")
     return 0
+
+
+def _save(strategy: Any, output: str) -> None:
+    """Write the winner, making ``-o``'s folder as the report's is made: a missing folder must not
+    throw away the search (and, with ``--trials``, minutes of trials) that came before."""
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    strategy.save(output)
 
 
 def _simulator_only(args: argparse.Namespace, description: Any, cluster: Any) -> int:
@@ -115,7 +123,7 @@ def _simulator_only(args: argparse.Namespace, description: Any, cluster: Any) ->
     kind = "the search's best"
     if baseline_s < step_s:  # a baseline outside the search's bounds (e.g. hierarchical, one rank per node)
         step_s, strategy, kind = baseline_s, baseline.strategy, baseline.kind
-    strategy.save(args.output)
+    _save(strategy, args.output)
     print(f"wrote {args.output} ({kind}): predicted {step_s * 1e3:.1f} ms per step; best baseline "
           f"{baseline.kind} predicted {baseline_s * 1e3:.1f} ms ({baseline_s / step_s:.2f}x). "
           f"Simulator only: measure it with --trials N.")

@@ -44,6 +44,7 @@ def profile_command(command: Sequence[str], *, output: str | os.PathLike,
     if not command:
         raise ValueError("no command to profile: give it after --, e.g. -- python train.py")
     output = os.path.abspath(output)
+    os.makedirs(os.path.dirname(output), exist_ok=True)  # else the script fails only once it has profiled
     written = f"{output}.profiling-{os.getpid()}"  # the script's cwd may differ: an absolute path
     child_env = {**(os.environ if env is None else env), envvars.PROFILE: written,
                  envvars.PROFILE_STEPS: str(steps), envvars.PROFILE_WARMUP: str(warmup)}

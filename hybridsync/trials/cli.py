@@ -61,7 +61,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=DEFAULT_STORE, help=f"trial store URL (default {DEFAULT_STORE})")
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps per trial (default 10)")
     p.add_argument("--steps", type=int, default=40, help="timed steps per trial (default 40)")
-    p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial counts as hung")
+    p.add_argument("--trial-timeout", type=float, default=180.0,
+                   help="seconds before a trial counts as hung (default 180)")
     p.add_argument("--controls", type=int, default=0,
                    help="re-measure the first N candidates (the reference rows, then the baselines) as controls "
                         "between blocks of --block-size candidates in every job, so that jobs can be put on one "
