@@ -5,6 +5,7 @@ a worker command and stops it, whole, by pid. The trial runner sees only this in
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -133,6 +134,33 @@ class _LauncherJob:
             procs.stop(self.process)
 
 
+def check_hosts_fit(spec: ClusterSpec, *, hosts: str | None = None, hostfile: str | None = None) -> None:
+    """``ValueError`` unless horovodrun, given ``-np spec.num_workers`` and these hosts (``-H`` or
+    ``--hostfile``), places the ranks as ``spec`` describes them: ``spec.nodes`` hosts of
+    ``spec.workers_per_node`` ranks each.
+
+    The simulator prices the spec's shape, and hierarchical all-reduce needs nodes holding equal
+    numbers of ranks (elsewhere every trial of it fails), so hosts that horovodrun fills otherwise
+    would be tuned as a cluster they are not: ``-H a:3,b:1`` for a 2 x 2 spec, or ``-H a:4,b:4``,
+    whose first host takes all 4 ranks."""
+    from horovod.runner.common.util import hosts as horovod_hosts
+    given = f"-H {hosts}" if hosts is not None else f"--hostfile {hostfile}"
+    try:
+        text = hosts if hosts is not None else horovod_hosts.parse_host_files(hostfile)
+        slots = horovod_hosts.get_host_assignments(horovod_hosts.parse_hosts(text), spec.num_workers,
+                                                   spec.num_workers)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{given}: cannot place the cluster spec's {spec.num_workers} workers: {error}") from None
+    per_host = collections.Counter(slot.hostname for slot in slots)  # in horovodrun's host order
+    if list(per_host.values()) != [spec.workers_per_node] * spec.nodes:
+        placed = ", ".join(f"{count} on {host}" for host, count in per_host.items())
+        raise ValueError(f"{given} places the {spec.num_workers} ranks {placed} (horovodrun fills each host's "
+                         f"slots in order), but the cluster spec describes {spec.nodes} nodes x "
+                         f"{spec.workers_per_node} workers: give the hosts that shape ({spec.nodes} of "
+                         f"{spec.workers_per_node} slots each; a spec's nodes hold equal numbers of workers, "
+                         f"as hierarchical all-reduce needs), or a spec that matches them")
+
+
 class HostsTarget:
     """Jobs on real hosts: ``hybridsync-run -np N (-H HOSTS | --hostfile F) --gloo --num-servers S``.
 
@@ -144,6 +172,7 @@ class HostsTarget:
                  launcher_args: Sequence[str] = ()) -> None:
         if (hosts is None) == (hostfile is None):
             raise ValueError("give exactly one of hosts (-H) and hostfile (--hostfile)")
+        check_hosts_fit(spec, hosts=hosts, hostfile=hostfile)
         self.spec = spec
         self.placement = ["-H", hosts] if hosts is not None else ["--hostfile", str(hostfile)]
         self.launcher_args = list(launcher_args)
