@@ -201,6 +201,25 @@ def test_config_without_servers_for_a_ps_strategy_is_refused(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_hierarchical_strategy_on_hosts_of_different_sizes_is_refused_before_the_job_starts(tmp_path):
+    """Hierarchical all-reduce needs every node to hold as many ranks; on ``-H a:2,b:1`` each rank
+    would fail building its optimizer, after start-up, in a traceback per rank: refused up front
+    (an all-reduce strategy on the same hosts is not)."""
+    pytest.importorskip("horovod.runner")
+    from hybridsync.run.launcher import run
+    hier = tmp_path / "hier.json"
+    Strategy.from_dict({"variables": {"fc.weight": {"route": "allreduce", "algorithm": "hierarchical"}}}).save(hier)
+    for hosts in ("localhost:2,127.0.0.1:1", "localhost:2,127.0.0.1:2"):  # 3 ranks: 2 + 1 either way
+        with pytest.raises(ValueError, match="places the 3 ranks 2 on localhost, 1 on 127.0.0.1.*fc.weight"):
+            run(LaunchOptions(strategy=str(hier)), ["-np", "3", "-H", hosts, *TRAIN])
+    ring = tmp_path / "ring.json"
+    Strategy.from_dict({"variables": {"fc.weight": {"route": "allreduce"}}}).save(ring)
+    with mock.patch("hybridsync.run.launcher.procs.start", side_effect=RuntimeError("started")):
+        with pytest.raises(RuntimeError, match="started"):
+            run(LaunchOptions(strategy=str(ring)), ["-np", "3", "-H", "localhost:2,127.0.0.1:1", *TRAIN])
+
+
+@pytest.mark.unit
 def test_missing_config_file_is_a_clear_error(tmp_path):
     pytest.importorskip("horovod.runner")
     from hybridsync.run.launcher import horovodrun_job

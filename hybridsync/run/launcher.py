@@ -26,6 +26,7 @@ exactly as the workers do.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -280,6 +281,18 @@ class JobShape:
     """``--gloo-timeout-seconds`` (or its config-file setting), else ``HOROVOD_GLOO_TIMEOUT_SECONDS``."""
     max_proc: int | None = None
     """``--max-np`` (``None``: no bound)."""
+    ranks_per_host: tuple[tuple[str, int], ...] = ()
+    """Where horovodrun puts the ranks of a job with ``-H``/``--hostfile``: (host, ranks), in
+    order (empty: elastic, no hosts given, or too few slots, which horovodrun reports)."""
+
+
+def ranks_per_host(hosts: str, num_proc: int) -> dict[str, int]:
+    """How horovodrun (Gloo) places ``num_proc`` ranks on ``hosts`` (``-H``'s form): ranks per host,
+    filling each host's slots before the next, as its ``get_host_assignments`` does. ``ValueError``
+    for a malformed list or too few slots."""
+    from horovod.runner.common.util import hosts as horovod_hosts
+    slots = horovod_hosts.get_host_assignments(horovod_hosts.parse_hosts(hosts), num_proc, num_proc)
+    return dict(collections.Counter(slot.hostname for slot in slots))
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -301,11 +314,17 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
         ("-i", args.ssh_identity_file) if args.ssh_identity_file else ())
     # horovodrun's own test for elastic mode (launch._is_elastic)
     elastic = args.host_discovery_script is not None or args.min_num_proc is not None
+    placed: dict[str, int] = {}
+    if spec and not elastic:
+        try:
+            placed = ranks_per_host(spec, int(args.num_proc))
+        except ValueError:
+            pass  # horovodrun refuses the job itself, naming the problem
     return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file,
                     command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile, elastic=elastic,
                     discovery_script=args.host_discovery_script, nics=tuple(args.nics or ()),
                     gloo_timeout_s=args.gloo_timeout_seconds or _int_or_none(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")),
-                    max_proc=args.max_num_proc)
+                    max_proc=args.max_num_proc, ranks_per_host=tuple(placed.items()))
 
 
 def _int_or_none(text: str | None) -> int | None:
@@ -403,6 +422,24 @@ def _is_this_host(host: str) -> bool:
         return False
 
 
+def check_hierarchical_fits(strategy_path: str | None, job: JobShape) -> None:
+    """``ValueError`` when the strategy routes variables through hierarchical all-reduce but the job
+    puts different numbers of ranks on its hosts: that route needs equal nodes, and every rank would
+    fail building its optimizer (``RouteUnavailableError``), after start-up, in a traceback each.
+    (An elastic job's optimizer falls back to ring instead: ``hybridsync.world``.)"""
+    counts = {count for _, count in job.ranks_per_host}
+    if strategy_path is None or len(counts) < 2:
+        return
+    strategy = Strategy.load(strategy_path)
+    if strategy.uses_hierarchical:
+        placed = ", ".join(f"{count} on {host}" for host, count in job.ranks_per_host)
+        names = strategy.hierarchical_variables()
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "") or "its default"
+        raise ValueError(f"the job places the {job.num_proc} ranks {placed}, but strategy {strategy_path} routes "
+                         f"{shown} through hierarchical all-reduce, which needs every host to hold as many "
+                         f"ranks: give the hosts equal slots, or route those variables 'ring'")
+
+
 def _uses_ps(strategy_path: str | None) -> bool:
     if strategy_path is None:
         return False
@@ -459,6 +496,7 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     elif num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
                          f"but the number of servers (--num-servers or the config's num_servers) is 0")
+    check_hierarchical_fits(options.strategy, job_shape)
     placement = server_placement(options, job_shape, num_servers) if num_servers else None
     env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)

@@ -5,7 +5,6 @@ a worker command and stops it, whole, by pid. The trial runner sees only this in
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import re
@@ -143,15 +142,14 @@ def check_hosts_fit(spec: ClusterSpec, *, hosts: str | None = None, hostfile: st
     numbers of ranks (elsewhere every trial of it fails), so hosts that horovodrun fills otherwise
     would be tuned as a cluster they are not: ``-H a:3,b:1`` for a 2 x 2 spec, or ``-H a:4,b:4``,
     whose first host takes all 4 ranks."""
-    from horovod.runner.common.util import hosts as horovod_hosts
+    from horovod.runner.common.util.hosts import parse_host_files
+
+    from hybridsync.run.launcher import ranks_per_host
     given = f"-H {hosts}" if hosts is not None else f"--hostfile {hostfile}"
     try:
-        text = hosts if hosts is not None else horovod_hosts.parse_host_files(hostfile)
-        slots = horovod_hosts.get_host_assignments(horovod_hosts.parse_hosts(text), spec.num_workers,
-                                                   spec.num_workers)
+        per_host = ranks_per_host(hosts if hosts is not None else parse_host_files(hostfile), spec.num_workers)
     except (OSError, ValueError) as error:
         raise ValueError(f"{given}: cannot place the cluster spec's {spec.num_workers} workers: {error}") from None
-    per_host = collections.Counter(slot.hostname for slot in slots)  # in horovodrun's host order
     if list(per_host.values()) != [spec.workers_per_node] * spec.nodes:
         placed = ", ".join(f"{count} on {host}" for host, count in per_host.items())
         raise ValueError(f"{given} places the {spec.num_workers} ranks {placed} (horovodrun fills each host's "
