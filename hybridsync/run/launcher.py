@@ -26,6 +26,7 @@ exactly as the workers do.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import os
@@ -286,13 +287,22 @@ class JobShape:
     order (empty: elastic, no hosts given, or too few slots, which horovodrun reports)."""
 
 
-def ranks_per_host(hosts: str, num_proc: int) -> dict[str, int]:
-    """How horovodrun (Gloo) places ``num_proc`` ranks on ``hosts`` (``-H``'s form): ranks per host,
-    filling each host's slots before the next, as its ``get_host_assignments`` does. ``ValueError``
-    for a malformed list or too few slots."""
+def ranks_per_host(hosts: str, num_proc: int, *, gloo: bool) -> dict[str, int]:
+    """How horovodrun places ``num_proc`` ranks on ``hosts`` (``-H``'s form): ranks per host, filling
+    each host's slots before the next. With ``gloo``, as its Gloo launcher does (0.28.1's
+    ``gloo_run``): a rank on every slot, even beyond ``num_proc``; else (mpirun) ``num_proc`` ranks.
+    ``ValueError`` for a malformed list or too few slots."""
     from horovod.runner.common.util import hosts as horovod_hosts
-    slots = horovod_hosts.get_host_assignments(horovod_hosts.parse_hosts(hosts), num_proc, num_proc)
+    slots = horovod_hosts.get_host_assignments(horovod_hosts.parse_hosts(hosts), num_proc,
+                                               None if gloo else num_proc)
     return dict(collections.Counter(slot.hostname for slot in slots))
+
+
+def _uses_gloo(args: argparse.Namespace) -> bool:
+    """Whether horovodrun runs these arguments with its Gloo launcher (``launch.is_gloo_used``, which
+    asks whether MPI is built only when neither ``--gloo`` nor ``--mpi``/``--jsrun`` decides)."""
+    from horovod.runner import launch
+    return bool(args.use_gloo) or (not args.use_mpi and not args.use_jsrun and launch.is_gloo_used())
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -316,10 +326,18 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
     elastic = args.host_discovery_script is not None or args.min_num_proc is not None
     placed: dict[str, int] = {}
     if spec and not elastic:
+        num_proc = int(args.num_proc)
         try:
-            placed = ranks_per_host(spec, int(args.num_proc))
+            placed = ranks_per_host(spec, num_proc, gloo=True)
         except ValueError:
             pass  # horovodrun refuses the job itself, naming the problem
+        if sum(placed.values()) > num_proc:
+            if _uses_gloo(args):
+                slots = ", ".join(f"{count} on {host}" for host, count in placed.items())
+                raise ValueError(f"-np {num_proc}, but Horovod's Gloo launcher starts a rank on each of the "
+                                 f"{sum(placed.values())} slots ({slots}) that -H/--hostfile give, whatever -np "
+                                 f"says (Horovod 0.28.1); give exactly -np slots, e.g. -H host:{num_proc}")
+            placed = ranks_per_host(spec, num_proc, gloo=False)
     return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file,
                     command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile, elastic=elastic,
                     discovery_script=args.host_discovery_script, nics=tuple(args.nics or ()),

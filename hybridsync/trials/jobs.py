@@ -141,19 +141,20 @@ def check_hosts_fit(spec: ClusterSpec, *, hosts: str | None = None, hostfile: st
     The simulator prices the spec's shape, and hierarchical all-reduce needs nodes holding equal
     numbers of ranks (elsewhere every trial of it fails), so hosts that horovodrun fills otherwise
     would be tuned as a cluster they are not: ``-H a:3,b:1`` for a 2 x 2 spec, or ``-H a:4,b:4``,
-    whose first host takes all 4 ranks."""
+    on which Horovod's Gloo launcher starts 8 ranks, whatever ``-np`` says."""
     from horovod.runner.common.util.hosts import parse_host_files
 
     from hybridsync.run.launcher import ranks_per_host
     given = f"-H {hosts}" if hosts is not None else f"--hostfile {hostfile}"
     try:
-        per_host = ranks_per_host(hosts if hosts is not None else parse_host_files(hostfile), spec.num_workers)
+        per_host = ranks_per_host(hosts if hosts is not None else parse_host_files(hostfile), spec.num_workers,
+                                  gloo=True)  # the trial jobs' controller (HostsTarget.start)
     except (OSError, ValueError) as error:
         raise ValueError(f"{given}: cannot place the cluster spec's {spec.num_workers} workers: {error}") from None
     if list(per_host.values()) != [spec.workers_per_node] * spec.nodes:
         placed = ", ".join(f"{count} on {host}" for host, count in per_host.items())
-        raise ValueError(f"{given} places the {spec.num_workers} ranks {placed} (horovodrun fills each host's "
-                         f"slots in order), but the cluster spec describes {spec.nodes} nodes x "
+        raise ValueError(f"{given} places {sum(per_host.values())} ranks, {placed} (horovodrun's Gloo launcher "
+                         f"fills each host's slots in order), but the cluster spec describes {spec.nodes} nodes x "
                          f"{spec.workers_per_node} workers: give the hosts that shape ({spec.nodes} of "
                          f"{spec.workers_per_node} slots each; a spec's nodes hold equal numbers of workers, "
                          f"as hierarchical all-reduce needs), or a spec that matches them")
