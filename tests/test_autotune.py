@@ -157,6 +157,19 @@ def test_report_files_say_what_won_over_which_rival_and_how_well_trials_ranked(t
     text = markdown(to_dict(a_result()))
     assert "**1.13x**" in text and "| 3 | 1 | j1 | search:r1 | 140.0 | failed | - |" in text
     assert "Kendall tau **1.00** over 4 strategies" in text and "horovod-fp16: not runnable" in text
+    assert "Next fair rival" not in text and doc["runner_up_rival"] == doc["best_rival"]
+
+
+@pytest.mark.unit
+def test_a_report_whose_rival_won_names_the_next_fair_rival():
+    """A hand-made rival that wins is its own best fair rival (1.00x); the report also names the next
+    one, or it would say nothing about what the winner beat (seen: 3 x 1 nodes at 50 Mbit/s, where
+    Horovod's hierarchical baseline with fp16 won)."""
+    rival_won = dataclasses.replace(a_result(), winner_kind="baseline:horovod-hierarchical-fp16")
+    doc = to_dict(rival_won)
+    assert doc["runner_up_rival"] == {"kind": "baseline:allreduce", "step_s": 0.20}
+    assert ("Next fair rival: baseline:allreduce, 200.0 ms: the winner is **1.18x** as fast."
+            in markdown(doc))
 
 
 @pytest.mark.unit
