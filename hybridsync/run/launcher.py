@@ -299,10 +299,10 @@ def ranks_per_host(hosts: str, num_proc: int, *, gloo: bool) -> dict[str, int]:
 
 
 def _uses_gloo(args: argparse.Namespace) -> bool:
-    """Whether horovodrun runs these arguments with its Gloo launcher (``launch.is_gloo_used``, which
-    asks whether MPI is built only when neither ``--gloo`` nor ``--mpi``/``--jsrun`` decides)."""
+    """Whether horovodrun runs these arguments with its Gloo launcher (its own ``is_gloo_used``, which
+    asks whether MPI is built, in a child process, only when neither ``--gloo`` nor ``--mpi`` decides)."""
     from horovod.runner import launch
-    return bool(args.use_gloo) or (not args.use_mpi and not args.use_jsrun and launch.is_gloo_used())
+    return bool(launch.is_gloo_used(args.use_gloo, args.use_mpi, args.use_jsrun))
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
