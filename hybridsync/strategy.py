@@ -139,6 +139,10 @@ class _ReadOnlyDict(dict):
         return (type(self), (dict(self),))
 
 
+def _hierarchical(config: VarConfig) -> bool:
+    return config.route == "allreduce" and config.algorithm == "hierarchical"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy:
     """Per-variable synchronization configs, with a default for unlisted variables."""
@@ -172,6 +176,16 @@ class Strategy:
         """Whether the default or any variable goes by the parameter-server route: a job with this
         strategy needs servers exactly then."""
         return any(config.route == "ps" for config in (self.default, *self.variables.values()))
+
+    @property
+    def uses_hierarchical(self) -> bool:
+        """Whether the default or any variable goes by hierarchical all-reduce: a job with this
+        strategy needs nodes holding equal numbers of ranks exactly then."""
+        return _hierarchical(self.default) or bool(self.hierarchical_variables())
+
+    def hierarchical_variables(self) -> list[str]:
+        """The variables this strategy names that go by hierarchical all-reduce."""
+        return [name for name, config in self.variables.items() if _hierarchical(config)]
 
     def config_for(self, name: str) -> VarConfig:
         """The config that applies to the variable ``name``."""

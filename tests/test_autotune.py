@@ -157,6 +157,19 @@ def test_report_files_say_what_won_over_which_rival_and_how_well_trials_ranked(t
     text = markdown(to_dict(a_result()))
     assert "**1.13x**" in text and "| 3 | 1 | j1 | search:r1 | 140.0 | failed | - |" in text
     assert "Kendall tau **1.00** over 4 strategies" in text and "horovod-fp16: not runnable" in text
+    assert "Next fair rival" not in text and doc["runner_up_rival"] == doc["best_rival"]
+
+
+@pytest.mark.unit
+def test_a_report_whose_rival_won_names_the_next_fair_rival():
+    """A hand-made rival that wins is its own best fair rival (1.00x); the report also names the next
+    one, or it would say nothing about what the winner beat (seen: 3 x 1 nodes at 50 Mbit/s, where
+    Horovod's hierarchical baseline with fp16 won)."""
+    rival_won = dataclasses.replace(a_result(), winner_kind="baseline:horovod-hierarchical-fp16")
+    doc = to_dict(rival_won)
+    assert doc["runner_up_rival"] == {"kind": "baseline:allreduce", "step_s": 0.20}
+    assert ("Next fair rival: baseline:allreduce, 200.0 ms: the winner is **1.18x** as fast."
+            in markdown(doc))
 
 
 @pytest.mark.unit
@@ -194,6 +207,33 @@ def test_the_runoff_settings_come_from_the_run_config(tmp_path):
         path.write_text("hybridsync:\n" + cluster + "    autotune:\n      seed: 1\n" + entries)
         plan = _plan(LaunchOptions(autotune=True), ["-np", "4", "--config-file", str(path), "python", "train.py"])
         assert (plan.settings.runoff_passes, plan.settings.time_limit_s) == (passes, limit)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("hosts, message, target_message", [
+    ("a:3,b:1", "places 4 ranks, 3 on a, 1 on b", None),  # unequal nodes: no hierarchical all-reduce
+    ("a:4,b:4", "starts a rank on each of the 8 slots", "places 8 ranks, 4 on a, 4 on b"),  # Gloo ignores -np
+    ("a:2,b:2", None, None),
+    ("a:1,b:1", "cannot place the cluster spec's 4 workers", None),
+])
+def test_autotune_on_hosts_refuses_hosts_placed_unlike_the_spec(tmp_path, hosts, message, target_message):
+    """The search prices the spec's shape (2 x 2 here): hosts that horovodrun fills otherwise are
+    refused before anything starts, by ``hybridsync-run --autotune`` and by every trial target."""
+    from hybridsync.autotune.launch import _plan
+    from hybridsync.run.launcher import LaunchOptions
+    from hybridsync.trials.jobs import HostsTarget
+    path = tmp_path / "run.yaml"
+    path.write_text("hybridsync:\n  cluster: {nodes: 2, workers_per_node: 2, inter_node_bandwidth: 250mbit}\n")
+    argv = ["-np", "4", "-H", hosts, "--gloo", "--config-file", str(path), "python", "train.py"]
+    if message is None:
+        assert _plan(LaunchOptions(autotune=True), argv).hosts == hosts
+        HostsTarget(CLUSTER, hosts=hosts)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _plan(LaunchOptions(autotune=True), argv)
+    (tmp_path / "hostfile").write_text(hosts.replace(",", "\n").replace(":", " slots="))
+    with pytest.raises(ValueError, match=re.escape(target_message or message)):
+        HostsTarget(CLUSTER, hostfile=str(tmp_path / "hostfile"))
 
 
 @pytest.mark.unit

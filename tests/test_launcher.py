@@ -201,6 +201,43 @@ def test_config_without_servers_for_a_ps_strategy_is_refused(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_hierarchical_strategy_on_hosts_of_different_sizes_is_refused_before_the_job_starts(tmp_path):
+    """Hierarchical all-reduce needs every node to hold as many ranks; on ``-H a:2,b:1`` each rank
+    would fail building its optimizer, after start-up, in a traceback per rank: refused up front
+    (an all-reduce strategy on the same hosts is not)."""
+    pytest.importorskip("horovod.runner")
+    from hybridsync.run.launcher import run
+    hier = tmp_path / "hier.json"
+    Strategy.from_dict({"variables": {"fc.weight": {"route": "allreduce", "algorithm": "hierarchical"}}}).save(hier)
+    for hosts in ("localhost:2,127.0.0.1:1", "localhost:2,127.0.0.1:2"):  # mpirun: 3 ranks, 2 + 1 either way
+        with pytest.raises(ValueError, match="places the 3 ranks 2 on localhost, 1 on 127.0.0.1.*fc.weight"):
+            run(LaunchOptions(strategy=str(hier)), ["-np", "3", "-H", hosts, "--mpi", *TRAIN])
+    ring = tmp_path / "ring.json"
+    Strategy.from_dict({"variables": {"fc.weight": {"route": "allreduce"}}}).save(ring)
+    with mock.patch("hybridsync.run.launcher.procs.start", side_effect=RuntimeError("started")):
+        with pytest.raises(RuntimeError, match="started"):
+            run(LaunchOptions(strategy=str(ring)), ["-np", "3", "-H", "localhost:2,127.0.0.1:1", *TRAIN])
+
+
+@pytest.mark.unit
+def test_gloo_hosts_with_more_slots_than_np_are_refused(tmp_path):
+    """Horovod 0.28.1's Gloo launcher starts a rank on every ``-H`` slot, ignoring ``-np`` (measured:
+    ``-np 2 -H localhost:3`` ran 3 ranks), so the servers, sized for ``-np`` workers, refused the
+    job's ranks after start-up. mpirun keeps to ``-np``."""
+    pytest.importorskip("horovod.runner")
+    from hybridsync.run.launcher import horovodrun_job
+    with pytest.raises(ValueError, match="-np 2, but Horovod's Gloo launcher starts a rank on each of the 3 slots"):
+        horovodrun_job(["-np", "2", "-H", "localhost:3", "--gloo", *TRAIN])
+    (tmp_path / "run.yaml").write_text("controller: gloo\n")
+    with pytest.raises(ValueError, match="5 slots \\(3 on localhost, 2 on 127.0.0.1\\)"):
+        horovodrun_job(["-np", "3", "-H", "localhost:3,127.0.0.1:2", "--config-file", str(tmp_path / "run.yaml"),
+                        *TRAIN])
+    job = horovodrun_job(["-np", "2", "-H", "localhost:3", "--mpi", *TRAIN])
+    assert job.ranks_per_host == (("localhost", 2),)
+    assert horovodrun_job(["-np", "3", "-H", "localhost:2,127.0.0.1:1", "--gloo", *TRAIN]).num_proc == 3
+
+
+@pytest.mark.unit
 def test_missing_config_file_is_a_clear_error(tmp_path):
     pytest.importorskip("horovod.runner")
     from hybridsync.run.launcher import horovodrun_job

@@ -100,6 +100,9 @@ def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
                          f"{cluster.workers_per_node}) but -np is {job.num_proc}")
     if options.strategy:
         raise ValueError("--autotune picks the strategy: drop --strategy (or drop --autotune to use that file)")
+    if job.hosts_arg is not None or job.hostfile is not None:
+        from hybridsync.trials.jobs import check_hosts_fit
+        check_hosts_fit(cluster, hosts=job.hosts_arg, hostfile=job.hostfile)
     settings = AutotuneSettings(trial_budget=options.trial_budget or tune.get("trial_budget", DEFAULT_TRIAL_BUDGET),
                                 per_round=tune.get("per_round", AutotuneSettings.per_round),
                                 search_budget=tune.get("search_budget", AutotuneSettings.search_budget),

@@ -29,7 +29,7 @@ from hybridsync.trials.store import cluster_label
 
 def to_dict(result: AutotuneResult) -> dict[str, Any]:
     """The report as a JSON-ready document."""
-    best = result.best_rival
+    best, runner_up = result.best_rival, result.runner_up_rival
     return {
         "model": result.model, "cluster": result.cluster.to_dict(), "cluster_label": cluster_label(result.cluster.to_dict()),
         "exact": result.exact,
@@ -37,6 +37,7 @@ def to_dict(result: AutotuneResult) -> dict[str, Any]:
                    "levers": sorted(result.winner_levers), "strategy": result.winner.to_dict()},
         "best_rival": None if best is None else {"kind": best[0], "step_s": best[1]},
         "speedup_over_best_rival": result.speedup,
+        "runner_up_rival": None if runner_up is None else {"kind": runner_up[0], "step_s": runner_up[1]},
         "unresolved_lead": result.unresolved_lead,
         "runoff": result.runoff,
         "rounds_cut": result.rounds_cut,
@@ -76,6 +77,10 @@ def markdown(doc: dict[str, Any]) -> str:
     if best is not None:
         lines.append(f"Best fair rival: {best['kind']}, {best['step_s'] * 1e3:.1f} ms: the winner is "
                      f"**{doc['speedup_over_best_rival']:.2f}x** as fast ({rival_rule(doc)}).")
+    runner_up = doc.get("runner_up_rival")
+    if runner_up is not None and runner_up != best:  # a rival won: it is its own best rival, so name the next
+        lines.append(f"Next fair rival: {runner_up['kind']}, {runner_up['step_s'] * 1e3:.1f} ms: the winner is "
+                     f"**{runner_up['step_s'] / winner['step_s']:.2f}x** as fast.")
     if doc.get("unresolved_lead"):
         lines.append(f"Not taken: {lead_text(doc['unresolved_lead'])} (a search strategy replaces a hand-made "
                      "one only on a lead the confirmation job resolves, or a runoff job confirms).")

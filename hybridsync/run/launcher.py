@@ -26,6 +26,8 @@ exactly as the workers do.
 """
 from __future__ import annotations
 
+import argparse
+import collections
 import dataclasses
 import os
 import re
@@ -280,6 +282,27 @@ class JobShape:
     """``--gloo-timeout-seconds`` (or its config-file setting), else ``HOROVOD_GLOO_TIMEOUT_SECONDS``."""
     max_proc: int | None = None
     """``--max-np`` (``None``: no bound)."""
+    ranks_per_host: tuple[tuple[str, int], ...] = ()
+    """Where horovodrun puts the ranks of a job with ``-H``/``--hostfile``: (host, ranks), in
+    order (empty: elastic, no hosts given, or too few slots, which horovodrun reports)."""
+
+
+def ranks_per_host(hosts: str, num_proc: int, *, gloo: bool) -> dict[str, int]:
+    """How horovodrun places ``num_proc`` ranks on ``hosts`` (``-H``'s form): ranks per host, filling
+    each host's slots before the next. With ``gloo``, as its Gloo launcher does (0.28.1's
+    ``gloo_run``): a rank on every slot, even beyond ``num_proc``; else (mpirun) ``num_proc`` ranks.
+    ``ValueError`` for a malformed list or too few slots."""
+    from horovod.runner.common.util import hosts as horovod_hosts
+    slots = horovod_hosts.get_host_assignments(horovod_hosts.parse_hosts(hosts), num_proc,
+                                               None if gloo else num_proc)
+    return dict(collections.Counter(slot.hostname for slot in slots))
+
+
+def _uses_gloo(args: argparse.Namespace) -> bool:
+    """Whether horovodrun runs these arguments with its Gloo launcher (its own ``is_gloo_used``, which
+    asks whether MPI is built, in a child process, only when neither ``--gloo`` nor ``--mpi`` decides)."""
+    from horovod.runner import launch
+    return bool(launch.is_gloo_used(args.use_gloo, args.use_mpi, args.use_jsrun))
 
 
 def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
@@ -301,11 +324,25 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
         ("-i", args.ssh_identity_file) if args.ssh_identity_file else ())
     # horovodrun's own test for elastic mode (launch._is_elastic)
     elastic = args.host_discovery_script is not None or args.min_num_proc is not None
+    placed: dict[str, int] = {}
+    if spec and not elastic:
+        num_proc = int(args.num_proc)
+        try:
+            placed = ranks_per_host(spec, num_proc, gloo=True)
+        except ValueError:
+            pass  # horovodrun refuses the job itself, naming the problem
+        if sum(placed.values()) > num_proc:
+            if _uses_gloo(args):
+                slots = ", ".join(f"{count} on {host}" for host, count in placed.items())
+                raise ValueError(f"-np {num_proc}, but Horovod's Gloo launcher starts a rank on each of the "
+                                 f"{sum(placed.values())} slots ({slots}) that -H/--hostfile give, whatever -np "
+                                 f"says (Horovod 0.28.1); give exactly -np slots, e.g. -H host:{num_proc}")
+            placed = ranks_per_host(spec, num_proc, gloo=False)
     return JobShape(num_proc=int(args.num_proc), hosts=names, ssh_args=ssh_args, config_file=args.config_file,
                     command=tuple(args.command), hosts_arg=args.hosts, hostfile=args.hostfile, elastic=elastic,
                     discovery_script=args.host_discovery_script, nics=tuple(args.nics or ()),
                     gloo_timeout_s=args.gloo_timeout_seconds or _int_or_none(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")),
-                    max_proc=args.max_num_proc)
+                    max_proc=args.max_num_proc, ranks_per_host=tuple(placed.items()))
 
 
 def _int_or_none(text: str | None) -> int | None:
@@ -403,6 +440,24 @@ def _is_this_host(host: str) -> bool:
         return False
 
 
+def check_hierarchical_fits(strategy_path: str | None, job: JobShape) -> None:
+    """``ValueError`` when the strategy routes variables through hierarchical all-reduce but the job
+    puts different numbers of ranks on its hosts: that route needs equal nodes, and every rank would
+    fail building its optimizer (``RouteUnavailableError``), after start-up, in a traceback each.
+    (An elastic job's optimizer falls back to ring instead: ``hybridsync.world``.)"""
+    counts = {count for _, count in job.ranks_per_host}
+    if strategy_path is None or len(counts) < 2:
+        return
+    strategy = Strategy.load(strategy_path)
+    if strategy.uses_hierarchical:
+        placed = ", ".join(f"{count} on {host}" for host, count in job.ranks_per_host)
+        names = strategy.hierarchical_variables()
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "") or "its default"
+        raise ValueError(f"the job places the {job.num_proc} ranks {placed}, but strategy {strategy_path} routes "
+                         f"{shown} through hierarchical all-reduce, which needs every host to hold as many "
+                         f"ranks: give the hosts equal slots, or route those variables 'ring'")
+
+
 def _uses_ps(strategy_path: str | None) -> bool:
     if strategy_path is None:
         return False
@@ -459,6 +514,7 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     elif num_servers == 0 and _uses_ps(options.strategy):
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
                          f"but the number of servers (--num-servers or the config's num_servers) is 0")
+    check_hierarchical_fits(options.strategy, job_shape)
     placement = server_placement(options, job_shape, num_servers) if num_servers else None
     env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)

@@ -133,6 +133,33 @@ class _LauncherJob:
             procs.stop(self.process)
 
 
+def check_hosts_fit(spec: ClusterSpec, *, hosts: str | None = None, hostfile: str | None = None) -> None:
+    """``ValueError`` unless horovodrun, given ``-np spec.num_workers`` and these hosts (``-H`` or
+    ``--hostfile``), places the ranks as ``spec`` describes them: ``spec.nodes`` hosts of
+    ``spec.workers_per_node`` ranks each.
+
+    The simulator prices the spec's shape, and hierarchical all-reduce needs nodes holding equal
+    numbers of ranks (elsewhere every trial of it fails), so hosts that horovodrun fills otherwise
+    would be tuned as a cluster they are not: ``-H a:3,b:1`` for a 2 x 2 spec, or ``-H a:4,b:4``,
+    on which Horovod's Gloo launcher starts 8 ranks, whatever ``-np`` says."""
+    from horovod.runner.common.util.hosts import parse_host_files
+
+    from hybridsync.run.launcher import ranks_per_host
+    given = f"-H {hosts}" if hosts is not None else f"--hostfile {hostfile}"
+    try:
+        per_host = ranks_per_host(hosts if hosts is not None else parse_host_files(hostfile), spec.num_workers,
+                                  gloo=True)  # the trial jobs' controller (HostsTarget.start)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{given}: cannot place the cluster spec's {spec.num_workers} workers: {error}") from None
+    if list(per_host.values()) != [spec.workers_per_node] * spec.nodes:
+        placed = ", ".join(f"{count} on {host}" for host, count in per_host.items())
+        raise ValueError(f"{given} places {sum(per_host.values())} ranks, {placed} (horovodrun's Gloo launcher "
+                         f"fills each host's slots in order), but the cluster spec describes {spec.nodes} nodes x "
+                         f"{spec.workers_per_node} workers: give the hosts that shape ({spec.nodes} of "
+                         f"{spec.workers_per_node} slots each; a spec's nodes hold equal numbers of workers, "
+                         f"as hierarchical all-reduce needs), or a spec that matches them")
+
+
 class HostsTarget:
     """Jobs on real hosts: ``hybridsync-run -np N (-H HOSTS | --hostfile F) --gloo --num-servers S``.
 
@@ -144,6 +171,7 @@ class HostsTarget:
                  launcher_args: Sequence[str] = ()) -> None:
         if (hosts is None) == (hostfile is None):
             raise ValueError("give exactly one of hosts (-H) and hostfile (--hostfile)")
+        check_hosts_fit(spec, hosts=hosts, hostfile=hostfile)
         self.spec = spec
         self.placement = ["-H", hosts] if hosts is not None else ["--hostfile", str(hostfile)]
         self.launcher_args = list(launcher_args)
