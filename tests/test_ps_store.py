@@ -36,6 +36,23 @@ def test_bsp_rejects_a_step_from_the_wrong_round():
         store.push_pull("k", 1, 1, torch.ones(2)).wait()
 
 
+def test_a_round_a_finished_worker_can_no_longer_complete_fails_naming_it():
+    """A rank whose script ran fewer steps says goodbye at exit; the others' BSP rounds would wait for
+    its push forever (its goodbye then waits for them to leave: a hang of both). The open round
+    fails at the goodbye, and a later push at once, naming the worker that left."""
+    store = KeyStore(num_workers=3)
+    for w in range(3):
+        store.push_pull("k", w, 0, torch.ones(2))
+    waiting = store.push_pull("k", 0, 1, torch.ones(2))
+    store.detach(2)
+    assert waiting.done()
+    expected = "worker2 left the job .* while worker0 waited for its push in step 1 of key 'k'.* different numbers"
+    with pytest.raises(RuntimeError, match=expected):
+        waiting.wait()
+    with pytest.raises(RuntimeError, match="worker2 left the job .* while worker1 waited for its push in step 1"):
+        store.push_pull("k", 1, 1, torch.ones(2)).wait()
+
+
 @pytest.mark.parametrize("dtype, big", [(torch.float16, 2048.0), (torch.bfloat16, 256.0)])
 def test_half_precision_is_summed_in_float32(dtype, big):
     """At ``big`` the type's spacing is 2: ``big + 1`` rounds back to ``big``, so a sum kept in
