@@ -53,6 +53,26 @@ def test_a_round_a_finished_worker_can_no_longer_complete_fails_naming_it():
         store.push_pull("k", 1, 1, torch.ones(2)).wait()
 
 
+def test_a_member_started_with_other_counts_is_refused_at_once_and_the_waiting_ones_learn_why():
+    """A server started by hand with DMLC_NUM_WORKER=3 in a 2-rank job made every BSP round wait for a
+    third push until its 120 s join timeout, and the workers' error named no count."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hybridsync.backends.ps import group
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    shape = {"num_servers": 1, "root_uri": "127.0.0.1", "root_port": store.port}
+    group.check_shape(store, PSConfig(role="worker", index=0, num_workers=2, **shape))
+    group.check_shape(store, PSConfig(role="worker", index=1, num_workers=2, **shape))
+    assert group.misfit(store) is None
+    with pytest.raises(ValueError, match="server0 was started with DMLC_NUM_SERVER=1, DMLC_NUM_WORKER=3, "
+                                         "but .* has 1 servers, 2 workers .*alike on every server and worker"):
+        group.check_shape(store, PSConfig(role="server", index=0, num_workers=3, **shape))
+    assert "DMLC_NUM_WORKER=3" in group.misfit(store)
+
+
 @pytest.mark.parametrize("dtype, big", [(torch.float16, 2048.0), (torch.bfloat16, 256.0)])
 def test_half_precision_is_summed_in_float32(dtype, big):
     """At ``big`` the type's spacing is 2: ``big + 1`` rounds back to ``big``, so a sum kept in
