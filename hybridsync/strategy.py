@@ -199,7 +199,8 @@ class Strategy:
             raise ValueError(f"invalid strategy: expected a mapping at top level, got {type(doc).__name__}")
         errors = [f"unknown top-level key {key!r} (allowed: {', '.join(sorted(_TOP_LEVEL_KEYS))})"
                   for key in doc if key not in _TOP_LEVEL_KEYS]
-        if doc.get("version", STRATEGY_VERSION) != STRATEGY_VERSION:
+        version = doc.get("version", STRATEGY_VERSION)
+        if type(version) is not int or version != STRATEGY_VERSION:  # True and 1.0 equal 1 in Python
             errors.append(f"version {doc.get('version')!r} is not supported (this hybridsync reads "
                           f"version {STRATEGY_VERSION})")
         default_raw = doc.get("default", {})
@@ -257,6 +258,9 @@ class Strategy:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"cannot read strategy file {path!r}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"strategy file {path!r} is not valid: not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from e
         key = (_is_yaml(path), text)
         if cls is Strategy and key in _LOADED:
             _LOADED[key] = _LOADED.pop(key)  # the most recently read last: the oldest goes first
@@ -349,15 +353,33 @@ def _is_yaml(path: str) -> bool:
     return path.endswith((".yaml", ".yml"))
 
 
+def _unique_keys(pairs: Iterable[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A mapping of parsed pairs that refuses a key given twice: JSON and YAML parsers keep the
+    last silently, so a variable listed twice would be configured by one entry with no word."""
+    mapping: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in mapping:
+            raise ValueError(f"key {key!r} appears twice in one mapping; give each key once")
+        mapping[key] = value
+    return mapping
+
+
 def _parse_document(path: str, text: str) -> Any:
     if _is_yaml(path):
         import yaml
+
+        class UniqueKeyLoader(yaml.SafeLoader):
+            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+                _unique_keys((self.construct_object(key), None) for key, _ in node.value
+                             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge")
+                return super().construct_mapping(node, deep=deep)
+
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
         except yaml.YAMLError as e:
             raise ValueError(str(e)) from e
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise ValueError(str(e)) from e
 

@@ -74,6 +74,22 @@ def test_ranks_out_of_step_on_the_parameter_server_route_fail_within_seconds(tmp
         assert record["seconds"] < DETECTED_WITHIN_S, f"rank {rank} failed {record['seconds']:.1f} s after"
 
 
+def test_a_rank_whose_loop_ends_early_on_the_parameter_server_route_fails_the_others_within_seconds(tmp_path):
+    """Rank 1 trains two steps fewer (or raises) and exits: on the ring Horovod fails rank 0 at once
+    ("Horovod has been shut down"); on the PS route rank 0 waited for rank 1's push forever while
+    rank 1's farewell at exit waited for rank 0 to leave (240 s and counting, before). The server
+    fails the round at rank 1's goodbye, naming it."""
+    strategy = tmp_path / "ps.json"
+    strategy.write_text(json.dumps({"version": 1, "default": {"route": "ps", "protocol": "bsp"}}))
+    records = rank_records("stop_early", tmp_path, prefix_argv=[
+        str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", "--strategy", str(strategy)])
+    assert records[1]["type"] is None, records[1]
+    assert records[0]["type"] == "PSServerError", records[0]
+    for text in ("worker1 left the job", "while worker0 waited for its push in step 2", "different numbers of steps"):
+        assert text in records[0]["message"], records[0]["message"]
+    assert records[0]["seconds"] < DETECTED_WITHIN_S, f"rank 0 failed {records[0]['seconds']:.1f} s after"
+
+
 def test_a_skipped_step_fails_every_rank_within_seconds(tmp_path):
     """The rank that skipped fails at its next zero_grad() (Horovod's check: its gradients are
     still in flight); the other one waits in its step until that rank leaves, then Horovod fails."""

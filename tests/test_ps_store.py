@@ -36,6 +36,43 @@ def test_bsp_rejects_a_step_from_the_wrong_round():
         store.push_pull("k", 1, 1, torch.ones(2)).wait()
 
 
+def test_a_round_a_finished_worker_can_no_longer_complete_fails_naming_it():
+    """A rank whose script ran fewer steps says goodbye at exit; the others' BSP rounds would wait for
+    its push forever (its goodbye then waits for them to leave: a hang of both). The open round
+    fails at the goodbye, and a later push at once, naming the worker that left."""
+    store = KeyStore(num_workers=3)
+    for w in range(3):
+        store.push_pull("k", w, 0, torch.ones(2))
+    waiting = store.push_pull("k", 0, 1, torch.ones(2))
+    store.detach(2)
+    assert waiting.done()
+    expected = "worker2 left the job .* while worker0 waited for its push in step 1 of key 'k'.* different numbers"
+    with pytest.raises(RuntimeError, match=expected):
+        waiting.wait()
+    with pytest.raises(RuntimeError, match="worker2 left the job .* while worker1 waited for its push in step 1"):
+        store.push_pull("k", 1, 1, torch.ones(2)).wait()
+
+
+def test_a_member_started_with_other_counts_is_refused_at_once_and_the_waiting_ones_learn_why():
+    """A server started by hand with DMLC_NUM_WORKER=3 in a 2-rank job made every BSP round wait for a
+    third push until its 120 s join timeout, and the workers' error named no count."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hybridsync.backends.ps import group
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    shape = {"num_servers": 1, "root_uri": "127.0.0.1", "root_port": store.port}
+    group.check_shape(store, PSConfig(role="worker", index=0, num_workers=2, **shape))
+    group.check_shape(store, PSConfig(role="worker", index=1, num_workers=2, **shape))
+    assert group.misfit(store) is None
+    with pytest.raises(ValueError, match="server0 was started with DMLC_NUM_SERVER=1, DMLC_NUM_WORKER=3, "
+                                         "but .* has 1 servers, 2 workers .*alike on every server and worker"):
+        group.check_shape(store, PSConfig(role="server", index=0, num_workers=3, **shape))
+    assert "DMLC_NUM_WORKER=3" in group.misfit(store)
+
+
 @pytest.mark.parametrize("dtype, big", [(torch.float16, 2048.0), (torch.bfloat16, 256.0)])
 def test_half_precision_is_summed_in_float32(dtype, big):
     """At ``big`` the type's spacing is 2: ``big + 1`` rounds back to ``big``, so a sum kept in

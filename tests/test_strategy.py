@@ -123,6 +123,24 @@ def test_bad_files_are_clear(tmp_path):
         Strategy.load(tmp_path / "absent.yaml")
 
 
+@pytest.mark.parametrize("name, text, match", [
+    ("twice.json", '{"variables": {"0.weight": {"partitions": 2}, "0.weight": {"partitions": 3}}}',
+     "key '0.weight' appears twice"),
+    ("twice.yaml", "variables:\n  0.weight: {partitions: 2}\n  0.weight: {partitions: 3}\n",
+     "key '0.weight' appears twice"),
+    ("binary.json", b"\x00\x01\xff\xfe", "not UTF-8 text"),
+    ("boolean.json", '{"version": true}', "version True is not supported"),
+])
+def test_a_file_that_parses_but_cannot_mean_what_was_written_is_refused(tmp_path, name, text, match):
+    """A variable listed twice would otherwise be configured by its last entry alone (JSON and YAML
+    parsers keep the last silently), a binary file would raise a bare UnicodeDecodeError naming no
+    file, and ``true`` would pass for version 1 (``True == 1`` in Python)."""
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=f"(?s)strategy file '.*{name}'.*{match}"):
+        Strategy.load(path)
+
+
 def test_a_file_read_again_is_parsed_once_and_a_changed_file_anew(tmp_path):
     """An eager TensorFlow loop resolves ``HYBRIDSYNC_STRATEGY`` at every step: the same text gives
     the strategy already made; new text (the file rewritten, by a trial say) is read and checked."""

@@ -100,6 +100,12 @@ def skip_step(model: Net, opt: torch.optim.Optimizer) -> None:
         step(model, opt)
 
 
+def stop_early(model: Net, opt: torch.optim.Optimizer) -> None:
+    """Rank 1's loop ends here, rank 0's runs on: rank 1 leaves at exit while rank 0 waits for it."""
+    for _ in range(3 if hs.rank() == 0 else 0):
+        step(model, opt)
+
+
 def sparse_no_gradient() -> dict[str, Any]:
     """The embedding's synchronized gradient after a first step in which rank 1 does not use it."""
     out: dict[str, Any] = {}
@@ -128,7 +134,7 @@ def rank0_elsewhere(prefix: str) -> None:
 
 
 CASES = {"skip_set_strategy": skip_set_strategy, "freeze_after_build": freeze_after_build,
-         "extra_optimizer": extra_optimizer, "skip_step": skip_step}
+         "extra_optimizer": extra_optimizer, "skip_step": skip_step, "stop_early": stop_early}
 
 
 def main() -> None:
@@ -149,6 +155,8 @@ def main() -> None:
         while time.monotonic() < deadline and not all(
                 os.path.exists(f"{prefix}.rank{r}.json") for r in range(hs.size())):
             time.sleep(0.1)
+    if case == "stop_early" and hs.rank() == 1:
+        return  # a script that ends: at exit it says goodbye to the servers and shuts Horovod down
     os._exit(0)  # out of step, Horovod's shutdown would wait for collectives that never complete
 
 

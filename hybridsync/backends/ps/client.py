@@ -59,6 +59,7 @@ class PSClient:
         only network code: an in-process test replaces both, ``tests/test_router_inprocess.py``)."""
         self._store = group.open_store(self.config, timeout_s=join_timeout_s)
         self._links.attach_store(self._store)
+        group.check_shape(self._store, self.config)
         group.join(self.config, timeout_s=join_timeout_s)
         group.count_join(self._store, self.config.name)
         self._wait_for_servers(join_timeout_s)
@@ -71,6 +72,8 @@ class PSClient:
         missing = list(range(self.config.num_servers))
         while missing:
             missing = [s for s in missing if not group.joined(self._store, self._links.adopt_latest(s, self._store))]
+            if missing and (refused := group.misfit(self._store)) is not None:
+                raise ValueError(refused)
             if missing and time.monotonic() > deadline:
                 raise RuntimeError(group.join_failure(self.config, timeout_s, "servers never joined: " + ", ".join(
                     group.server_name(s) for s in missing)))

@@ -206,6 +206,27 @@ def _transport_options(env) -> dict[str, list[str]]:
     raise ValueError(f"{TRANSPORT_VAR} must be 'tcp' or 'auto', got {choice!r}")
 
 
+def check_shape(store: Any, config: PSConfig) -> None:
+    """The first member to reach the store records the group's shape (servers, workers); a member
+    started with other counts fails at once. Without this a server expecting one worker more
+    made every BSP round wait for it, until its join timeout (120 s) ended the job naming no count."""
+    shape = f"{config.num_servers} servers, {config.num_workers} workers"
+    recorded = store.compare_set(store_key("shape"), "", shape).decode()
+    if recorded != shape:
+        message = (f"{config.name} was started with DMLC_NUM_SERVER={config.num_servers}, "
+                   f"DMLC_NUM_WORKER={config.num_workers}, but the parameter-server group at "
+                   f"{config.init_method} has {recorded} (set by the member that came first): "
+                   f"set DMLC_NUM_SERVER and DMLC_NUM_WORKER alike on every server and worker")
+        store.set(store_key("misfit"), message)  # for the members already waiting for this one
+        raise ValueError(message)
+
+
+def misfit(store: Any) -> str | None:
+    """The error of a member that ``check_shape`` refused, if one was."""
+    key = store_key("misfit")
+    return store.get(key).decode() if store.check([key]) else None
+
+
 def count_join(store: Any, name: str) -> None:
     """``name`` joined the group: one more member to wait for at the end (``leave``)."""
     store.set(store_key("members", name), "1")

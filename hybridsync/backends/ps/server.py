@@ -262,6 +262,7 @@ def serve(config: PSConfig, *, join_timeout_s: float = 120.0, shutdown_timeout_s
     assert config.role == "server", config
     hosting = group.hosts_store(config)
     store = group.open_store(config, host=hosting, timeout_s=join_timeout_s)
+    group.check_shape(store, config)
     incarnation = group.next_incarnation(store, config.index)
     _SERVER = server = Server(config, incarnation)
     group.join(config, timeout_s=join_timeout_s, incarnation=incarnation, store=store)

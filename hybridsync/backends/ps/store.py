@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, Iterable, NamedTuple
 
 import torch
 from torch.futures import Future
@@ -156,14 +156,16 @@ class BspKey:
         self._last: tuple[int, Any] | None = None
         """After a restore: the last round's step and sum, replayed to a worker whose answer was lost."""
 
-    def push(self, worker: int, step: int, payload: Any) -> tuple[Future, Callable[[], None] | None]:
-        """Record ``worker``'s push; returns its pull future and, for the last push, the closer."""
+    def push(self, worker: int, step: int, payload: Any, gone: Collection[int] = ()) -> tuple[
+            Future, Callable[[], None] | None]:
+        """Record ``worker``'s push; returns its pull future and, for the last push, the closer.
+        ``gone``: workers that said goodbye, whose pushes will never come."""
         future: Future = Future()
         with self.lock:
             if self._last is not None and step == self._last[0] == self.step - 1:
                 future.set_result(self._last[1])  # a replay: this round's sum came from a worker's restore
                 return future, None
-            problem = self._problem(worker, step)
+            problem = self._problem(worker, step) or (self._left_problem(gone, [worker]) if gone else None)
             if problem is not None:
                 future.set_exception(ValueError(problem))
                 return future, None
@@ -199,8 +201,23 @@ class BspKey:
             return f"worker{worker} pushed key {self.key!r} twice in step {step}"
         return None
 
+    def _left_problem(self, gone: Collection[int], waiting: Iterable[int]) -> str:
+        workers = ", ".join(f"worker{w}" for w in sorted(gone))
+        return (f"{workers} left the job (its script ended or raised: read its output) while "
+                f"{', '.join(f'worker{w}' for w in sorted(waiting))} waited for its push in step {self.step} "
+                f"of key {self.key!r}; if it raised nothing, the ranks ran different numbers of steps: "
+                f"every rank must call step() (or synchronize()) as often as the others")
+
+    def worker_left(self, gone: Collection[int]) -> None:
+        """Workers in ``gone`` said goodbye: fail an open round, which their pushes can no longer
+        complete (a worker leaves only once its own pushes were answered, so they are not in it)."""
+        with self.lock:
+            waiting = sorted(self._parts)
+        if waiting:
+            self.fail(self._left_problem(gone, waiting))
+
     def fail(self, message: str) -> None:
-        """Fail every pull waiting on this key (the server is going away)."""
+        """Fail every pull waiting on this key (the server is going away, or the round cannot complete)."""
         with self.lock:
             futures, self._futures, self._parts = self._futures, [], {}
         for future in futures:
@@ -428,9 +445,13 @@ class KeyStore:
         """``worker`` said goodbye: release SSP answers it was holding back."""
         with self._lock:
             self._gone.add(worker)
+            gone = frozenset(self._gone)
             states = list(self._async_keys.values())
+            rounds = list(self._keys.values())
         for state in states:
             state.detach(worker)
+        for round_ in rounds:
+            round_.worker_left(gone)
 
     def push_pull(self, key: str, worker: int, step: int, payload: torch.Tensor | SparsePayload) -> Future:
         """BSP push of ``payload``; the future resolves to the sum over all workers.
@@ -454,7 +475,8 @@ class KeyStore:
                 return _refused(_mismatch(key, state.kind, worker, kind))
             self.counters.pushed_bytes += payload_bytes(payload)
             self.counters.push_pulls += 1
-        future, close = state.push(worker, step, payload)
+            gone = frozenset(self._gone)
+        future, close = state.push(worker, step, payload, gone)
         if close is not None:
             close()
         return future.then(self._count_pull)
