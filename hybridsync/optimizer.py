@@ -444,7 +444,11 @@ def _check_held(unheld: list[str]) -> None:
 
 
 def _checked_named_parameters(named_parameters: Iterable | None, param_groups) -> list[tuple[str, Any]]:
-    """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise."""
+    """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise.
+
+    A parameter listed under several names (tied weights, from ``named_parameters(remove_duplicate=False)``
+    or two submodules' lists joined) is one variable, under its first name as ``model.named_parameters()``
+    gives it: Horovod synchronizes it once too, where two variables would reduce its gradient twice."""
     if named_parameters is None:
         return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(param_groups)
                 for j, p in enumerate(group["params"])]
@@ -463,7 +467,11 @@ def _checked_named_parameters(named_parameters: Iterable | None, param_groups) -
         raise ValueError(f"named_parameters was specified, but one or more model parameters were not "
                          f"named. Python object ids: {', '.join(str(id(p)) for p in unnamed)}")
     optimized = {id(p) for group in param_groups for p in group["params"]}
-    return [(name, p) for name, p in named if id(p) in optimized]
+    unique: dict[int, tuple[str, Any]] = {}
+    for name, p in named:
+        if id(p) in optimized:
+            unique.setdefault(id(p), (name, p))
+    return list(unique.values())
 
 
 def _reduction(op: int, gradient_predivide_factor: float) -> Reduction:

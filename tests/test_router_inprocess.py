@@ -359,9 +359,13 @@ def test_keys_and_servers_are_what_the_torch_free_plan_predicts(name, sparse):
 
 def _assert_pushes_as_predicted(world: World, plan: RoutingPlan, namespace: str) -> None:
     """Every key every client pushed went to the predicted server with the predicted bytes (touched rows
-    within their bound), and every predicted key was pushed, ``STEPS`` times."""
-    predicted = {key.name: key for keys in plan.ps_keys(num_servers=NUM_SERVERS, partition_bytes=PARTITION_BYTES,
-                                                        namespace=namespace).values() for key in keys}
+    within their bound), and every predicted key was pushed, ``STEPS`` times, but those of a message of
+    ``unused`` variables only: no rank ever has a gradient for them, so their kind is never known (a
+    first push would fix it) and their sum is the zeros every rank holds."""
+    unused = {m.name for m in plan.messages if all(p.var_name.startswith("unused.") for p in m.pieces)}
+    predicted = {key.name: key for name, keys in plan.ps_keys(num_servers=NUM_SERVERS, partition_bytes=PARTITION_BYTES,
+                                                              namespace=namespace).items()
+                 if name not in unused for key in keys}
     for client in world.clients:
         pushes: dict[str, int] = {}
         for server, function, key, payload in client.calls:

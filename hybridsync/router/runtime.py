@@ -88,7 +88,10 @@ class GradientKinds:
 KindsExchange = Callable[[list[int], str], list[list[int]]]
 """Every rank's list of small ints, in rank order (collective over the router's process set)."""
 
-_NO_GRADIENT, _DENSE, _SPARSE = 0, 1, 2
+_NO_GRADIENT, _DENSE, _SPARSE, _UNTOUCHED = 0, 1, 2, 3
+"""A variable's state in the gradient-kind agreement. ``_UNTOUCHED``: no backward pass of the step wrote
+its ``p.grad``, which holds a tensor all the same (``zero_grad(set_to_none=False)``'s zeros, a gradient set
+by hand, a parameter unfrozen after the optimizer was built): no kind, but maybe values to send."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -316,8 +319,7 @@ class Router:
         missing = sorted(self._all_vars - self._ready)
         held = self._held
         try:
-            if held:
-                self._agree_on_kinds(held, missing)
+            nowhere = self._agree_on_kinds(held, missing) if held else frozenset()
             for var_index in missing:
                 param = self._params[var_index]
                 if not param.requires_grad:
@@ -332,8 +334,8 @@ class Router:
             if held:
                 self._held = self._undecided_messages()
                 for m_index in sorted(held):
-                    if self._waiting_on[m_index] == 0:  # not a frozen variable's own message
-                        self._submit(m_index)
+                    if self._waiting_on[m_index] == 0 and not self._zeros_known(m_index, nowhere):
+                        self._submit(m_index)  # (a frozen variable's own message: never ready)
             # One order on every rank where a route needs it (``_in_plan_order``): with staged messages the
             # order they start in, else plan order; otherwise the order of submission, so that results
             # are taken while later messages still travel.
@@ -376,13 +378,16 @@ class Router:
         staged = set(self._staged)
         self._staged = [m for m in order if m in staged]
 
-    def _agree_on_kinds(self, held: frozenset[int], missing: list[int]) -> None:
+    def _agree_on_kinds(self, held: frozenset[int], missing: list[int]) -> frozenset[int]:
         """Every rank says, per undecided variable of ``held``, whether it has a dense, a sparse or no
         gradient; a variable sparse anywhere is sparse everywhere (zeros go sparse), one dense
-        anywhere is dense. Dense on one rank and sparse on another: ``ValueError`` on every rank."""
+        anywhere is dense. Dense on one rank and sparse on another: ``ValueError`` on every rank.
+
+        Returns the variables no rank has a gradient for (``p.grad`` is ``None`` everywhere), whose
+        sum is zeros (``_zeros_known``)."""
         undecided = sorted({v for m in held for v in self.plan.messages[m].var_indices} - self._kinds.decided)
         absent = set(missing)
-        mine = [_NO_GRADIENT if v in absent or self._params[v].grad is None else
+        mine = [_NO_GRADIENT if self._params[v].grad is None else _UNTOUCHED if v in absent else
                 _SPARSE if self._params[v].grad.is_sparse else _DENSE for v in undecided]
         stalls.where = ("step", self.instance, self._steps, None)  # None: this agreement
         everyone = self._exchange(mine, f"hybridsync.{self.namespace}.gradient_kinds")
@@ -401,6 +406,15 @@ class Router:
             raise ValueError(f"ranks disagree on which gradients are sparse: {'; '.join(clashes)} (ranks numbered "
                              f"within the optimizer's process set). Every rank must build the same model "
                              f"(nn.Embedding(sparse=...) alike).")
+        return frozenset(var_index for column, var_index in enumerate(undecided)
+                         if all(states[column] == _NO_GRADIENT for states in everyone))
+
+    def _zeros_known(self, m_index: int, nowhere: frozenset[int]) -> bool:
+        """A parameter-server message of variables no rank has a gradient for (``nowhere``), before their
+        kind is known: not pushed, its sum being the zeros every rank holds. A key's first push fixes
+        whether it is sparse, and these zeros would go dense: a sparse embedding that no rank looked up
+        in the first step would have every later gradient refused. (The ring takes either kind.)"""
+        return self._keyed[m_index] is not None and self.plan.messages[m_index].var_indices <= nowhere
 
     def _alone_in_its_messages(self, var_index: int) -> bool:
         return all(len(self.plan.messages[m].pieces) == 1 for m in self.plan.messages_of_var[var_index])

@@ -71,6 +71,7 @@ CASES = {
     # Sparse gradients where the all-reduce routes cannot send them sparse: made dense for the message.
     "sparse_ring_partitions_groups": ({}, {"strategy": strategy(SPARSE_RING)}, {"sparse": True}, 1e-5),
     "sparse_hierarchical": ({}, {"strategy": strategy(SPARSE_HIERARCHICAL)}, {"sparse": True}, 1e-5),
+    "sparse_unused_first_step": ({}, {}, {"sparse": True, "emb_from_step": 1}, 1e-5),
     # Gradient clipping as Horovod documents it: synchronize(), clip, step() under skip_synchronize().
     "clip_hierarchical_mixed": ({"clip": 0.05}, {"strategy": strategy(HIERARCHICAL_MIXED)}, {}, 2e-3),
     "clip_groups_partitions": ({"clip": 0.05, "backward_passes_per_step": 2}, {"strategy": strategy(MIXED)}, {},
@@ -118,6 +119,10 @@ PS_CASES = {
     "ps_sparse_partitions": ({}, {"strategy": strategy({"emb.weight": {"route": "ps", "partitions": 2}})},
                              {"sparse": True}, 1e-5),
     "ps_sparse_partitions_grouped": ({}, {"strategy": strategy(PS_SPARSE_GROUPED)}, {"sparse": True}, 1e-5),
+    # no rank looks the sparse embedding up in the first step: its keys must not be fixed dense then
+    "ps_sparse_unused_first_step": ({}, {"strategy": strategy({"emb.weight": {"route": "ps"},
+                                                               "fc1.weight": {"route": "ps", "partitions": 2}})},
+                                    {"sparse": True, "emb_from_step": 1}, 1e-5),
     "ps_parallax_baseline": ({}, {"strategy": "parallax"}, {"sparse": True}, 1e-5),
     "ps_partitioned_baseline": ({}, {"strategy": "partitioned_ps"}, {"sparse": True}, 1e-5),
     # ASP steps locally (the sparse gradient stays local) and pushes dense parameter deltas:
@@ -161,18 +166,23 @@ ROWS_CASES = {
 
 
 class Net(nn.Module):
-    def __init__(self, sparse: bool = False, unused: bool = False, emb_on_rank0_only: bool = False) -> None:
+    def __init__(self, sparse: bool = False, unused: bool = False, emb_on_rank0_only: bool = False,
+                 emb_from_step: int = 0) -> None:
         super().__init__()
         self.emb = nn.Embedding(50, 8, sparse=sparse)
         self.emb_on_rank0_only = emb_on_rank0_only
         """The other ranks never look the embedding up: no gradient there (no rows to send)."""
+        self.emb_from_step = emb_from_step
+        """No rank looks the embedding up in the forward passes before this one (a warm-up)."""
+        self.forward_passes = 0
         self.fc1 = nn.Linear(8, 16)
         self.fc2 = nn.Linear(16, 4)
         self.unused = nn.Linear(4, 4) if unused else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        looked_up = (self.emb(ids) if not self.emb_on_rank0_only or hvd.rank() == 0
-                     else torch.ones(*ids.shape, 8))
+        self.forward_passes += 1
+        looked_up = (self.emb(ids) if (not self.emb_on_rank0_only or hvd.rank() == 0)
+                     and self.forward_passes > self.emb_from_step else torch.ones(*ids.shape, 8))
         out = self.fc2(torch.relu(self.fc1(looked_up.mean(dim=1))))
         if self.unused is not None and hvd.rank() == 0:
             out = out + 0.0 * self.unused(out)  # only rank 0 gets a gradient for 'unused'

@@ -223,6 +223,42 @@ def named_parameters_rules() -> None:
             train_step(model, opt, step)
         models.append(model)
     check(max_diff(*models) <= 1e-6, "without named_parameters the result differs from Horovod's")
+    tied_parameter_named_twice()
+
+
+class TiedLM(nn.Module):
+    """A language model whose output layer shares the embedding's weight (one Parameter, two names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(D_IN, H)
+        self.out = nn.Linear(H, D_IN, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(ids).mean(dim=1)))
+
+
+def tied_parameter_named_twice() -> None:
+    """A tied Parameter listed under both its names (named_parameters(remove_duplicate=False), or the
+    named parameters of two submodules concatenated): Horovod synchronizes it once, under one name."""
+    for strategy in (None, {"version": 1, "default": {"algorithm": "hierarchical"},
+                            "variables": {"emb.weight": {"partitions": 2}}}):
+        models = []
+        for wrap, extra in ((hs.DistributedOptimizer, {"strategy": strategy}), (hvd.DistributedOptimizer, {})):
+            torch.manual_seed(0)
+            model = TiedLM()
+            opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Sum,
+                       named_parameters=model.named_parameters(remove_duplicate=False), **extra)
+            for step in range(2):
+                g = torch.Generator().manual_seed(1000 * step + hvd.rank())
+                opt.zero_grad()
+                F.cross_entropy(model(torch.randint(0, D_IN, (N, 3), generator=g)),
+                                torch.randint(0, D_IN, (N,), generator=g)).backward()
+                opt.step()
+            models.append(model)
+        diff = max_diff(*models)
+        check(diff <= 1e-6, f"strategy {strategy}: a tied parameter named twice differs from Horovod's by {diff}")
 
 
 # --- test_dynamic_requires_grad ------------------------------------------------------------------------------
