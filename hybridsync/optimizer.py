@@ -474,6 +474,16 @@ def _checked_named_parameters(named_parameters: Iterable | None, param_groups) -
     return list(unique.values())
 
 
+def _check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    """``ValueError`` for an optimizer that synchronizes already (hybridsync's or Horovod's, as a script
+    half migrated from ``hvd`` has it): wrapped again, its class's ``__init__`` would be called without
+    the arguments it needs (Horovod's own double wrap fails alike, with a ``TypeError`` naming none)."""
+    if hasattr(optimizer, "skip_synchronize"):
+        owner = "hybridsync's" if getattr(optimizer, "_is_hybridsync", False) else "horovod.torch's"
+        raise ValueError(f"optimizer is a DistributedOptimizer already ({owner}): wrap the plain torch "
+                         f"optimizer once, with hs.DistributedOptimizer only")
+
+
 def _reduction(op: int, gradient_predivide_factor: float) -> Reduction:
     if op == Average:
         # Horovod splits the average: 1/f before the sum, f/size after it.
@@ -514,6 +524,7 @@ def wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None, op
     """``DistributedOptimizer`` of ``options`` (``SyncOptions.checked``) for a given ``frontend``:
     ``tensorflow`` when ``hybridsync.tensorflow`` drives it over torch mirrors of a TensorFlow model's
     variables (whose ``groups`` lists, of mirrors, are checked here)."""
+    _check_not_wrapped(optimizer)
     options = dataclasses.replace(options, groups=normalize_groups(options.groups, 0))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, options, frontend)

@@ -55,6 +55,7 @@ EXPECTED_ERRORS = {
     "ps_worker_count_mismatch": ("RouteUnavailableError", "DMLC_NUM_WORKER=3 but the Horovod job has 2 ranks"),
     "hierarchical_after_plain_hvd_init": (None, "no error"),
     "duplicate_names": ("ValueError", "Found duplicates: w"),
+    "wrapped_twice": ("ValueError", "is a DistributedOptimizer already (horovod.torch's)"),
     "predivide_with_sum": ("ValueError", "gradient_predivide_factor not supported"),
     "zero_grad_before_step": ("AssertionError", "zero_grad() was called after loss.backward()"),
     "frozen_on_one_rank": ("ValueError", "ranks disagree on which parameters require a gradient: 0.bias "

@@ -124,6 +124,13 @@ def sparse_on_one_rank():
     opt.step()
 
 
+def wrapped_twice() -> None:
+    """A script half migrated: Horovod's optimizer (or hybridsync's) wrapped again."""
+    m = model()
+    inner = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    hs.DistributedOptimizer(inner, named_parameters=m.named_parameters())
+
+
 CASES = {
     "fingerprint_mismatch": rank_dependent_strategy,
     "two_optimizers_share_a_strategy": two_optimizers_share_a_strategy,
@@ -139,6 +146,7 @@ CASES = {
     "hierarchical_after_plain_hvd_init": lambda: make({"variables": {"0.weight": {"route": "allreduce",
                                                                              "algorithm": "hierarchical"}}}),
     "duplicate_names": lambda: make(named=[("w", p) for p in model().parameters()]),
+    "wrapped_twice": lambda: wrapped_twice(),
     "predivide_with_sum": lambda: make(op=hs.Sum, gradient_predivide_factor=2.0),
     "zero_grad_before_step": zero_grad_before_step,
     "frozen_on_one_rank": frozen_on_one_rank,
