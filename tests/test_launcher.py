@@ -238,6 +238,14 @@ def test_gloo_hosts_with_more_slots_than_np_are_refused(tmp_path):
 
 
 @pytest.mark.unit
+def test_no_ranks_is_a_clear_error_at_once():
+    pytest.importorskip("horovod.runner")
+    from hybridsync.run.launcher import horovodrun_job
+    with pytest.raises(ValueError, match="-np 0: a job needs at least one rank"):
+        horovodrun_job(["-np", "0", *TRAIN])
+
+
+@pytest.mark.unit
 def test_missing_config_file_is_a_clear_error(tmp_path):
     pytest.importorskip("horovod.runner")
     from hybridsync.run.launcher import horovodrun_job

@@ -318,6 +318,8 @@ def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
             raise ValueError(f"cannot read --config-file: {e}") from None
     if not args.command:
         raise ValueError("no training command given (e.g. hybridsync-run -np 2 python train.py)")
+    if args.num_proc is not None and int(args.num_proc) < 1:  # mpirun would say so only after 15 s, unclearly
+        raise ValueError(f"-np {args.num_proc}: a job needs at least one rank")
     spec = args.hosts or (horovod_hosts.parse_host_files(args.hostfile) if args.hostfile else "")
     names = tuple(h.hostname for h in horovod_hosts.parse_hosts(spec)) if spec else ()
     ssh_args = (("-p", str(args.ssh_port)) if args.ssh_port else ()) + (
