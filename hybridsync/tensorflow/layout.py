@@ -45,6 +45,11 @@ def numpy_parts(gradient: torch.Tensor) -> list[np.ndarray]:
     return [gradient.detach().numpy()]
 
 
+def gradient_values(gradient: Any) -> tf.Tensor:
+    """The tensor holding a gradient's numbers: itself if dense, its values if ``tf.IndexedSlices``."""
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
 def backward_groups(gradients: Sequence[Any], group_bytes: int) -> list[list[int]]:
     """Indices of the gradients that are not ``None``, in backward order (the variables' order
     reversed: a model's last layer gets its gradient first), cut into groups of at least
@@ -55,7 +60,7 @@ def backward_groups(gradients: Sequence[Any], group_bytes: int) -> list[list[int
         gradient = gradients[index]
         if gradient is None:
             continue
-        values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+        values = gradient_values(gradient)
         groups[-1].append(index)
         held += (values.shape.num_elements() or 0) * values.dtype.size  # unknown rows: counts as 0
         if held >= group_bytes:

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from hybridsync.tensorflow.bridge import scaled
 from hybridsync.tensorflow.horovod_ops import agreed
+from hybridsync.tensorflow.layout import gradient_values
 
 _CALLER_FRAMES = 4
 """Frames above ``apply`` searched for a wrapping optimizer (decorators and ``tf.cond`` lambdas sit between)."""
@@ -36,13 +37,13 @@ def finite_on_every_rank(gradients: Sequence[Any], process_set: Any) -> list[Any
     present = [i for i, g in enumerate(gradients) if g is not None]
     if not present:
         return gradients
-    local = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(gradients[i]))) for i in present])
+    local = tf.reduce_all([tf.reduce_all(tf.math.is_finite(gradient_values(gradients[i]))) for i in present])
     everywhere = tf.numpy_function(lambda ok: np.bool_(agreed(bool(ok), process_set=process_set)[0]), [local],
                                    tf.bool, stateful=True, name="hybridsync_finite_on_every_rank")
     everywhere.set_shape([])
     first = gradients[present[0]]
-    factor = tf.where(everywhere, tf.constant(1.0, _values(first).dtype), tf.constant(np.nan, _values(first).dtype))
-    gradients[present[0]] = scaled(first, factor)
+    dtype = gradient_values(first).dtype
+    gradients[present[0]] = scaled(first, tf.where(everywhere, tf.constant(1.0, dtype), tf.constant(np.nan, dtype)))
     return gradients
 
 
@@ -61,7 +62,3 @@ def refuse_loss_scale_wrapper(optimizer: Any) -> None:
                 "(model.compile does so under the mixed_float16 policy), which would test each rank's gradients "
                 "for inf/NaN alone and skip a step on some ranks only. Wrap the other way round: "
                 "DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer)) tests the synchronized ones.")
-
-
-def _values(gradient: Any) -> tf.Tensor:
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
