@@ -53,6 +53,7 @@ class SyncOptions:
         their torch mirrors are checked when the optimizer is built)."""
         made = cls(**options)
         check_arguments(made.op, made.gradient_predivide_factor, made.backward_passes_per_step)
+        check_compressor(made.compression)
         if not (isinstance(groups, list) and not check_members):
             groups = normalize_groups(groups, num_groups)
         return dataclasses.replace(made, groups=groups, strategy=resolve_strategy(strategy))
@@ -75,6 +76,14 @@ def check_arguments(op: int, gradient_predivide_factor: float, backward_passes_p
     check_op(op)
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
         raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step!r}")
+
+
+def check_compressor(compression: Any) -> None:
+    """``TypeError`` now for a ``compression`` without Horovod's ``compress``/``decompress``
+    (the string ``"fp16"``, say), which Horovod accepts and fails on at the first step."""
+    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"compression must be a compressor such as hybridsync.Compression.fp16 or "
+                        f"hvd.Compression.fp16 (with compress and decompress), got {compression!r}")
 
 
 def normalize_groups(groups: Any, num_groups: int) -> Any:

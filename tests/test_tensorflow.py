@@ -364,9 +364,11 @@ def test_bad_inputs_get_clear_errors(tmp_path):
         "integer_variable": "counter",
         "missing_strategy_file": "/nonexistent/strategy.json",
         "rows": "dense/kernel have `rows`, which the TensorFlow front end does not support",
+        "compression_by_name": "compression must be a compressor",
     }
     for case, words in expected.items():
-        assert errors[case].startswith("ValueError") and words in errors[case], (case, errors[case])
+        kind = "TypeError" if case == "compression_by_name" else "ValueError"
+        assert errors[case].startswith(kind) and words in errors[case], (case, errors[case])
     # One rank: Horovod skips its collectives, and so does the bridge; the weights are plain Keras'.
     assert errors["size_one"] == {"passthrough": [True], "max_difference": 0.0}, errors["size_one"]
 

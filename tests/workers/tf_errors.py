@@ -45,6 +45,7 @@ def cases(net: tf.keras.Model) -> dict:
         "op_adasum": lambda: gradient(net, op=hst.Adasum),
         "predivide_with_sum": lambda: gradient(net, op=hst.Sum, gradient_predivide_factor=2.0),
         "passes_zero": lambda: gradient(net, backward_passes_per_step=0),
+        "compression_by_name": lambda: gradient(net, compression="fp16"),
         "keras_passes_zero": lambda: hst_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
                                                                     backward_passes_per_step=0),
         "keras_switch_with_schedule": lambda: hst_keras.DistributedOptimizer(
