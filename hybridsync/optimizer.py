@@ -47,9 +47,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
         self._hvd = hvd
-        named = _checked_named_parameters(named_parameters, self.param_groups)
+        named, aliases = _checked_named_parameters(named_parameters, self.param_groups)
         self._named = named
         _HELD_VARIABLES.update(name for name, _ in named)
+        _TIED_ALIASES.update(aliases)
         self._groups = None if options.groups is None else grouped_names(options.groups, self.param_groups,
                                                                          {p: name for name, p in named})
         """``groups`` as variable names: applied to every strategy this optimizer is given."""
@@ -430,6 +431,11 @@ _HELD_VARIABLES: set[str] = set()
 model's variables, and each optimizer routes its own part of them."""
 
 
+_TIED_ALIASES: dict[str, str] = {}
+"""A tied parameter's later names (``named_parameters(remove_duplicate=False)``), each to the name its
+variable has: a strategy that names one is told which name to use."""
+
+
 def _unheld_variables(strategy: Strategy | None) -> list[str]:
     """The variables ``strategy`` names that no optimizer of this process holds."""
     return [] if strategy is None else sorted(set(strategy.variables) - _HELD_VARIABLES)
@@ -440,18 +446,28 @@ def _check_held(unheld: list[str]) -> None:
     strategy for another model), as ``Strategy.validate_for`` names them."""
     if unheld:
         raise ValueError("strategy does not fit the model:\n  - " + "\n  - ".join(
-            f"variable {name!r} is not in the model (in no DistributedOptimizer of this process)" for name in unheld))
+            _unheld_reason(name) for name in unheld))
 
 
-def _checked_named_parameters(named_parameters: Iterable | None, param_groups) -> list[tuple[str, Any]]:
-    """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise.
+def _unheld_reason(name: str) -> str:
+    """Why a strategy's variable ``name`` is held by no optimizer: another name of a tied parameter, or absent."""
+    if name in _TIED_ALIASES:
+        return (f"variable {name!r} is the same parameter as {_TIED_ALIASES[name]!r} (tied weights are one "
+                f"variable, under their first name): configure it as {_TIED_ALIASES[name]!r}")
+    return f"variable {name!r} is not in the model (in no DistributedOptimizer of this process)"
+
+
+def _checked_named_parameters(named_parameters: Iterable | None,
+                              param_groups) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise; and the
+    names dropped as another name of a parameter already named, each to the name kept.
 
     A parameter listed under several names (tied weights, from ``named_parameters(remove_duplicate=False)``
     or two submodules' lists joined) is one variable, under its first name as ``model.named_parameters()``
     gives it: Horovod synchronizes it once too, where two variables would reduce its gradient twice."""
     if named_parameters is None:
         return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(param_groups)
-                for j, p in enumerate(group["params"])]
+                for j, p in enumerate(group["params"])], {}
     named = list(named_parameters)
     if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
         raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
@@ -468,10 +484,13 @@ def _checked_named_parameters(named_parameters: Iterable | None, param_groups) -
                          f"named. Python object ids: {', '.join(str(id(p)) for p in unnamed)}")
     optimized = {id(p) for group in param_groups for p in group["params"]}
     unique: dict[int, tuple[str, Any]] = {}
+    aliases: dict[str, str] = {}
     for name, p in named:
         if id(p) in optimized:
-            unique.setdefault(id(p), (name, p))
-    return list(unique.values())
+            kept = unique.setdefault(id(p), (name, p))[0]
+            if kept != name:
+                aliases[name] = kept
+    return list(unique.values()), aliases
 
 
 def _check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:

@@ -56,7 +56,10 @@ EXPECTED_ERRORS = {
     "hierarchical_after_plain_hvd_init": (None, "no error"),
     "duplicate_names": ("ValueError", "Found duplicates: w"),
     "wrapped_twice": ("ValueError", "is a DistributedOptimizer already (horovod.torch's)"),
+    "strategy_names_a_tied_alias": ("ValueError", "variable 'decoder.weight' is the same parameter as "
+                                                  "'embed.weight' (tied weights are one variable"),
     "predivide_with_sum": ("ValueError", "gradient_predivide_factor not supported"),
+    "compression_by_name": ("TypeError", "compression must be a compressor such as hybridsync.Compression.fp16"),
     "zero_grad_before_step": ("AssertionError", "zero_grad() was called after loss.backward()"),
     "frozen_on_one_rank": ("ValueError", "ranks disagree on which parameters require a gradient: 0.bias "
                                          "(frozen on rank 1, trained on rank 0)"),

@@ -124,6 +124,20 @@ def sparse_on_one_rank():
     opt.step()
 
 
+def strategy_names_a_tied_alias() -> None:
+    """A tied weight listed under both its names is one variable, under the first: a strategy that
+    configures it under the second is told which name to use."""
+    embed = nn.Embedding(6, 4)
+    decoder = nn.Linear(4, 6, bias=False)
+    decoder.weight = embed.weight
+    m = nn.ModuleDict({"embed": embed, "decoder": decoder})
+    opt = hs.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                  named_parameters=m.named_parameters(remove_duplicate=False),
+                                  strategy={"variables": {"decoder.weight": {"route": "allreduce", "partitions": 2}}})
+    m["decoder"](m["embed"](torch.tensor([1, 2]))).sum().backward()
+    opt.step()
+
+
 def wrapped_twice() -> None:
     """A script half migrated: Horovod's optimizer (or hybridsync's) wrapped again."""
     m = model()
@@ -147,7 +161,9 @@ CASES = {
                                                                              "algorithm": "hierarchical"}}}),
     "duplicate_names": lambda: make(named=[("w", p) for p in model().parameters()]),
     "wrapped_twice": lambda: wrapped_twice(),
+    "strategy_names_a_tied_alias": strategy_names_a_tied_alias,
     "predivide_with_sum": lambda: make(op=hs.Sum, gradient_predivide_factor=2.0),
+    "compression_by_name": lambda: make(compression="fp16"),
     "zero_grad_before_step": zero_grad_before_step,
     "frozen_on_one_rank": frozen_on_one_rank,
     "backward_passes_differ": lambda: make(backward_passes_per_step=1 + hvd.rank()),
