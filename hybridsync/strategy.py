@@ -280,8 +280,10 @@ class Strategy:
         return strategy
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the canonical document; YAML if the name ends in .yaml/.yml, else JSON."""
+        """Write the canonical document; YAML if the name ends in .yaml/.yml, else JSON. The folder is
+        made if missing: the work that chose the strategy (a search, trials) must not be lost to it."""
         path = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             if _is_yaml(path):
                 import yaml

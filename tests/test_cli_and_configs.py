@@ -89,7 +89,7 @@ def test_search_refuses_runoff_knobs_that_cannot_work_before_any_trial(tmp_path,
 @pytest.mark.unit
 def test_baseline_writes_a_loadable_strategy(tmp_path, capsys):
     (tmp_path / "m.json").write_text(MODEL)
-    out = tmp_path / "p.json"
+    out = tmp_path / "strategies" / "p.json"  # a folder not made yet: made
     assert main(["baseline", "parallax", "--model", str(tmp_path / "m.json"), "--num-servers", "2",
                  "-o", str(out)]) == 0
     assert Strategy.load(out).config_for("emb.weight").route == "ps"

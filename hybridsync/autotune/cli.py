@@ -95,16 +95,9 @@ def _search(args: argparse.Namespace) -> int:
     with trial_target(cluster, hosts=args.hosts, hostfile=args.hostfile) as target:
         result = autotune(description, cluster, target=target, workload=workload, settings=settings,
                           store_url=args.store, report_dir=report, simulator=args.simulator)
-    _save(result.winner, args.output)
+    result.winner.save(args.output)
     print(f"wrote {args.output}: {result.winner_kind}")
     return 0
-
-
-def _save(strategy: Any, output: str) -> None:
-    """Write the winner, making ``-o``'s folder as the report's is made: a missing folder must not
-    throw away the search (and, with ``--trials``, minutes of trials) that came before."""
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    strategy.save(output)
 
 
 def _simulator_only(args: argparse.Namespace, description: Any, cluster: Any) -> int:
@@ -123,7 +116,7 @@ def _simulator_only(args: argparse.Namespace, description: Any, cluster: Any) ->
     kind = "the search's best"
     if baseline_s < step_s:  # a baseline outside the search's bounds (e.g. hierarchical, one rank per node)
         step_s, strategy, kind = baseline_s, baseline.strategy, baseline.kind
-    _save(strategy, args.output)
+    strategy.save(args.output)
     print(f"wrote {args.output} ({kind}): predicted {step_s * 1e3:.1f} ms per step; best baseline "
           f"{baseline.kind} predicted {baseline_s * 1e3:.1f} ms ({baseline_s / step_s:.2f}x). "
           f"Simulator only: measure it with --trials N.")
