@@ -195,6 +195,35 @@ def test_a_waiting_rank_holds_no_core_and_nothing_outlives_a_killed_launcher(tmp
             os.kill(pid, signal.SIGKILL)
 
 
+def shared_memory_segments() -> set[str]:
+    """Open MPI's shared-memory transport files in ``/dev/shm`` (one per rank of a job)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("vader_segment")}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_hybridsync_run_on_mpirun_leaves_no_process_and_no_shared_memory(sig, tmp_path):
+    """Ctrl-C (or SIGTERM) to hybridsync-run while its mpirun job runs. Before, the job's process group
+    was SIGKILLed as soon as its leader (the shell horovodrun runs mpirun in) was gone, so mpirun could
+    not remove its ranks' shared-memory segments: two 4 MB files left in /dev/shm per interrupted job."""
+    before = shared_memory_segments()
+    launcher, _, ready = waiting_job(tmp_path, [str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2"])
+    tree = [launcher.pid] + [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+    try:
+        assert shared_memory_segments() - before, "the ranks use no shared memory: the check would be vacuous"
+        launcher.send_signal(sig)
+        stopped = time.monotonic()
+        assert launcher.wait(timeout=GONE_WITHIN_S) == 130
+        wait_for(lambda: not alive(tree), GONE_WITHIN_S, f"every process of the job gone (alive: {alive(tree)})")
+        print(f"{signal.Signals(sig).name}: hybridsync-run and its job gone {time.monotonic() - stopped:.1f} s after")
+        assert not shared_memory_segments() - before, f"left in /dev/shm: {shared_memory_segments() - before}"
+    finally:
+        procs.stop(launcher, grace=1)
+        for pid in alive(tree):
+            os.kill(pid, signal.SIGKILL)
+        for name in shared_memory_segments() - before:  # a failed run leaves the suite's machine clean
+            os.unlink(f"/dev/shm/{name}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

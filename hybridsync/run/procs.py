@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from typing import Mapping, Sequence
 
 from hybridsync.children import die_with_parent
@@ -32,22 +33,53 @@ def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str
 
 
 def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """Stop ``proc`` and everything in its process group: SIGTERM, then SIGKILL after ``grace`` s."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=wait)
-            if sig == signal.SIGTERM:
-                # The leader is gone; make sure nothing it left in the group survives.
-                os.killpg(proc.pid, signal.SIGKILL)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
+    """Stop ``proc`` and everything in its process group: SIGTERM, then SIGKILL to what is left after
+    ``grace`` s.
+
+    The group gets the grace, not only its leader: a launcher in it cleans up after its ranks once they
+    are gone (mpirun removes the ``/dev/shm`` segments of OpenMPI's shared-memory transport, which a
+    killed rank cannot), and the leader is often a shell that dies at once. Killing the group as soon
+    as the leader was gone left two 4 MB files in ``/dev/shm`` per interrupted job."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        proc.poll()  # reaps the leader, so that it does not count as a member
+        if not _group_alive(proc.pid):
+            break
+        time.sleep(0.05)
+    _signal_group(proc.pid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, left for another parent to reap, do not)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
             continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after "(comm)": state, ppid, pgrp
+            return True
+    return False
 
 
 def run_bounded(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
