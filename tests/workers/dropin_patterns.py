@@ -9,6 +9,7 @@ parameter difference; a variant compared with those before it that succeeded) or
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import sys
 import traceback
@@ -70,8 +71,14 @@ def batch(gen: torch.Generator, dtype=torch.float32) -> tuple[torch.Tensor, torc
     return torch.randn(6, 8, generator=gen).to(dtype), torch.randn(6, 4, generator=gen).to(dtype)
 
 
+def mse_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+    F.mse_loss(model(x), y).backward()
+
+
 def plain_loop(model: nn.Module, opt, gen: torch.Generator, steps: int = STEPS, *, set_to_none: bool = True,
-               before_step: Callable[[int], None] | None = None) -> None:
+               before_step: Callable[[int], None] | None = None,
+               backward: Callable[[nn.Module, torch.Tensor, torch.Tensor, int], None] = mse_backward) -> None:
+    """``steps`` steps, each: ``before_step``, zero the gradients, a batch of this rank's, ``backward``, ``step()``."""
     for step in range(steps):
         if before_step is not None:
             before_step(step)
@@ -81,7 +88,7 @@ def plain_loop(model: nn.Module, opt, gen: torch.Generator, steps: int = STEPS, 
         else:  # Horovod's zero_grad() takes no set_to_none
             model.zero_grad(set_to_none=False)
         x, y = batch(gen, next(model.parameters()).dtype)
-        F.mse_loss(model(x), y).backward()
+        backward(model, x, y, step)
         opt.step()
 
 
@@ -124,45 +131,29 @@ def moe_accumulate(make) -> nn.Module:
     """Routing by rank and step with ``backward_passes_per_step=2``: some experts get one pass's gradient."""
     model = Experts()
 
-    def loop(model, opt, gen):
-        for step in range(STEPS):
-            opt.zero_grad()
-            for micro in range(2):
-                model.expert_of = lambda _: (step + micro + hvd.rank()) % 3
-                x, y = batch(gen)
-                F.mse_loss(model(x), y).backward()
-            opt.step()
-    return run(model, make, loop, backward_passes_per_step=2)
+    def two_passes(model, x, y, step):
+        for micro in range(2):
+            model.expert_of = lambda _: (step + micro + hvd.rank()) % 3
+            F.mse_loss(model(x[3 * micro:3 * micro + 3]), y[3 * micro:3 * micro + 3]).backward()
+    return run(model, make, functools.partial(plain_loop, backward=two_passes), backward_passes_per_step=2)
 
 
 def empty_batch_on_rank1(make) -> nn.Module:
     """Rank 1 has no data in steps 0 and 3 (its loader ran dry): no backward pass, ``step()`` all the same."""
-    model = Experts()
-
-    def loop(model, opt, gen):
-        for step in range(STEPS):
-            opt.zero_grad()
-            x, y = batch(gen)
-            if not (hvd.rank() == 1 and step in (0, 3)):
-                F.mse_loss(model(x), y).backward()
-            opt.step()
-    return run(model, make, loop)
+    def maybe(model, x, y, step):
+        if not (hvd.rank() == 1 and step in (0, 3)):
+            mse_backward(model, x, y, step)
+    return run(Experts(), make, functools.partial(plain_loop, backward=maybe))
 
 
 def gradient_penalty(make) -> nn.Module:
     """WGAN-GP style: ``torch.autograd.grad(..., create_graph=True)`` w.r.t. the input, its norm in the loss."""
-    model = Experts()
-
-    def loop(model, opt, gen):
-        for _ in range(STEPS):
-            opt.zero_grad()
-            x, y = batch(gen)
-            x.requires_grad_(True)
-            out = model(x)
-            (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-            (F.mse_loss(out, y) + 0.1 * grad_x.pow(2).sum()).backward()
-            opt.step()
-    return run(model, make, loop)
+    def penalized(model, x, y, step):
+        x.requires_grad_(True)
+        out = model(x)
+        (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (F.mse_loss(out, y) + 0.1 * grad_x.pow(2).sum()).backward()
+    return run(Experts(), make, functools.partial(plain_loop, backward=penalized))
 
 
 def add_param_group_later(make) -> nn.Module:
@@ -191,32 +182,20 @@ def keep_zeroed_grads(make) -> nn.Module:
 
 def autograd_grad(make) -> nn.Module:
     """Gradients from ``torch.autograd.grad``, assigned to ``p.grad`` by hand (no hook fires)."""
-    model = Experts()
-
-    def loop(model, opt, gen):
+    def by_hand(model, x, y, step):
         params = list(model.parameters())
-        for _ in range(STEPS):
-            opt.zero_grad()
-            x, y = batch(gen)
-            for p, g in zip(params, torch.autograd.grad(F.mse_loss(model(x), y), params)):
-                p.grad = g
-            opt.step()
-    return run(model, make, loop)
+        for p, g in zip(params, torch.autograd.grad(F.mse_loss(model(x), y), params)):
+            p.grad = g
+    return run(Experts(), make, functools.partial(plain_loop, backward=by_hand))
 
 
 def retain_graph_twice(make) -> nn.Module:
     """Two backward passes over one graph (``retain_graph``) per step, ``backward_passes_per_step=2``."""
-    model = Experts()
-
-    def loop(model, opt, gen):
-        for _ in range(STEPS):
-            opt.zero_grad()
-            x, y = batch(gen)
-            loss = F.mse_loss(model(x), y)
-            loss.backward(retain_graph=True)
-            (0.5 * loss).backward()
-            opt.step()
-    return run(model, make, loop, backward_passes_per_step=2)
+    def twice(model, x, y, step):
+        loss = F.mse_loss(model(x), y)
+        loss.backward(retain_graph=True)
+        (0.5 * loss).backward()
+    return run(Experts(), make, functools.partial(plain_loop, backward=twice), backward_passes_per_step=2)
 
 
 def checkpoint_resume(make) -> nn.Module:
