@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 import warnings
 from typing import Any, Sequence
@@ -22,7 +23,9 @@ from hybridsync.frameworks import Average, check_op, horovod_torch
 from hybridsync.router.plan import RoutingPlan, shard_bounds
 from hybridsync.strategy import Strategy, resolve_strategy
 
-_TORCH_OPTIMIZER_FILE = inspect.getfile(torch.optim.Optimizer)
+_TORCH_OPTIM_DIR = os.path.dirname(inspect.getfile(torch.optim.Optimizer)) + os.sep
+"""torch's ``torch/optim/`` folder: its wrappers of ``step()`` (the optimizer's hooks and profiling, an LR
+scheduler's step counter) stand between Horovod's ``broadcast_optimizer_state`` and our ``step()``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,13 +231,14 @@ def called_from_horovod_state_init() -> bool:
     synchronizing step there would start collectives on the ranks without state only,
     and hang. Recognizing that one caller by its code object is exact: no other call of
     ``step()`` is affected, and our class keeps its true module. Frames of torch's own
-    ``step()`` wrapper (optimizer hooks, profiling) in between are skipped.
+    ``step()`` wrappers (optimizer hooks, profiling, the one an LR scheduler puts on the optimizer
+    to count its steps) in between are skipped.
     """
     functions = sys.modules.get("horovod.torch.functions")
     target = getattr(getattr(functions, "broadcast_optimizer_state", None), "__code__", None)
     if target is None:
         return False
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename == _TORCH_OPTIMIZER_FILE:
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_OPTIM_DIR):
         frame = frame.f_back
     return frame is not None and frame.f_code is target

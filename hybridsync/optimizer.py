@@ -47,7 +47,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
         self._hvd = hvd
-        named, aliases = _checked_named_parameters(named_parameters, self.param_groups)
+        named, aliases, spare = _checked_named_parameters(named_parameters, self.param_groups)
+        self._spare_names = spare
+        """Names given for parameters the optimizer did not hold: theirs if ``add_param_group`` adds them."""
         self._named = named
         _HELD_VARIABLES.update(name for name, _ in named)
         _TIED_ALIASES.update(aliases)
@@ -58,7 +60,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._params = [p for _, p in named]
         self.backward_passes_per_step = options.backward_passes_per_step
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._params}
-        self._requires_update = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
         self._index = {p: i for i, p in enumerate(self._params)}
         self._fired: set[Any] = set()
         self._grad_accs: list[Any] = []
@@ -324,8 +325,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
 
-    def _register_hooks(self) -> None:
-        for p in self._params:
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``; after construction, the group's parameters are synchronized too.
+
+        Horovod's optimizer never synchronizes them (its ranks drift apart, with no word). Here the plan
+        is rebuilt over them, as ``set_strategy`` rebuilds it with the strategy given: collective, every
+        rank adds the same group between steps. A parameter is named as ``named_parameters`` named it
+        (pass the whole model's to name the ones added later), else ``allreduce.noname.<group>.<i>``.
+        """
+        if "_named" not in self.__dict__:  # torch's __init__ adding the groups the optimizer is built with
+            return super(self.__class__, self).add_param_group(param_group)
+        if (self._router is not None and self._router.pending) or self._fired:
+            raise ValueError("add_param_group() was called while gradients of this step are in flight (after "
+                             "loss.backward(), before optimizer.step() or optimizer.synchronize()); call it "
+                             "between steps, on every rank")
+        super(self.__class__, self).add_param_group(param_group)
+        group = len(self.param_groups) - 1
+        new = [(self._spare_names.get(id(p), _unnamed(group, j)), p)
+               for j, p in enumerate(self.param_groups[group]["params"])]
+        self._named = self._named + new
+        _HELD_VARIABLES.update(name for name, _ in new)
+        self._parameter_names.update((p, name) for name, p in new)
+        for _, p in new:
+            self._index[p] = len(self._params)
+            self._params.append(p)
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        if self._router is not None:
+            self.replace_plan(self._requested_strategy)
+        if self._synchronizing:
+            self._register_hooks([p for _, p in new])
+
+    def _register_hooks(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """A gradient hook on each of ``params`` that requires a gradient (by default: every parameter)."""
+        for p in self._params if params is None else params:
             if p.requires_grad:
                 # A newer optimizer over a parameter (a new training phase, one re-created after a
                 # checkpoint) takes its gradient over: the older one's hook, which lives as long as
@@ -457,17 +489,18 @@ def _unheld_reason(name: str) -> str:
     return f"variable {name!r} is not in the model (in no DistributedOptimizer of this process)"
 
 
-def _checked_named_parameters(named_parameters: Iterable | None,
-                              param_groups) -> tuple[list[tuple[str, Any]], dict[str, str]]:
-    """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise; and the
-    names dropped as another name of a parameter already named, each to the name kept.
+def _checked_named_parameters(named_parameters: Iterable | None, param_groups
+                              ) -> tuple[list[tuple[str, Any]], dict[str, str], dict[int, str]]:
+    """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise; the
+    names dropped as another name of a parameter already named, each to the name kept; and the names
+    of parameters the optimizer does not hold (yet: ``add_param_group``), by ``id``.
 
     A parameter listed under several names (tied weights, from ``named_parameters(remove_duplicate=False)``
     or two submodules' lists joined) is one variable, under its first name as ``model.named_parameters()``
     gives it: Horovod synchronizes it once too, where two variables would reduce its gradient twice."""
     if named_parameters is None:
-        return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(param_groups)
-                for j, p in enumerate(group["params"])], {}
+        return [(_unnamed(i, j), p) for i, group in enumerate(param_groups)
+                for j, p in enumerate(group["params"])], {}, {}
     named = list(named_parameters)
     if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
         raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
@@ -485,12 +518,20 @@ def _checked_named_parameters(named_parameters: Iterable | None,
     optimized = {id(p) for group in param_groups for p in group["params"]}
     unique: dict[int, tuple[str, Any]] = {}
     aliases: dict[str, str] = {}
+    spare: dict[int, str] = {}
     for name, p in named:
         if id(p) in optimized:
             kept = unique.setdefault(id(p), (name, p))[0]
             if kept != name:
                 aliases[name] = kept
-    return list(unique.values()), aliases
+        else:
+            spare.setdefault(id(p), name)
+    return list(unique.values()), aliases, spare
+
+
+def _unnamed(group: int, position: int) -> str:
+    """Horovod's name for the ``position``-th parameter of param group ``group`` when none was given."""
+    return f"allreduce.noname.{group}.{position}"
 
 
 def _check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:

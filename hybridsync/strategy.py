@@ -312,7 +312,7 @@ class Strategy:
 def _fit_errors(name: str, info: VariableInfo, config: VarConfig) -> list[str]:
     rows = info.shape[0] if info.shape else 1
     errors = []
-    if config.partitions > rows:
+    if config.partitions > max(rows, 1):  # a variable with no rows (shape (0, ...)) is one piece
         errors.append(f"variable {name!r}: partitions {config.partitions} exceeds its {rows} rows "
                       f"(shape {tuple(info.shape)})")
     if config.rows:

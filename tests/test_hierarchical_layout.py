@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridsync.backends.hierarchical.flat_buffers import (copy_into, copy_out, flatten_padded, node_slice,
-                                                          padded_length, slice_range)
+from hybridsync.backends.hierarchical.flat_buffers import (buffer_dtype, copy_into, copy_out, flatten_padded,
+                                                          node_slice, padded_length, slice_range)
 from hybridsync.backends.hierarchical.node_memory import LEFT, NodeSegment, PeerExitedError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +58,20 @@ def test_copy_into_and_out_round_trip_with_scaling() -> None:
     out = [torch.empty(2, 3), torch.empty(3)]
     copy_out(flat, out, 0.5)
     assert all(torch.equal(a, b) for a, b in zip(out, tensors))
+
+
+@pytest.mark.unit
+def test_a_message_mixing_dtypes_is_summed_in_their_common_dtype() -> None:
+    """A merge group of float64, float32 and float16 gradients: one float64 buffer, each tensor back in its dtype."""
+    tensors = [torch.full((3,), 0.1, dtype=torch.float64), torch.full((2,), 1 / 3), torch.full((1,), 2.0).half()]
+    assert buffer_dtype(tensors) == torch.float64
+    flat, numel = flatten_padded(tensors, 4)
+    assert flat.dtype == torch.float64 and numel == 6 and flat[:3].tolist() == [0.1] * 3
+    flat.mul_(2.0)  # the all-reduce, as two ranks' equal sums
+    copy_out(flat, tensors, 0.5)
+    assert [t.dtype for t in tensors] == [torch.float64, torch.float32, torch.float16]
+    assert tensors[0].tolist() == [0.1] * 3 and torch.equal(tensors[1], torch.full((2,), 1 / 3))
+    assert tensors[2].item() == 2.0
 
 
 @pytest.mark.multiprocess

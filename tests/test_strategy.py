@@ -88,6 +88,16 @@ def test_validation_against_model_names_every_culprit():
     assert "group 1: its variables disagree" in message
 
 
+def test_a_variable_without_rows_fits_whole_but_not_partitioned():
+    """A zero-element parameter (shape (0, 4)) is one piece: the default strategy fits it, as Horovod
+    all-reduces it; only a request to cut it is refused."""
+    empty = parse_model_description({"variables": [{"name": "empty", "shape": [0, 4]}]})
+    Strategy().validate_for(empty)
+    Strategy.from_dict({"variables": {"empty": {"route": "ps"}}}).validate_for(empty)
+    with pytest.raises(ValueError, match="'empty': partitions 2 exceeds its 0 rows"):
+        Strategy.from_dict({"variables": {"empty": {"route": "ps", "partitions": 2}}}).validate_for(empty)
+
+
 def test_an_optimizers_part_of_a_strategy_keeps_its_variables_and_the_default():
     """A script that splits its model between optimizers (sparse and dense) gives each the whole
     strategy; each routes its own part. A dynamic sync policy stays with the part that has PS variables."""

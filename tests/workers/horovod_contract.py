@@ -115,6 +115,31 @@ def broadcast_state(function: str, checkpoint: str) -> None:
                 same_on_all_ranks(p.grad, f"{where} {name}.grad")
 
 
+def broadcast_state_with_scheduler(function: str) -> None:
+    """Resume as a script with an LR scheduler does: the scheduler, built before the broadcast, wraps
+    ``opt.step`` (to count its calls), so Horovod's state-creating ``step()`` arrives through that
+    wrapper. Only rank 0 restored a state: a synchronizing step on the others would hang them."""
+    model = mlp(seed=1)
+    opt = hs.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    if hvd.rank() == 0:  # a checkpoint of a plain run, restored on rank 0 only
+        trained = mlp(seed=1)
+        plain = torch.optim.Adam(trained.parameters(), lr=0.01)
+        F.mse_loss(trained(rank_data()[0]), rank_data()[1]).backward()
+        plain.step()
+        opt.load_state_dict(plain.state_dict())
+    BROADCASTS[function](opt)
+    expected = hvd.broadcast_object(state_values(opt), root_rank=0)
+    got = state_values(opt)
+    check(len(got) == len(expected) > 0, f"{len(got)} state entries, rank 0 has {len(expected)}")
+    for (name, value), (_, value0) in zip(got, expected):
+        check(torch.equal(value, value0), f"state {name} differs from rank 0's")
+    train_step(model, opt, step=1)
+    scheduler.step()
+    same_on_all_ranks(model[0].weight.detach(), "weight after a step")
+
+
 # --- test_broadcast_state_options ---------------------------------------------------------------------------
 
 RANK_OPTIONS = (dict(lr=0.1, momentum=0.8, weight_decay=0.2, nesterov=True, betas=(0.9, 0.999), etas=(0.8, 2.4),
@@ -433,6 +458,8 @@ def groups_match_horovod() -> None:
 CASES = {
     "broadcast_state_hs": lambda out: broadcast_state("hs", f"{out}.ckpt"),
     "broadcast_state_hvd": lambda out: broadcast_state("hvd", f"{out}.ckpt"),
+    "broadcast_state_with_scheduler_hs": lambda out: broadcast_state_with_scheduler("hs"),
+    "broadcast_state_with_scheduler_hvd": lambda out: broadcast_state_with_scheduler("hvd"),
     "broadcast_state_options_hs": lambda out: broadcast_state_options("hs"),
     "broadcast_state_options_hvd": lambda out: broadcast_state_options("hvd"),
     "broadcast_state_no_grad_hs": lambda out: broadcast_state_no_grad("hs"),

@@ -41,7 +41,8 @@ import torch
 from hybridsync.backends.hierarchical import node_memory
 from hybridsync import envvars
 from hybridsync.backends.base import Reduction, RouteUnavailableError, StagedBackend
-from hybridsync.backends.hierarchical.flat_buffers import copy_out, flatten_padded, node_slice, padded_length
+from hybridsync.backends.hierarchical.flat_buffers import (buffer_dtype, copy_out, flatten_padded, node_slice,
+                                                        padded_length)
 from hybridsync.backends.hierarchical.shm import SharedMemoryHandle
 from hybridsync.backends.hierarchical.node_memory import SHM_DIR, NodeSegment, PeerExitedError, segment_path
 from hybridsync.backends.waiting import barrier
@@ -162,14 +163,13 @@ class HierarchicalAllreduce(StagedBackend):
 
     def segment(self, name: str, tensors: Sequence[torch.Tensor]) -> tuple[NodeSegment, int]:
         """The node's shared segment for message ``name`` (mapped at its first use) and this use's number."""
-        padded = padded_length(tensors, self.groups.local_size)
+        padded, dtype = padded_length(tensors, self.groups.local_size), buffer_dtype(tensors)
         segment = self._segments.get(name)
         if segment is None:
             segment = NodeSegment(segment_path(self.job_token, self.hvd.cross_rank(), name),
-                                  self.groups.local_size, padded, tensors[0].dtype, self.hvd.local_rank(),
-                                  self._node_pids)
+                                  self.groups.local_size, padded, dtype, self.hvd.local_rank(), self._node_pids)
             self._segments[name] = segment
-        if segment.output.numel() != padded or segment.output.dtype != tensors[0].dtype:
+        if segment.output.numel() != padded or segment.output.dtype != dtype:
             raise RuntimeError(f"message {name!r} changed size or dtype between steps")
         self._uses[name] = self._uses.get(name, 0) + 1
         return segment, self._uses[name]
@@ -192,10 +192,6 @@ class HierarchicalAllreduce(StagedBackend):
             release_hierarchical_groups(groups)
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> Any:
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) != 1:
-            raise RuntimeError(f"message {name!r} mixes dtypes {sorted(map(str, dtypes))}; hierarchical "
-                               f"all-reduce sends a message as one buffer")
         if self.intra_node == "shm":
             segment, use = self.segment(name, tensors)
             return SharedMemoryHandle(self.groups.cross_node, segment, use, name, tensors,

@@ -7,6 +7,7 @@ another rank needs, or only the part that is final already.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Iterator, Sequence
 
@@ -16,12 +17,23 @@ Ranges = Sequence[tuple[int, int]]
 EVERYTHING: Ranges = ((0, sys.maxsize),)
 
 
+def buffer_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype of a message's buffer: its tensors' common dtype (``torch.promote_types``).
+
+    A merge group may mix dtypes (a model partly in float64, or in half precision): each
+    tensor is summed at a precision at least its own and copied back in its own dtype, so
+    the result is at least as exact as a ring all-reduce of each alone, at the wider dtype's bytes.
+    """
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
 def flatten_padded(tensors: Sequence[torch.Tensor], multiple: int) -> tuple[torch.Tensor, int]:
-    """A fresh flat copy of ``tensors`` zero-padded to a multiple of ``multiple``, and the unpadded length.
+    """A fresh flat copy of ``tensors`` (in ``buffer_dtype``) zero-padded to a multiple of ``multiple``,
+    and the unpadded length.
 
     Fresh, so the collectives may work on it in place without touching the caller's tensors.
     """
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(buffer_dtype(tensors))
     numel = flat.numel()
     pad = (-numel) % multiple
     if pad:
