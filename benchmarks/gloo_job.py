@@ -28,3 +28,24 @@ def run_worker(cluster: Any, script: str, worker_args: Sequence[str], env: dict[
         raise RuntimeError(f"{what} failed: exit codes {codes}\n{tail}")
     with open(out_path) as handle:
         return json.load(handle)
+
+
+def start_worker(config_path: str) -> dict:
+    """A worker's start on every rank: the job's config (JSON), hybridsync (Horovod) initialized, one
+    torch thread per rank (the ranks share the machine's cores)."""
+    import torch
+
+    import hybridsync as hs
+    with open(config_path) as handle:
+        config = json.load(handle)
+    hs.init()
+    torch.set_num_threads(1)
+    return config
+
+
+def finish_worker(hvd: Any, out_path: str, result: Any) -> None:
+    """A worker's end on every rank: rank 0 writes ``result`` (JSON) for ``run_worker``; Horovod shuts down."""
+    if hvd.rank() == 0:
+        with open(out_path, "w") as handle:
+            json.dump(result, handle)
+    hvd.shutdown()

@@ -27,8 +27,8 @@ import statistics
 import sys
 import tempfile
 
-from gloo_job import run_worker
-from steps import timed_steps
+from gloo_job import finish_worker, run_worker, start_worker
+from steps import interleaved_times
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from provenance import print_header  # noqa: E402
@@ -67,10 +67,7 @@ def worker(config_path: str, out_path: str) -> None:
     from hybridsync import baselines
     from hybridsync.hooks.trials import slowest_rank_times
     from hybridsync.variables import variables_from_model
-    with open(config_path) as handle:
-        config = json.load(handle)
-    hs.init()
-    torch.set_num_threads(1)
+    config = start_worker(config_path)
     runs = {}
     for order in ORDERS:
         torch.manual_seed(0)
@@ -83,18 +80,10 @@ def worker(config_path: str, out_path: str) -> None:
         batches = [(torch.randn(config["batch"], config["width"], generator=gen),
                     torch.randn(config["batch"], config["width"], generator=gen)) for _ in range(4)]
         runs[order] = (optimizer, model, batches)
-    times: dict[str, list[float]] = {order: [] for order in ORDERS}
-    for block in range(config["blocks"] + 1):  # block 0: warm-up (the first step learns the order)
-        for order in ORDERS if block % 2 else ORDERS[::-1]:  # each goes first in every other block
-            taken = timed_steps(*runs[order], config["steps_per_block"])
-            if block:
-                times[order] += taken
-    slowest = {order: slowest_rank_times(hvd, times[order], name=f"staged_order.{i}")
-               for i, order in enumerate(ORDERS)}
-    if hvd.rank() == 0:
-        with open(out_path, "w") as handle:
-            json.dump(slowest, handle)
-    hvd.shutdown()
+    # the warm-up block's first step learns the order
+    times = interleaved_times(runs, config["blocks"], config["steps_per_block"])
+    finish_worker(hvd, out_path, {order: slowest_rank_times(hvd, times[order], name=f"staged_order.{i}")
+                                  for i, order in enumerate(ORDERS)})
 
 
 # -- controller (root, outside the namespaces) ----------------------------------------------------

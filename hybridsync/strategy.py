@@ -227,6 +227,15 @@ class Strategy:
             doc["sync"] = self.sync.to_dict()
         return doc
 
+    def with_ring_for_hierarchical(self) -> "Strategy":
+        """This strategy with every hierarchical all-reduce (the default's too) made a ring all-reduce,
+        nothing else changed: what runs with one rank per node, where ``backends.make_backend`` sends
+        the route the ring's way."""
+        def ring(config: VarConfig) -> VarConfig:
+            return dataclasses.replace(config, algorithm="ring") if _hierarchical(config) else config
+        return dataclasses.replace(self, default=ring(self.default),
+                                   variables={n: ring(c) for n, c in self.variables.items()})
+
     def with_ps_protocol(self, protocol: Protocol) -> "Strategy":
         """This strategy with every PS-routed variable (and a PS default) on ``protocol``: the plan a
         Sync-Switch policy runs between switches; its ``sync`` section is dropped (the policy's

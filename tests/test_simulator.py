@@ -65,6 +65,15 @@ def same_config(desc: ModelDescription, **config) -> Strategy:
 
 
 # --- analytic model ---------------------------------------------------------------------------
+def test_with_one_rank_per_node_hierarchical_is_priced_as_the_ring_it_runs_as():
+    """``ClusterSpec.hierarchical_is_ring``: the runtime sends it the ring's way there (backends.make_backend)."""
+    desc = describe("m", [(1024, 256), (256,)] * 6, sparse=())
+    hierarchical = [baselines.build_baseline(name, desc.variables, 1) for name in ("hierarchical", "horovod-hierarchical")]
+    ring = [strategy.with_ring_for_hierarchical() for strategy in hierarchical]
+    four_by_one = ClusterSpec(nodes=4, workers_per_node=1, inter_node_bandwidth="500mbit")
+    assert list(predict_analytic(desc, four_by_one, hierarchical)) == list(predict_analytic(desc, four_by_one, ring))
+    assert all(predict_analytic(desc, CLUSTER, hierarchical) != predict_analytic(desc, CLUSTER, ring))
+
 def test_more_bytes_and_lower_bandwidth_are_slower():
     small, big = describe("s", [(1024, 1024)]), describe("b", [(4096, 1024)])
     slow = dataclasses.replace(CLUSTER, inter_node_bandwidth="100mbit")
@@ -127,7 +136,7 @@ def test_sparse_gradients_on_the_ps_send_touched_rows():
 
 def test_fp16_on_the_ps_asp_and_hierarchical_hops_have_their_own_constants():
     desc = describe("m", [(8192, 1024)])
-    four_nodes = dataclasses.replace(CLUSTER, nodes=4, workers_per_node=1)
+    four_nodes = dataclasses.replace(CLUSTER, nodes=4)  # of two ranks: with one, hierarchical is the ring
     ring16, ps16, asp, hier = (same_config(desc, **config) for config in (
         {"route": "allreduce", "compression": "fp16"}, {"route": "ps", "compression": "fp16"},
         {"route": "ps", "protocol": "asp"}, {"route": "allreduce", "algorithm": "hierarchical", "partitions": 8}))

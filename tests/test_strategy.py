@@ -314,3 +314,14 @@ def test_a_switch_to_asp_drops_rows_and_the_switch_back_keeps_it():
     strategy = Strategy(variables={"fc1.weight": VarConfig(route="ps", rows=True)})
     assert not strategy.with_ps_protocol("asp").config_for("fc1.weight").rows
     assert strategy.with_ps_protocol("bsp").config_for("fc1.weight").rows
+
+
+def test_with_ring_for_hierarchical_changes_the_algorithm_only():
+    hier = VarConfig(route="allreduce", algorithm="hierarchical", partitions=2, group=3, compression="fp16")
+    strategy = Strategy(default=VarConfig(route="allreduce", algorithm="hierarchical"),
+                        variables={"a": hier, "b": VarConfig(route="ps", partitions=2)})
+    ring = strategy.with_ring_for_hierarchical()
+    assert ring.default == VarConfig(route="allreduce")
+    assert ring.variables == {"a": VarConfig(route="allreduce", partitions=2, group=3, compression="fp16"),
+                              "b": strategy.variables["b"]}
+    assert not ring.uses_hierarchical and strategy.uses_hierarchical

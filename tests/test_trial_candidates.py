@@ -213,3 +213,18 @@ def test_rivals_have_rows_twins_only_for_a_model_with_dense_embeddings():
     assert {rival_levers(c.kind) for c in exact} == {frozenset(), frozenset({"rows"})}
     without, _ = rivals(dense, CLUSTER, horovod=True, fp16=True)
     assert not any("rows" in rival_levers(c.kind) for c in without)
+
+
+def test_with_one_rank_per_node_hierarchical_baselines_share_the_ring_ones_trial():
+    """On 4x1 hierarchical all-reduce runs as the ring (``ClusterSpec.hierarchical_is_ring``): the
+    ``hierarchical`` baseline and its twins are measured by their ring twins' trials, not again."""
+    one_per_node = ClusterSpec(nodes=4, workers_per_node=1, inter_node_bandwidth="500mbit", servers_per_node=1)
+    dense = {name: info for name, info in VARIABLES.items() if not info.sparse}
+    kinds = {c.kind for c in rivals(dense, one_per_node, horovod=True, fp16=True)[0]}
+    assert {"baseline:allreduce+hierarchical", "baseline:allreduce-fp16+hierarchical-fp16"} <= kinds
+    # horovod-hierarchical's merge groups on the ring: parallax's strategy for a dense model
+    assert "baseline:horovod-hierarchical+parallax" in kinds
+    names = [kind.removeprefix("baseline:").split("+") for kind in kinds if kind.startswith("baseline:")]
+    assert not [n for n in names if all("hierarchical" in name for name in n)], "a trial of hierarchical alone"
+    kinds_2x2 = {c.kind for c in rivals(dense, CLUSTER, horovod=True, fp16=True)[0]}
+    assert {"baseline:allreduce", "baseline:hierarchical"} <= kinds_2x2

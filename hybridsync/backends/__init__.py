@@ -18,7 +18,10 @@ def make_backend(route: str, variant: str, variables: Iterable[str] = (), namesp
                  process_set: Any = None) -> Backend:
     """The backend for a route (``variant``: the all-reduce algorithm, or the PS protocol).
 
-    Unavailable routes fail here, at construction, never silently. ASP/SSP are not
+    Unavailable routes fail here, at construction, never silently. Where hierarchical
+    all-reduce would be one Horovod all-reduce over the job per message (one rank per node; or
+    one node whose ranks cannot share memory), it gets the ring's backend: the same sums, with
+    overlap and fusion (sparse gradients sent as on the ring). ASP/SSP are not
     backends (nothing is exchanged per gradient): see ``make_parameter_sync``.
     ``namespace`` prefixes the names a backend keeps beyond one step (parameter-server
     keys), so two routers in one job never share them.
@@ -28,7 +31,15 @@ def make_backend(route: str, variant: str, variables: Iterable[str] = (), namesp
         return RingAllreduce(process_set)
     if route == "allreduce" and variant == "hierarchical":
         from hybridsync.backends.hierarchical import HierarchicalAllreduce
-        return HierarchicalAllreduce()
+        backend = HierarchicalAllreduce()
+        if backend.one_collective:
+            # The same all-reduce over the job: Horovod's ring runs it with its overlap and fusion,
+            # where the hierarchical backend would run one blocking collective per message in
+            # synchronize() (benchmarks/RESULTS.md, single_level.py).
+            backend.close()
+            from hybridsync.backends.ring import RingAllreduce
+            return RingAllreduce(process_set)
+        return backend
     if route == "ps" and variant == "bsp":
         from hybridsync.backends.ps.route import bsp_backend
         return bsp_backend(namespace)

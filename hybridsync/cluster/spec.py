@@ -120,6 +120,13 @@ class ClusterSpec:
         return self.nodes * self.servers_per_node
 
     @property
+    def hierarchical_is_ring(self) -> bool:
+        """One rank per node: hierarchical all-reduce is then one all-reduce over the job, which the
+        runtime sends as the ring all-reduce (``backends.make_backend``). (One node of several ranks
+        sums through shared memory: another transport, not the ring.)"""
+        return self.workers_per_node == 1
+
+    @property
     def inter_node_bits_per_second(self) -> int:
         """The uplink rate in bit/s."""
         return parse_bandwidth(self.inter_node_bandwidth)

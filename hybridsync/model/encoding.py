@@ -155,6 +155,17 @@ def from_strategies(arrays: ModelArrays, strategies: Sequence[Strategy | None], 
     return batch
 
 
+def as_run_on(batch: StrategyBatch, cluster: ClusterSpec) -> StrategyBatch:
+    """``batch`` as the runtime sends it on ``cluster``: with one rank per node hierarchical all-reduce
+    goes the ring's way (``ClusterSpec.hierarchical_is_ring``), so it is priced as the ring. Trials keep
+    the codes they were encoded with (``from_strategies``): those of such clusters measured before the
+    runtime sent it so (2026-11-29) ran the hierarchical backend."""
+    hierarchical = batch.route == HIER
+    if not cluster.hierarchical_is_ring or not hierarchical.any():
+        return batch
+    return dataclasses.replace(batch, route=np.where(hierarchical, RING, batch.route).astype(batch.route.dtype))
+
+
 def _config_codes(config: VarConfig, cluster: ClusterSpec, compression: str, name: str) -> tuple:
     fp16 = knobs.COMPRESSION.code(config.compression or compression) == FP16
     if config.route != "ps":

@@ -39,7 +39,8 @@ from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.description import ModelDescription, description_id, parse_description
 from hybridsync.model.analytic import (CostConstants, Problem, analytic_terms, fit_constants_and_compute, job_residuals,
                                        reference_terms, with_compute_factor)
-from hybridsync.model.encoding import ModelArrays, StrategyBatch, Units, from_strategies, model_arrays, units
+from hybridsync.model.encoding import (ModelArrays, StrategyBatch, Units, as_run_on, from_strategies, model_arrays,
+                                      units)
 from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
 from hybridsync.model.links import LinkConstants, mean_deviation, nominal_links, relative_links
 from hybridsync.strategy import Strategy
@@ -353,7 +354,7 @@ class Simulator:
             raise ValueError("Simulator.predict: the simulator is not fitted (call fit or load a saved one)")
         if len(batch) == 0:
             return np.zeros(0)
-        u = units(arrays, batch, partition_bytes=self.constants.partition_bytes)
+        u = units(arrays, as_run_on(batch, cluster), partition_bytes=self.constants.partition_bytes)
         links = self.links_for(cluster)
         terms = analytic_terms(arrays, u, cluster, self.constants, links)
         if self.kind == "analytic":

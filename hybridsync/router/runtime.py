@@ -18,7 +18,8 @@ since the optimizer cannot know them before the first step: a whole variable goe
 the backend sends sparse tensors (Horovod's sparse all-reduce, the PS's touched rows);
 on the parameter server a shard or merge-group member goes as its own key, touched rows
 only (indices re-based to the shard); on the all-reduce routes a partitioned or merged
-sparse gradient, and any sparse gradient on the hierarchical route, is made dense for
+sparse gradient, and any sparse gradient on the hierarchical backend (the route's, where it
+is not the ring's: ``make_backend``), is made dense for
 the message (as Horovod's ``sparse_as_dense``: correct, at the variable's full bytes).
 The result goes back into ``p.grad`` as a sparse tensor, as the optimizer expects.
 

@@ -17,7 +17,8 @@ class SpaceBounds:
     num_servers: int = 0
     """Parameter servers available; 0 leaves the PS route out."""
     hierarchical: bool = True
-    """Whether hierarchical all-reduce may be drawn (pointless with one rank per node)."""
+    """Whether hierarchical all-reduce may be drawn (pointless with one rank per node: it runs as
+    the ring all-reduce there, ``ClusterSpec.hierarchical_is_ring``)."""
     max_partitions: int = MAX_PARTITIONS
     """Upper bound on a variable's shards."""
     densify_sparse: bool = False
@@ -50,6 +51,6 @@ class SpaceBounds:
 
 
 def bounds_for(cluster: ClusterSpec, **overrides: Any) -> SpaceBounds:
-    """The bounds of ``cluster``: its servers, and hierarchical all-reduce only with more than one
-    rank per node; ``overrides`` set other fields (``max_partitions=...``)."""
-    return SpaceBounds(num_servers=cluster.num_servers, hierarchical=cluster.workers_per_node > 1, **overrides)
+    """The bounds of ``cluster``: its servers, and hierarchical all-reduce only where it is not the ring
+    (``ClusterSpec.hierarchical_is_ring``); ``overrides`` set other fields (``max_partitions=...``)."""
+    return SpaceBounds(num_servers=cluster.num_servers, hierarchical=not cluster.hierarchical_is_ring, **overrides)

@@ -61,7 +61,9 @@ def baseline_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec
     cluster has servers.
 
     Builders that produce the same strategy for this model share one candidate, whose kind
-    names them all (``baseline:ps-lb+ps-partitioned``).
+    names them all (``baseline:ps-lb+ps-partitioned``); so do builders whose strategies run alike
+    on the cluster: with one rank per node hierarchical all-reduce runs as the ring
+    (``ClusterSpec.hierarchical_is_ring``: ``baseline:allreduce+hierarchical``), and one trial measures both.
     """
     names = list(baselines.BUILDERS) + baselines.twin_names(fp16=fp16_twins, rows=bool(rows))
     by_fingerprint: dict[str, tuple[list[str], Strategy]] = {}
@@ -72,7 +74,8 @@ def baseline_candidates(variables: Mapping[str, VariableInfo], spec: ClusterSpec
             strategy = baselines.build_baseline(name, variables, spec.num_servers, rows=rows)
         except ValueError:  # a twin that cannot run on this model (rivals() says why)
             continue
-        by_fingerprint.setdefault(strategy.fingerprint(), ([], strategy))[0].append(name)
+        as_run = strategy.with_ring_for_hierarchical() if spec.hierarchical_is_ring else strategy
+        by_fingerprint.setdefault(as_run.fingerprint(), ([], strategy))[0].append(name)
     return [Candidate(kind=BASELINE_PREFIX + "+".join(names), strategy=strategy)
             for names, strategy in by_fingerprint.values()]
 

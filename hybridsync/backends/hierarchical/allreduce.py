@@ -27,7 +27,9 @@ The intra-node steps go through one of two transports (``HYBRIDSYNC_INTRA_NODE``
 
 A message's tensors travel as one flat buffer padded to a multiple of the node size, so
 every rank's slice has the same length. Where one level has a single member (one node,
-or one rank per node) the cross-node step is left out, or is the whole of it.
+or one rank per node) the cross-node step is left out, or is the whole of it; where that
+leaves one Horovod all-reduce over the job (``one_collective``), ``make_backend`` uses the
+ring instead.
 """
 from __future__ import annotations
 
@@ -160,6 +162,15 @@ class HierarchicalAllreduce(StagedBackend):
                               f"memory: {problems[0]}", RuntimeWarning, stacklevel=2)
             return "horovod"
         return choice
+
+    @property
+    def one_collective(self) -> bool:
+        """Whether each message would be one all-reduce over the whole job through Horovod, run in
+        ``wait()``: one rank per node, or one node whose ranks do not share memory (``horovod``
+        within it). That is the ring's all-reduce without its overlap and fusion (3x1: 495 vs
+        181 ms a step), so ``make_backend`` gives the route the ring's backend then. One node
+        through shared memory is another transport, faster for large messages (benchmarks/RESULTS.md)."""
+        return self.intra_node == "horovod" and (self.groups.intra_node is None or self.groups.cross_node is None)
 
     def segment(self, name: str, tensors: Sequence[torch.Tensor]) -> tuple[NodeSegment, int]:
         """The node's shared segment for message ``name`` (mapped at its first use) and this use's number."""
