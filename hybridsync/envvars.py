@@ -28,6 +28,9 @@ PS_RECOVERY_TIMEOUT = "HYBRIDSYNC_PS_RECOVERY_TIMEOUT"
 supervised server, 0 for one nobody replaces; set it when another launcher restarts servers)."""
 PS_PING_TIMEOUT = "HYBRIDSYNC_PS_PING_TIMEOUT"
 """Seconds a parameter server may leave a worker's ping unanswered before the worker calls it hung (10)."""
+PS_JOIN_TIMEOUT = "HYBRIDSYNC_PS_JOIN_TIMEOUT"
+"""Seconds a PS worker waits, in all, for the rendezvous store, the RPC group and every server before
+it fails naming what it waited for (default 120; a notice on stderr every 10 s says what it awaits)."""
 PS_SUPERVISED = "HYBRIDSYNC_PS_SUPERVISED"
 """Set by ``hybridsync-server --supervise`` for the server it runs: the supervisor hosts the
 rendezvous store (server 0's) and replaces the server if it dies."""

@@ -23,21 +23,24 @@ from hybridsync import envvars
 from hybridsync.backends.base import KeyedBackend, Reduction, SparseBackend, wire_of
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
+from hybridsync.backends.ps.notice import WaitNotice, store_state
 from hybridsync.backends.ps.recovery import Call, Links, PSServerError, Recovery  # noqa: F401 - re-exported
 from hybridsync.backends.ps.store import WireCounters, payload_bytes
 from hybridsync.backends.ps.watchdog import Watchdog
 from hybridsync.placement import Chunk, Declaration, KeyTable, Layout, WireTensor, namespaced, part_key
 
 DEFAULT_PING_TIMEOUT_S = 10.0
+DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 
 class PSClient:
     """One worker's connection to the servers: placement, push-pull, counters, shutdown."""
 
-    def __init__(self, config: PSConfig, *, join_timeout_s: float = 120.0, ping_interval_s: float = 1.0,
+    def __init__(self, config: PSConfig, *, join_timeout_s: float | None = None, ping_interval_s: float = 1.0,
                  ping_timeout_s: float | None = None) -> None:
-        """``ping_timeout_s``: how long a server may leave a ping unanswered before it counts as
-        hung (default ``HYBRIDSYNC_PS_PING_TIMEOUT``, else 10 s)."""
+        """``join_timeout_s``: how long joining may take in all (default ``HYBRIDSYNC_PS_JOIN_TIMEOUT``,
+        else 120 s); ``ping_timeout_s``: how long a server may leave a ping unanswered before it
+        counts as hung (default ``HYBRIDSYNC_PS_PING_TIMEOUT``, else 10 s)."""
         if config.role != "worker":
             raise ValueError(f"DMLC_ROLE must be 'worker' for a PS client, got {config.role!r}")
         self.config = config
@@ -52,26 +55,44 @@ class PSClient:
         self._links = Links(self, secondary_grace_s=2 * ping_interval_s + 1.0)
         self._store = None
         self._watchdog: Watchdog | None = None
+        if join_timeout_s is None:
+            join_timeout_s = envvars.seconds_from_env(envvars.PS_JOIN_TIMEOUT, DEFAULT_JOIN_TIMEOUT_S)
         self._connect(join_timeout_s, ping_interval_s, _ping_timeout(ping_timeout_s))
 
     def _connect(self, join_timeout_s: float, ping_interval_s: float, ping_timeout_s: float) -> None:
         """Join the RPC group, wait for every server and watch them (with ``transport``, the client's
-        only network code: an in-process test replaces both, ``tests/test_router_inprocess.py``)."""
-        self._store = group.open_store(self.config, timeout_s=join_timeout_s)
-        self._links.attach_store(self._store)
-        group.check_shape(self._store, self.config)
-        group.join(self.config, timeout_s=join_timeout_s)
-        group.count_join(self._store, self.config.name)
-        self._wait_for_servers(join_timeout_s)
+        only network code: an in-process test replaces both, ``tests/test_router_inprocess.py``).
+
+        The three waits (store, group, servers) share one deadline, ``join_timeout_s``, and say on
+        stderr what they await while they wait (``notice.WaitNotice``)."""
+        config = self.config
+        at = f"{config.root_uri}:{config.root_port}"
+        store_host = f"the rendezvous store at {at} (hosted by server0, or by its supervisor)"
+        with WaitNotice(config.name, join_timeout_s, lambda: f"{store_host}: {store_state(config.root_uri, config.root_port)}") as waiting:
+            try:
+                self._store = group.reach_store(config, waiting.remaining())
+            except Exception as e:  # noqa: BLE001 - torch's DistStoreError names neither server nor variable
+                raise RuntimeError(group.join_failure(config, join_timeout_s, f"{store_host} did not answer "
+                                                      f"({store_state(config.root_uri, config.root_port)}; "
+                                                      f"{str(e).splitlines()[0]})")) from e
+            self._links.attach_store(self._store)
+            group.check_shape(self._store, config)
+            waiting.awaited = lambda: f"the RPC group at {at} to let {config.name} join"
+            group.join(config, timeout_s=waiting.remaining())
+            group.count_join(self._store, config.name)
+            missing: list[int] = []
+            waiting.awaited = lambda: "servers to join: " + ", ".join(group.server_name(s) for s in missing)
+            self._wait_for_servers(join_timeout_s, waiting.remaining(), missing)
         self._watchdog = Watchdog(self._links.watched, self._links.on_watchdog,
                                   interval_s=ping_interval_s, timeout_s=ping_timeout_s).start()
 
-    def _wait_for_servers(self, timeout_s: float) -> None:
-        """Every server (its latest incarnation) has joined; a clear error after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        missing = list(range(self.config.num_servers))
+    def _wait_for_servers(self, timeout_s: float, remaining_s: float, missing: list[int]) -> None:
+        """Every server (its latest incarnation) has joined; a clear error after ``remaining_s``
+        (of ``timeout_s`` in all). ``missing`` is kept up to date for the notice."""
+        deadline = time.monotonic() + remaining_s
+        missing[:] = range(self.config.num_servers)
         while missing:
-            missing = [s for s in missing if not group.joined(self._store, self._links.adopt_latest(s, self._store))]
+            missing[:] = [s for s in missing if not group.joined(self._store, self._links.adopt_latest(s, self._store))]
             if missing and (refused := group.misfit(self._store)) is not None:
                 raise ValueError(refused)
             if missing and time.monotonic() > deadline:

@@ -76,6 +76,31 @@ def open_store(config: PSConfig, *, host: bool = False, timeout_s: float = 60.0)
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def reach_store(config: PSConfig, timeout_s: float) -> Any:
+    """``open_store`` as a client, given up after ``timeout_s`` (``TimeoutError``).
+
+    torch's client retries past its own timeout (a store host that accepts but never answers
+    kept it 60+ s with a 12 s timeout; refused connections, 27 s with 8 s), so it runs in a
+    daemon thread that we stop waiting on, as ``join`` does."""
+    result: list[Any] = []
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            result.append(open_store(config, timeout_s=timeout_s))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            errors.append(e)
+
+    connector = threading.Thread(target=connect, name="hybridsync-ps-store", daemon=True)
+    connector.start()
+    connector.join(timeout=timeout_s)
+    if errors:
+        raise errors[0]
+    if not result:
+        raise TimeoutError(f"no answer within {timeout_s:.0f} s")
+    return result[0]
+
+
 def hosts_store(config: PSConfig) -> bool:
     """Whether this server process hosts the rendezvous store: server 0, unless its supervisor does."""
     return config.role == "server" and config.index == 0 and not os.environ.get(envvars.PS_SUPERVISED)
