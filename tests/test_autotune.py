@@ -626,3 +626,23 @@ def test_a_model_with_a_dense_embedding_meets_rows_twins_and_the_confirmation_ke
         sizes[model] = len(lineup)
     assert embeddings(load_description(DESCRIPTIONS / "bert.json")), "bert's profile marks its token embedding"
     assert sizes["bert"] == sizes["ncf"] == 4, "rows twins share the confirmation's places"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("where", ["report", "store"])
+def test_autotune_fails_at_once_naming_an_unusable_output(tmp_path, capsys, where):
+    """A report folder that cannot be made (a traceback before) or a trial store that cannot be
+    opened (an error only after profiling before) is a one-line error, exit code 2, before profiling."""
+    from hybridsync.cli import run_main
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("nodes: 1\nworkers_per_node: 2\ninter_node_bandwidth: 250mbit\nservers_per_node: 1\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    report = a_file / "report" if where == "report" else tmp_path / "report"
+    store = tmp_path / "trials.db" if where == "report" else a_file  # a file that is no trial store
+    code = run_main(["--autotune", "--cluster", str(spec), "--autotune-report", str(report), "--store", str(store),
+                     "-np", "2", "-H", "localhost:2", "--gloo", "python", str(tmp_path / "never_run.py")])
+    err = capsys.readouterr().err
+    assert code == 2 and "profiling" not in err, err
+    assert (f"cannot make the report folder {report}" in err if where == "report"
+            else "(--store, or the config's autotune: store:)" in err), err

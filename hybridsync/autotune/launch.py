@@ -60,7 +60,7 @@ def _run(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
     from hybridsync.autotune.session import autotune, trial_target
     from hybridsync.run.profile import profile_command, script_name
     from hybridsync.trials.runner import ScriptWorkload
-    os.makedirs(plan.report_dir, exist_ok=True)
+    _check_outputs(plan)
     print(f"hybridsync-run --autotune: profiling {script_name(plan.command)} (one process)", file=sys.stderr)
     description = profile_command(list(plan.command), output=os.path.join(plan.report_dir, "model.json"))
     strategy_path = os.path.join(plan.report_dir, "strategy.json")
@@ -113,6 +113,26 @@ def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
                  store=options.store or tune.get("store", DEFAULT_STORE),
                  report_dir=os.path.abspath(options.autotune_report or tune.get("report", DEFAULT_REPORT_DIR)),
                  simulator=tune.get("simulator"))
+
+
+def _check_outputs(plan: _Plan) -> None:
+    """Make the report folder and open the trial store before minutes of profiling and trials:
+    a folder that cannot be made failed with a traceback (exit code 1), a store that cannot be
+    opened only once profiling was done; now each is a one-line error (exit code 2) at once."""
+    try:
+        os.makedirs(plan.report_dir, exist_ok=True)
+    except OSError as error:
+        raise RuntimeError(f"cannot make the report folder {plan.report_dir} (--autotune-report, or the config's "
+                           f"autotune: report:): {error.strerror or error}") from error
+    if not os.access(plan.report_dir, os.W_OK):
+        raise RuntimeError(f"cannot write in the report folder {plan.report_dir} (--autotune-report, or the "
+                           f"config's autotune: report:)")
+    from hybridsync.trials.store import TrialStore
+    try:
+        with TrialStore(plan.store):
+            pass
+    except ValueError as error:  # a missing folder, a file that is no trial store, a locked or corrupt one
+        raise RuntimeError(f"{error} (--store, or the config's autotune: store:)") from error
 
 
 def run_on(target: Any, command: Sequence[str], env: dict[str, str], out: Any = sys.stdout,
