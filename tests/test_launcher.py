@@ -13,6 +13,7 @@ import pytest
 
 from conftest import BIN, WORKERS, run_job
 from hybridsync.cli import run_main
+from hybridsync.run.horovodrun import exec_mpirun_in_place
 from hybridsync.run.launcher import _HOROVODRUN_ARITY, LaunchOptions, asks_for_help, split_argv, with_run_config
 from hybridsync.strategy import Strategy
 
@@ -330,3 +331,16 @@ def test_every_launcher_writes_the_ps_vocabulary_the_route_reads():
     assert {k: v for k, v in emulated.items() if k.startswith("DMLC_")} == {
         k: v.replace("127.0.0.1", "10.77.0.1") for k, v in launched.items() if k.startswith("DMLC_")}
     assert PSConfig.from_env({**emulated, **server_environment(0, host="10.77.0.1")}).root_uri == "10.77.0.1"
+
+
+@pytest.mark.unit
+def test_horovodrun_runs_mpirun_in_place_of_its_shell():
+    """So that mpirun keeps the parent-death signal (test_hangs: a SIGKILLed hybridsync-run)."""
+    calls = []
+    execve = exec_mpirun_in_place(lambda path, argv, env: calls.append((path, argv)))
+    execve("/bin/sh", ["/bin/sh", "-c", "mpirun --allow-run-as-root -np 2 python x.py"], {})
+    execve("/bin/sh", ["/bin/sh", "-c", "A=1 mpirun -np 2 python x.py"], {})  # exec would run "A=1"
+    execve("/usr/bin/jsrun", ["jsrun", "-n", "2"], {})
+    assert calls == [("/bin/sh", ["/bin/sh", "-c", "exec mpirun --allow-run-as-root -np 2 python x.py"]),
+                     ("/bin/sh", ["/bin/sh", "-c", "A=1 mpirun -np 2 python x.py"]),
+                     ("/usr/bin/jsrun", ["jsrun", "-n", "2"])]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
 CHECK_ENVIRONMENT = {TF_LOG_LEVEL: "1", "TF_ENABLE_ONEDNN_OPTS": "0"}
@@ -77,11 +77,30 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def exec_mpirun_in_place(execve: Callable[..., Any] = os.execve) -> Callable[..., Any]:
+    """``os.execve`` for horovodrun's last act on the MPI path, ``/bin/sh -c "<mpirun ...>"``, as
+    ``/bin/sh -c "exec <mpirun ...>"``: the shell replaces itself with mpirun.
+
+    Without it mpirun is the shell's child, which no parent-death signal reaches: ``hybridsync-run``
+    killed with SIGKILL took the shell with it (``procs.start`` arms the signal) and left mpirun and
+    its ranks training on, orphaned. In place, mpirun keeps this process's pid, session and that
+    signal, and on SIGTERM stops its ranks and removes their ``/dev/shm`` segments. A command that
+    starts with a variable assignment (``exec`` would take it for the program) is left as it is."""
+    def in_place(path: str, argv: Sequence[str], env: Any) -> Any:
+        argv = list(argv)
+        if (path == "/bin/sh" and len(argv) == 3 and argv[1] == "-c" and argv[2].split()
+                and "=" not in argv[2].split()[0]):
+            argv[2] = "exec " + argv[2]
+        return execve(path, argv, env)
+    return in_place
+
+
 def main() -> None:
     """horovodrun's own entry point, after its build check ran quietly."""
     check_build_quietly(sys.argv[1:])
     from horovod.runner.launch import run_commandline
     sys.argv[0] = "horovodrun"  # argparse's usage and error lines name the program
+    os.execve = exec_mpirun_in_place()  # horovodrun's last call on the MPI path; this process ends in it
     sys.exit(run_commandline())
 
 
