@@ -208,7 +208,13 @@ def test_an_interrupted_hybridsync_run_on_mpirun_leaves_no_process_and_no_shared
     /dev/shm per interrupted job. On SIGKILL the shell died of its parent-death signal and mpirun,
     its child, trained on with its ranks, orphaned."""
     before = shared_memory_segments()
-    launcher, _, ready = waiting_job(tmp_path, [str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2"])
+    # A child inherits an ignored SIGINT (pytest started in the background, as a CI script may run it),
+    # and Python then keeps ignoring it: start hybridsync-run with Ctrl-C's usual disposition.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        launcher, _, ready = waiting_job(tmp_path, [str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     tree = [launcher.pid] + [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
     try:
         assert shared_memory_segments() - before, "the ranks use no shared memory: the check would be vacuous"
