@@ -23,10 +23,12 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from hybridsync import envvars
 from hybridsync.backends.ps.config import PSConfig
+
+T = TypeVar("T")
 
 KEY_PREFIX = "hybridsync/ps/"
 """hybridsync's keys in the rendezvous store (torch's own live under ``rpc_prefix_0/``)."""
@@ -77,28 +79,38 @@ def open_store(config: PSConfig, *, host: bool = False, timeout_s: float = 60.0)
 
 
 def reach_store(config: PSConfig, timeout_s: float) -> Any:
-    """``open_store`` as a client, given up after ``timeout_s`` (``TimeoutError``).
+    """``open_store`` as a client, given up after ``timeout_s`` (``Unanswered``).
 
     torch's client retries past its own timeout (a store host that accepts but never answers
     kept it 60+ s with a 12 s timeout; refused connections, 27 s with 8 s), so it runs in a
-    daemon thread that we stop waiting on, as ``join`` does."""
-    result: list[Any] = []
+    thread we stop waiting on (``within``), as ``join`` does."""
+    return within(lambda: open_store(config, timeout_s=timeout_s), timeout_s, "hybridsync-ps-store")
+
+
+class Unanswered(TimeoutError):
+    """``within``'s call did not return in time (it may still be running, in its daemon thread)."""
+
+
+def within(call: Callable[[], T], timeout_s: float, thread_name: str) -> T:
+    """``call()`` in a daemon thread that we stop waiting on after ``timeout_s`` (``Unanswered``); what it
+    raised is raised here. For torch's store and RPC joins, which retry past their own timeouts."""
+    results: list[T] = []
     errors: list[BaseException] = []
 
-    def connect() -> None:
+    def run() -> None:
         try:
-            result.append(open_store(config, timeout_s=timeout_s))
+            results.append(call())
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             errors.append(e)
 
-    connector = threading.Thread(target=connect, name="hybridsync-ps-store", daemon=True)
-    connector.start()
-    connector.join(timeout=timeout_s)
+    thread = threading.Thread(target=run, name=thread_name, daemon=True)
+    thread.start()
+    thread.join(timeout=timeout_s)
     if errors:
         raise errors[0]
-    if not result:
-        raise TimeoutError(f"no answer within {timeout_s:.0f} s")
-    return result[0]
+    if not results:
+        raise Unanswered(f"no answer within {timeout_s:.0f} s")
+    return results[0]
 
 
 def hosts_store(config: PSConfig) -> bool:
@@ -128,26 +140,23 @@ def join(config: PSConfig, *, timeout_s: float, incarnation: int = 0, store: Any
     options = rpc.TensorPipeRpcBackendOptions(init_method=config.init_method, rpc_timeout=timeout_s,
                                               num_worker_threads=16, **_transport_options(os.environ))
     name, member = this_member(config, incarnation)
-    errors: list[BaseException] = []
 
     def init() -> None:
-        try:
-            if incarnation > 0:
-                _unlist(store, [server_member(config, config.index, r) for r in range(incarnation)])
-            rpc.init_rpc(name, rank=member, world_size=None, rpc_backend_options=options)
-        except BaseException as e:  # noqa: BLE001 - handed to the joining thread
-            errors.append(e)
+        if incarnation > 0:
+            _unlist(store, [server_member(config, config.index, r) for r in range(incarnation)])
+        rpc.init_rpc(name, rank=member, world_size=None, rpc_backend_options=options)
 
-    joiner = threading.Thread(target=init, name="hybridsync-ps-join", daemon=True)
     with warnings.catch_warnings():
         # torch's own init_rpc hands its Gloo backend to all_gather_object, which warns on every
         # member that this usage is deprecated (torch/distributed/rpc/backend_registry.py):
         # nothing the user or we can change. Only that message is dropped, only while joining.
         warnings.filterwarnings("ignore", message=_BACKEND_AS_PROCESS_GROUP, category=UserWarning)
-        joiner.start()
-        joiner.join(timeout=timeout_s)
-    if joiner.is_alive() or errors:
-        raise RuntimeError(join_failure(config, timeout_s, str(errors[0]).splitlines()[0] if errors else "timed out"))
+        try:
+            within(init, timeout_s, "hybridsync-ps-join")
+        except Unanswered:
+            raise RuntimeError(join_failure(config, timeout_s, "timed out")) from None
+        except BaseException as e:  # noqa: BLE001 - torch's errors name neither the group nor the settings
+            raise RuntimeError(join_failure(config, timeout_s, str(e).splitlines()[0])) from None
 
 
 def join_failure(config: PSConfig, timeout_s: float, why: str) -> str:
