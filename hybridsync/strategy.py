@@ -79,6 +79,11 @@ class VarConfig:
         return self.algorithm if self.route == "allreduce" else self.protocol
 
     @property
+    def hierarchical(self) -> bool:
+        """Whether the gradient goes by hierarchical all-reduce."""
+        return self.route == "allreduce" and self.algorithm == "hierarchical"
+
+    @property
     def route_name(self) -> str:
         """``route/variant``, as messages and tables show it (``allreduce/ring``, ``ps/asp``)."""
         return f"{self.route}/{self.variant}"
@@ -139,10 +144,6 @@ class _ReadOnlyDict(dict):
         return (type(self), (dict(self),))
 
 
-def _hierarchical(config: VarConfig) -> bool:
-    return config.route == "allreduce" and config.algorithm == "hierarchical"
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy:
     """Per-variable synchronization configs, with a default for unlisted variables."""
@@ -181,11 +182,11 @@ class Strategy:
     def uses_hierarchical(self) -> bool:
         """Whether the default or any variable goes by hierarchical all-reduce: a job with this
         strategy needs nodes holding equal numbers of ranks exactly then."""
-        return _hierarchical(self.default) or bool(self.hierarchical_variables())
+        return self.default.hierarchical or bool(self.hierarchical_variables())
 
     def hierarchical_variables(self) -> list[str]:
         """The variables this strategy names that go by hierarchical all-reduce."""
-        return [name for name, config in self.variables.items() if _hierarchical(config)]
+        return [name for name, config in self.variables.items() if config.hierarchical]
 
     def config_for(self, name: str) -> VarConfig:
         """The config that applies to the variable ``name``."""
@@ -232,7 +233,7 @@ class Strategy:
         nothing else changed: what runs with one rank per node, where ``backends.make_backend`` sends
         the route the ring's way."""
         def ring(config: VarConfig) -> VarConfig:
-            return dataclasses.replace(config, algorithm="ring") if _hierarchical(config) else config
+            return dataclasses.replace(config, algorithm="ring") if config.hierarchical else config
         return dataclasses.replace(self, default=ring(self.default),
                                    variables={n: ring(c) for n, c in self.variables.items()})
 

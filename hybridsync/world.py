@@ -93,7 +93,7 @@ def fit_to_world(strategy: Strategy | None, variables: Sequence[str], world: Wor
     def fitted(config: VarConfig) -> VarConfig:
         if config.route == "ps" and problems["ps"]:
             return VarConfig(partitions=config.partitions, group=config.group, compression=config.compression)
-        if config.route == "allreduce" and config.algorithm == "hierarchical" and problems["hierarchical"]:
+        if config.hierarchical and problems["hierarchical"]:
             return dataclasses.replace(config, algorithm="ring")
         return config
 
