@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 
-from gloo_job import run_worker
+from gloo_job import print_load, run_worker, script_main
 from steps import timed_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,12 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                     medians[variant].append(measured[variant])
             report += cell_report(f"{model_kind} embedding, HYBRIDSYNC_WAIT={wait}", medians, list(args.variants))
     print("\n".join(report))
-    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print_load()
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(*sys.argv[2:5])
-    else:
-        sys.exit(main())
+    script_main(main, worker, 3)

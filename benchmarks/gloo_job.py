@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 def run_worker(cluster: Any, script: str, worker_args: Sequence[str], env: dict[str, str], logs: str,
@@ -49,3 +49,17 @@ def finish_worker(hvd: Any, out_path: str, result: Any) -> None:
         with open(out_path, "w") as handle:
             json.dump(result, handle)
     hvd.shutdown()
+
+
+def print_load() -> None:
+    """The benchmark's last line: the machine's load, which its side-by-side ratios should be read against."""
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+
+def script_main(main: Callable[[], int], worker: Callable[..., None], worker_args: int) -> None:
+    """A benchmark script's ``__main__``: ``--worker`` and its ``worker_args`` arguments (as
+    ``run_worker`` passes them) run ``worker`` on a rank; anything else runs ``main``."""
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:2 + worker_args])
+    else:
+        sys.exit(main())

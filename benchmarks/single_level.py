@@ -36,7 +36,7 @@ import statistics
 import sys
 import tempfile
 
-from gloo_job import finish_worker, run_worker, start_worker
+from gloo_job import finish_worker, print_load, run_worker, script_main, start_worker
 from steps import interleaved_times
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,12 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{world:<12} {kind:<7} " + " ".join(f"{medians[arm]:>15.1f}" for arm in ARMS)
                   + f" {medians['hier before'] / medians['ring']:>11.2f}x {medians['hier now'] / medians['ring']:>8.2f}x",
                   flush=True)
-    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print_load()
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(*sys.argv[2:4])
-    else:
-        sys.exit(main())
+    script_main(main, worker, 2)

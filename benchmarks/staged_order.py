@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 
-from gloo_job import finish_worker, run_worker, start_worker
+from gloo_job import finish_worker, print_load, run_worker, script_main, start_worker
 from steps import interleaved_times
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,12 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                        + f"; reversed / use order {ratios[-1]:.3f}")
     print(f"reversed / use order: median {statistics.median(ratios):.3f} over {len(ratios)} jobs "
           f"({min(ratios):.3f}-{max(ratios):.3f})")
-    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print_load()
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(*sys.argv[2:4])
-    else:
-        sys.exit(main())
+    script_main(main, worker, 2)
