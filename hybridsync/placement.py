@@ -185,8 +185,8 @@ class KeyTable:
         fresh: dict[str, int] = {}
         for name, wire, server in messages:
             if server is not None and not 0 <= server < self.num_servers:
-                raise ValueError(f"message {name!r}: server {server} does not exist "
-                                 f"(DMLC_NUM_SERVER={self.num_servers})")
+                raise ValueError(f"message {name!r}: server {server} does not exist: the job has "
+                                 f"{self.num_servers} parameter server(s), numbered from 0 (DMLC_NUM_SERVER)")
             for chunk in self.layout(name, wire).chunks:
                 if chunk.key in self._placement:
                     continue

@@ -184,6 +184,13 @@ class Strategy:
         strategy needs nodes holding equal numbers of ranks exactly then."""
         return self.default.hierarchical or bool(self.hierarchical_variables())
 
+    def servers_named(self) -> dict[str, tuple[int, ...]]:
+        """The parameter servers the strategy pins each of its configs to (``servers``), by name
+        (``"default"`` for the default): a job needs more servers than the highest index named."""
+        configs = {"default": self.default, **self.variables}
+        return {name: config.servers for name, config in configs.items()
+                if config.route == "ps" and config.servers}
+
     def hierarchical_variables(self) -> list[str]:
         """The variables this strategy names that go by hierarchical all-reduce."""
         return [name for name, config in self.variables.items() if config.hierarchical]

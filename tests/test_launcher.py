@@ -221,6 +221,25 @@ def test_a_hierarchical_strategy_on_hosts_of_different_sizes_is_refused_before_t
 
 
 @pytest.mark.unit
+def test_a_strategy_naming_a_server_the_job_does_not_start_is_refused_before_the_job_starts(tmp_path):
+    """``servers: [3]`` with one server: each rank failed building its optimizer after start-up,
+    in a traceback per rank about DMLC_NUM_SERVER; refused up front, naming the variable and the
+    count that would do (servers within the count start the job)."""
+    pytest.importorskip("horovod.runner")
+    from hybridsync.run.launcher import run
+    pinned = tmp_path / "pinned.json"
+    Strategy.from_dict({"variables": {"emb.weight": {"route": "ps", "partitions": 2, "servers": [0, 3]},
+                                      "fc.weight": {"route": "ps", "servers": [1]}}}).save(pinned)
+    for servers in (1, 3):
+        with pytest.raises(ValueError, match=f"puts 'emb.weight'.* on server 3, but the job starts {servers} "
+                                             f"parameter servers?.*--num-servers.* 4"):
+            run(LaunchOptions(strategy=str(pinned), num_servers=servers), ["-np", "2", *TRAIN])
+    with mock.patch("hybridsync.run.launcher.start_servers", side_effect=RuntimeError("started")):
+        with pytest.raises(RuntimeError, match="started"):
+            run(LaunchOptions(strategy=str(pinned), num_servers=4), ["-np", "2", *TRAIN])
+
+
+@pytest.mark.unit
 def test_gloo_hosts_with_more_slots_than_np_are_refused(tmp_path):
     """Horovod 0.28.1's Gloo launcher starts a rank on every ``-H`` slot, ignoring ``-np`` (measured:
     ``-np 2 -H localhost:3`` ran 3 ranks), so the servers, sized for ``-np`` workers, refused the

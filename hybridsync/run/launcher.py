@@ -460,6 +460,24 @@ def check_hierarchical_fits(strategy_path: str | None, job: JobShape) -> None:
                          f"ranks: give the hosts equal slots, or route those variables 'ring'")
 
 
+def check_servers_fit(strategy_path: str | None, num_servers: int) -> None:
+    """``ValueError`` when the strategy pins a variable to a parameter server the job will not start
+    (``servers: [3]`` with 2 servers): every rank would fail building its optimizer, after start-up,
+    in a traceback each."""
+    if strategy_path is None:
+        return
+    missing = {name: [s for s in servers if s >= num_servers]
+               for name, servers in Strategy.load(strategy_path).servers_named().items()}
+    missing = {name: servers for name, servers in missing.items() if servers}
+    if missing:
+        name, servers = next(iter(missing.items()))
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"strategy {strategy_path} puts {name!r}{more} on server {servers[0]}, but the job starts "
+                         f"{num_servers} parameter server{'s' if num_servers != 1 else ''} (numbered from 0): "
+                         f"give --num-servers (or the config's num_servers) {max(max(s) for s in missing.values()) + 1}"
+                         f", or change the strategy's servers")
+
+
 def _uses_ps(strategy_path: str | None) -> bool:
     if strategy_path is None:
         return False
@@ -517,6 +535,8 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
                          f"but the number of servers (--num-servers or the config's num_servers) is 0")
     check_hierarchical_fits(options.strategy, job_shape)
+    if num_servers:
+        check_servers_fit(options.strategy, num_servers)
     placement = server_placement(options, job_shape, num_servers) if num_servers else None
     env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
