@@ -214,6 +214,31 @@ def test_profiler_counts_the_nonzero_rows_of_a_dense_embedding_and_keeps_them_on
 
 
 @pytest.mark.unit
+def test_a_frozen_parameter_is_left_out_of_the_description_and_an_unused_one_kept(tmp_path):
+    """A frozen parameter (fine-tuning) sends nothing at run time; in the description the simulator
+    priced it as a message ready at the end of the backward pass (a frozen 94 MB embedding: a
+    94 MB all-reduce a step that never runs). A trainable one that gets no gradient stays: the
+    runtime sends its zeros, as Horovod does."""
+    torch.manual_seed(0)
+    model = _Net(False)
+    model.emb.weight.requires_grad_(False)
+    unused = torch.nn.Linear(3, 3)
+    named = [*model.named_parameters(), *(("unused." + n, p) for n, p in unused.named_parameters())]
+    prof = profiler.Profiler(tmp_path / "p.json", named, steps=2, warmup=0)
+    opt = torch.optim.SGD([p for _, p in named if p.requires_grad], lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.arange(10) % 7), torch.ones(10, 1)).backward()
+        prof.before_step()
+        opt.step()
+        prof.after_step()
+    desc = load_description(tmp_path / "p.json")
+    assert "emb.weight" not in desc.variables
+    assert {"fc.weight", "head.bias", "unused.weight", "unused.bias"} <= set(desc.variables)
+    assert "unused.weight" not in desc.variable_timing and "fc.weight" in desc.variable_timing
+
+
+@pytest.mark.unit
 def test_nonzero_row_count():
     grad = torch.zeros(5, 3)
     grad[1, 2], grad[3] = 1.0, -2.0

@@ -225,7 +225,10 @@ class Profiler(StepHook):
 
     # --- the result --------------------------------------------------------------------
     def description(self) -> ModelDescription:
-        """The description of the profiled steps."""
+        """The description of the profiled steps: the trainable variables (a parameter frozen while
+        profiled, ``requires_grad=False``, sends nothing: the runtime skips it, so the simulator must
+        not price it and the search need not place it; if it is unfrozen later, the strategy's
+        default carries it)."""
         if not self._records:
             raise ValueError("no step was profiled yet")
         missing_backward = sum(1 for r in self._records if r.backward_passes == 0)
@@ -235,7 +238,8 @@ class Profiler(StepHook):
         timing = ComputeTiming(**{field: _median_seconds([getattr(r, field) for r in self._records])
                                   for field in ("forward_s", "backward_s", "optimizer_s", "step_s")},
                                steps=len(self._records))
-        return ModelDescription(variables=variables_from_parameters(self._named, self._sparse), timing=timing,
+        trainable = [(name, p) for name, p in self._named if getattr(p, "requires_grad", True)]
+        return ModelDescription(variables=variables_from_parameters(trainable, self._sparse), timing=timing,
                                 variable_timing=self._variable_timing(), meta=_meta())
 
     def _variable_timing(self) -> dict[str, VariableTiming]:
