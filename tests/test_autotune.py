@@ -531,7 +531,7 @@ def test_progress_counts_new_strategies_against_the_budget_and_names_the_phase()
     from hybridsync.autotune.progress import AutotuneProgress
     ok, failed = types.SimpleNamespace(status="ok"), types.SimpleNamespace(status="failed")
     stream = io.StringIO()
-    with AutotuneProgress(30, stream=stream) as progress:
+    with AutotuneProgress(30, stream=stream, bar=True) as progress:
         progress.phase("round 1", expected=3)
         progress.trial(ok)
         progress.trial(failed)
@@ -548,6 +548,27 @@ def test_progress_counts_new_strategies_against_the_budget_and_names_the_phase()
         progress.trial(ok)
         progress.line("round 1: 3 strategies measured")
     assert quiet.getvalue() == ""
+
+
+@pytest.mark.unit
+def test_progress_in_a_log_is_lines_without_bar_redraws():
+    """Into a file or a pipe (a cluster job's log) the bar's redraws folded into one line of
+    carriage returns, one redraw per trial; there each phase's start and end are a line each."""
+    import io
+    import types
+    from hybridsync.autotune.progress import AutotuneProgress
+    log = io.StringIO()  # not a terminal
+    with AutotuneProgress(30, stream=log) as progress:
+        progress.phase("round 1", expected=3)
+        for _ in range(3):
+            progress.trial(types.SimpleNamespace(status="ok"))
+        progress.line("round 1: 3 strategies measured")
+        progress.phase("confirmation of 6", expected=24)
+    text = log.getvalue()
+    assert "\r" not in text and progress.bar is None, text
+    assert re.fullmatch(r"autotune \[ *\d+ s\] round 1: 3 trials \.\.\.\n"
+                        r"autotune \[ *\d+ s\] round 1: 3 strategies measured\n"
+                        r"autotune \[ *\d+ s\] confirmation of 6: 24 trials \.\.\.\n", text), text
 
 
 @pytest.mark.unit

@@ -6,6 +6,10 @@ terminal showed only the search's sub-second bars and then silence until the ver
 counts distinct strategies measured against ``trial_budget`` (what the budget counts); controls,
 rechecks, the confirmation and the runoff take time without new strategies, so the phase text says
 which of them is running, with its own count.
+
+In a log (stderr not a terminal: a cluster job's output file, a pipe) a bar is a stream of
+carriage-return redraws, one per trial, that fold into one line thousands of characters long; there
+the bar stays off and each phase's start is a line of its own, like its end.
 """
 from __future__ import annotations
 
@@ -16,24 +20,32 @@ from typing import Any, TextIO
 
 class AutotuneProgress:
     """A tqdm bar over ``budget`` strategies on ``stream`` (stderr) while entered (``with``), unless
-    not ``enabled``; outside that it only counts, silently."""
+    not ``enabled``; outside that it only counts, silently. ``bar``: draw the bar (default: when
+    ``stream`` is a terminal), else write plain lines only."""
 
-    def __init__(self, budget: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+    def __init__(self, budget: int, *, enabled: bool = True, stream: TextIO | None = None,
+                 bar: bool | None = None) -> None:
         self.budget, self.enabled, self.stream = budget, enabled, stream
+        self.draw = bar
         self.bar: Any = None
+        self.writing = False
+        """Entered and enabled: lines are written (above the bar, or alone in a log)."""
         self.started = self.phase_started = time.monotonic()
         self.phase_name, self.done, self.expected, self.failed = "", 0, 0, 0
 
     def __enter__(self) -> "AutotuneProgress":
-        if self.enabled:
+        stream = self.stream or sys.stderr
+        self.writing = self.enabled
+        if self.enabled and (self.draw if self.draw is not None else _is_terminal(stream)):
             from tqdm import tqdm
-            self.bar = tqdm(total=self.budget, desc="autotune", dynamic_ncols=True, file=self.stream or sys.stderr,
+            self.bar = tqdm(total=self.budget, desc="autotune", dynamic_ncols=True, file=stream,
                             mininterval=0,  # a redraw per trial: seconds apart
                             bar_format="{desc}: {n_fmt}/{total_fmt} strategies |{bar}| {elapsed}{postfix}")
         self.started = self.phase_started = time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.writing = False
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -43,6 +55,8 @@ class AutotuneProgress:
         self.phase_name, self.done, self.expected, self.failed = name, 0, expected, 0
         self.phase_started = time.monotonic()
         self._show()
+        if self.writing and self.bar is None:
+            self.line(f"{name}{f': {expected} trials' if expected else ''} ...")
 
     def trial(self, record: Any, *, new_strategy: bool = True) -> None:
         """One trial of the current phase stored; ``new_strategy``: it counts against the budget."""
@@ -59,8 +73,13 @@ class AutotuneProgress:
 
     def line(self, text: str) -> None:
         """A line above the bar (kept in the terminal and in logs), prefixed with the time so far."""
+        if not self.writing:
+            return
+        text = f"autotune [{time.monotonic() - self.started:3.0f} s] {text}"
         if self.bar is not None:
-            self.bar.write(f"autotune [{time.monotonic() - self.started:3.0f} s] {text}", file=self.bar.fp)
+            self.bar.write(text, file=self.bar.fp)
+        else:
+            print(text, file=self.stream or sys.stderr, flush=True)
 
     def _show(self, refresh: bool = True) -> None:
         if self.bar is None:
@@ -68,3 +87,8 @@ class AutotuneProgress:
         count = f" {self.done}/{self.expected} trials" if self.expected else ""
         failed = f", {self.failed} failed" if self.failed else ""
         self.bar.set_postfix_str(f"{self.phase_name}{count}{failed}", refresh=refresh)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
