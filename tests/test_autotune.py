@@ -646,3 +646,25 @@ def test_autotune_fails_at_once_naming_an_unusable_output(tmp_path, capsys, wher
     assert code == 2 and "profiling" not in err, err
     assert (f"cannot make the report folder {report}" in err if where == "report"
             else "(--store, or the config's autotune: store:)" in err), err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("spec, message", [
+    (None, "cannot read the cluster spec {spec}: No such file or directory"),  # a traceback before
+    ("nodes: 1\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n",
+     "the cluster has 1 worker(s); autotuning synchronization needs at least 2"),  # only after profiling before
+    ("nodes: 2\nworkers_per_node: [2, 1]\ninter_node_bandwidth: 1gbit\n",
+     "got [2, 1] (a spec's nodes hold equal numbers of workers"),
+])
+def test_autotune_refuses_a_cluster_spec_it_cannot_use_before_profiling(tmp_path, capsys, spec, message):
+    """A mistyped spec path, a spec of one worker or of uneven hosts: one line, exit code 2, nothing started."""
+    from hybridsync.cli import run_main
+    path = tmp_path / "cluster.yaml"
+    if spec is not None:
+        path.write_text(spec)
+    code = run_main(["--autotune", "--cluster", str(path), "--autotune-report", str(tmp_path / "report"),
+                     "--store", f"sqlite:///{tmp_path / 'trials.db'}", "-np", "1", "python",
+                     str(tmp_path / "never_run.py")])
+    err = capsys.readouterr().err
+    assert code == 2 and "profiling" not in err and "Traceback" not in err, err
+    assert err.startswith("hybridsync-run: error: ") and message.format(spec=path) in err, err

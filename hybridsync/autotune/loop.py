@@ -651,10 +651,15 @@ def diverse(ranked: Iterable[tuple[float, Strategy]], count: int, sizes: Mapping
     return sorted(picks, key=lambda item: item[0])
 
 
-def check_fits(description: ModelDescription, cluster: ClusterSpec) -> None:
-    """``ValueError`` now, not after a job started, if the cluster cannot run the model at all."""
+def check_cluster(cluster: ClusterSpec) -> None:
+    """``ValueError`` if the cluster has no synchronization to tune: what can be checked before profiling."""
     if cluster.num_workers < 2:
         raise ValueError(f"the cluster has {cluster.num_workers} worker(s); autotuning synchronization needs at "
                          f"least 2 (nodes x workers_per_node)")
+
+
+def check_fits(description: ModelDescription, cluster: ClusterSpec) -> None:
+    """``ValueError`` now, not after a job started, if the cluster cannot run the model at all."""
+    check_cluster(cluster)
     if not description.variables:
         raise ValueError(f"{description.name or 'model description'}: has no variables to synchronize")

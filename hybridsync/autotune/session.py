@@ -12,12 +12,16 @@ if TYPE_CHECKING:  # the loop needs numpy and the search; `hybridsync --help` mu
 
 
 def load_cluster(path: str) -> Any:
-    """A ``ClusterSpec`` from a spec YAML or from a run config's ``hybridsync: cluster:``."""
+    """A ``ClusterSpec`` from a spec YAML or from a run config's ``hybridsync: cluster:``;
+    ``ValueError`` naming the file when it cannot be read (a mistyped path was a traceback)."""
     import yaml
 
     from hybridsync.cluster.spec import ClusterSpec
-    with open(path, encoding="utf-8") as handle:
-        doc = yaml.safe_load(handle) or {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = yaml.safe_load(handle) or {}
+    except OSError as error:
+        raise ValueError(f"cannot read the cluster spec {path}: {error.strerror or error}") from None
     if isinstance(doc, dict) and isinstance(doc.get("hybridsync"), dict):
         from hybridsync.run.config import load_run_config
         spec = load_run_config(path).cluster
