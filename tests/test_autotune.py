@@ -668,3 +668,60 @@ def test_autotune_refuses_a_cluster_spec_it_cannot_use_before_profiling(tmp_path
     err = capsys.readouterr().err
     assert code == 2 and "profiling" not in err and "Traceback" not in err, err
     assert err.startswith("hybridsync-run: error: ") and message.format(spec=path) in err, err
+
+
+@pytest.mark.unit
+def test_the_confirmation_and_the_runoff_leave_no_temporary_folder(tmp_path, monkeypatch):
+    """Each autotune left a hybridsync-confirm-* (without a confirm store) and a hybridsync-runoff-*
+    folder in /tmp, with its store, for ever; they are read once, then removed."""
+    import tempfile
+    from hybridsync.autotune import loop
+    from hybridsync.description import load_description
+    from hybridsync.trials.candidates import Candidate
+    from hybridsync.trials.store import TrialStore
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    clock = [0.0]
+    settings = AutotuneSettings(trial_budget=14, per_round=4, search_budget=100, calibrate=False)
+    tuner = loop.Autotuner(description=load_description(DESCRIPTIONS / "vgg.json"), cluster=CLUSTER,
+                           store=TrialStore(str(tmp_path / "t.db")), settings=settings, progress=False,
+                           runner_for=lambda protocol, store: _ClockedJobs(store, tuner, clock, per_trial_s=1.0))
+    result = tuner.run()
+    assert result.confirmed_s and list(scratch.iterdir()) == []
+    lineup = [Candidate(kind=kind, strategy=Strategy.from_dict({"version": 1, "default": {"route": route}}))
+              for kind, route in (("search:top1", "ps"), ("baseline:allreduce", "allreduce"))]
+    times = {"search:top1": [0.15] * 8, "baseline:allreduce": [0.16] * 8}
+    tuner.runner_for = lambda protocol, store: _DriftingJob(store, tuner, times)
+    tuner.seconds["confirm"] = 8.0
+    found = tuner._runoff(lineup, {"kind": "search:top1", "step_s": 0.15, "over": "baseline:allreduce", "p": 0.3},
+                          10.0)[2]
+    assert found["passes"] == 8 and list(scratch.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_a_budget_the_rivals_fill_says_that_nothing_else_was_measured(tmp_path):
+    """A budget of 10 on a model with 10 rivals measured the rivals alone and named a baseline the
+    winner without a word on the hand mixes and search strategies it never tried."""
+    from hybridsync.autotune import loop
+    from hybridsync.description import load_description
+    from hybridsync.trials.store import TrialStore
+
+    def autotune(extra: int, name: str):
+        clock = [0.0]
+        tuner = loop.Autotuner(description=load_description(DESCRIPTIONS / "vgg.json"), cluster=CLUSTER,
+                               store=TrialStore(str(tmp_path / name)), progress=False,
+                               settings=AutotuneSettings(trial_budget=1, per_round=4, search_budget=100, calibrate=False),
+                               runner_for=lambda protocol, store: _ClockedJobs(store, tuner, clock, per_trial_s=1.0))
+        tuner.settings = dataclasses.replace(tuner.settings, trial_budget=len(tuner.references) + extra)
+        return tuner.run(), len(tuner.references)
+
+    result, rivals = autotune(0, "rivals.db")
+    assert not any(t.kind.startswith("search:") for t in result.trials)
+    assert result.rivals_only == (f"the trial budget ({rivals}) measures only the {rivals} rivals: no hand-made mix "
+                                  f"or search strategy will be; a budget of at least {rivals + 4} measures a round "
+                                  "of them")
+    assert f"Budget: {result.rivals_only}." in markdown(to_dict(result))
+    result, _ = autotune(4, "round.db")
+    assert any(t.kind.startswith("search:") for t in result.trials) and result.rivals_only is None
+    assert "Budget:" not in markdown(to_dict(result))

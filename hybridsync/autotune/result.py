@@ -77,6 +77,9 @@ class AutotuneResult:
     """The second job that measured such a lead again, pass by pass beside its rival
     (``{"kind", "over", "passes", "ratio", "p", "taken", "step_s"}``, or ``{"kind", "over", "skipped"}``
     when it would have run past the time limit); ``taken``: the lead held, and the search strategy won."""
+    rivals_only: str | None = None
+    """Set when the trial budget was spent on the rivals alone (no hand-made mix or search strategy
+    measured): why, and the budget that would measure a round of them."""
     rounds_cut: dict[str, Any] | None = None
     """Set when ``AutotuneSettings.time_limit_s`` stopped the rounds short of the trial budget:
     ``measured`` strategies of the ``budget``, and ``why`` (the seconds the loop expected)."""
