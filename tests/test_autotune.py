@@ -170,6 +170,11 @@ def test_a_report_whose_rival_won_names_the_next_fair_rival():
     assert doc["runner_up_rival"] == {"kind": "baseline:allreduce", "step_s": 0.20}
     assert ("Next fair rival: baseline:allreduce, 200.0 ms: the winner is **1.18x** as fast."
             in markdown(doc))
+    assert rival_won.verdict().startswith("winner baseline:horovod-hierarchical-fp16, 170.0 ms per step (a rival: "
+                                          "nothing measured beat it); next fair rival baseline:allreduce 200.0 ms: "
+                                          "1.18x ("), rival_won.verdict()
+    assert a_result().verdict().startswith("winner search:top1, 150.0 ms per step; best fair rival "
+                                           "baseline:horovod-hierarchical-fp16 170.0 ms: 1.13x ("), a_result().verdict()
 
 
 @pytest.mark.unit
