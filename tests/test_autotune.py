@@ -170,6 +170,11 @@ def test_a_report_whose_rival_won_names_the_next_fair_rival():
     assert doc["runner_up_rival"] == {"kind": "baseline:allreduce", "step_s": 0.20}
     assert ("Next fair rival: baseline:allreduce, 200.0 ms: the winner is **1.18x** as fast."
             in markdown(doc))
+    assert rival_won.verdict().startswith("winner baseline:horovod-hierarchical-fp16, 170.0 ms per step (a rival: "
+                                          "nothing measured beat it); next fair rival baseline:allreduce 200.0 ms: "
+                                          "1.18x ("), rival_won.verdict()
+    assert a_result().verdict().startswith("winner search:top1, 150.0 ms per step; best fair rival "
+                                           "baseline:horovod-hierarchical-fp16 170.0 ms: 1.13x ("), a_result().verdict()
 
 
 @pytest.mark.unit
@@ -667,3 +672,82 @@ def test_autotune_fails_at_once_naming_an_unusable_output(tmp_path, capsys, wher
     assert code == 2 and "profiling" not in err, err
     assert (f"cannot make the report folder {report}" in err if where == "report"
             else "(--store, or the config's autotune: store:)" in err), err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("spec, message", [
+    (None, "cannot read the cluster spec {spec}: No such file or directory"),  # a traceback before
+    ("nodes: 1\nworkers_per_node: 1\ninter_node_bandwidth: 1gbit\n",
+     "the cluster has 1 worker(s); autotuning synchronization needs at least 2"),  # only after profiling before
+    ("nodes: 2\nworkers_per_node: [2, 1]\ninter_node_bandwidth: 1gbit\n",
+     "got [2, 1] (a spec's nodes hold equal numbers of workers"),
+])
+def test_autotune_refuses_a_cluster_spec_it_cannot_use_before_profiling(tmp_path, capsys, spec, message):
+    """A mistyped spec path, a spec of one worker or of uneven hosts: one line, exit code 2, nothing started."""
+    from hybridsync.cli import run_main
+    path = tmp_path / "cluster.yaml"
+    if spec is not None:
+        path.write_text(spec)
+    code = run_main(["--autotune", "--cluster", str(path), "--autotune-report", str(tmp_path / "report"),
+                     "--store", f"sqlite:///{tmp_path / 'trials.db'}", "-np", "1", "python",
+                     str(tmp_path / "never_run.py")])
+    err = capsys.readouterr().err
+    assert code == 2 and "profiling" not in err and "Traceback" not in err, err
+    assert err.startswith("hybridsync-run: error: ") and message.format(spec=path) in err, err
+
+
+@pytest.mark.unit
+def test_the_confirmation_and_the_runoff_leave_no_temporary_folder(tmp_path, monkeypatch):
+    """Each autotune left a hybridsync-confirm-* (without a confirm store) and a hybridsync-runoff-*
+    folder in /tmp, with its store, for ever; they are read once, then removed."""
+    import tempfile
+    from hybridsync.autotune import loop
+    from hybridsync.description import load_description
+    from hybridsync.trials.candidates import Candidate
+    from hybridsync.trials.store import TrialStore
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    clock = [0.0]
+    settings = AutotuneSettings(trial_budget=14, per_round=4, search_budget=100, calibrate=False)
+    tuner = loop.Autotuner(description=load_description(DESCRIPTIONS / "vgg.json"), cluster=CLUSTER,
+                           store=TrialStore(str(tmp_path / "t.db")), settings=settings, progress=False,
+                           runner_for=lambda protocol, store: _ClockedJobs(store, tuner, clock, per_trial_s=1.0))
+    result = tuner.run()
+    assert result.confirmed_s and list(scratch.iterdir()) == []
+    lineup = [Candidate(kind=kind, strategy=Strategy.from_dict({"version": 1, "default": {"route": route}}))
+              for kind, route in (("search:top1", "ps"), ("baseline:allreduce", "allreduce"))]
+    times = {"search:top1": [0.15] * 8, "baseline:allreduce": [0.16] * 8}
+    tuner.runner_for = lambda protocol, store: _DriftingJob(store, tuner, times)
+    tuner.seconds["confirm"] = 8.0
+    found = tuner._runoff(lineup, {"kind": "search:top1", "step_s": 0.15, "over": "baseline:allreduce", "p": 0.3},
+                          10.0)[2]
+    assert found["passes"] == 8 and list(scratch.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_a_budget_the_rivals_fill_says_that_nothing_else_was_measured(tmp_path):
+    """A budget of 10 on a model with 10 rivals measured the rivals alone and named a baseline the
+    winner without a word on the hand mixes and search strategies it never tried."""
+    from hybridsync.autotune import loop
+    from hybridsync.description import load_description
+    from hybridsync.trials.store import TrialStore
+
+    def autotune(extra: int, name: str):
+        clock = [0.0]
+        tuner = loop.Autotuner(description=load_description(DESCRIPTIONS / "vgg.json"), cluster=CLUSTER,
+                               store=TrialStore(str(tmp_path / name)), progress=False,
+                               settings=AutotuneSettings(trial_budget=1, per_round=4, search_budget=100, calibrate=False),
+                               runner_for=lambda protocol, store: _ClockedJobs(store, tuner, clock, per_trial_s=1.0))
+        tuner.settings = dataclasses.replace(tuner.settings, trial_budget=len(tuner.references) + extra)
+        return tuner.run(), len(tuner.references)
+
+    result, rivals = autotune(0, "rivals.db")
+    assert not any(t.kind.startswith("search:") for t in result.trials)
+    assert result.rivals_only == (f"the trial budget ({rivals}) measures only the {rivals} rivals: no hand-made mix "
+                                  f"or search strategy will be; a budget of at least {rivals + 4} measures a round "
+                                  "of them")
+    assert f"Budget: {result.rivals_only}." in markdown(to_dict(result))
+    result, _ = autotune(4, "round.db")
+    assert any(t.kind.startswith("search:") for t in result.trials) and result.rivals_only is None
+    assert "Budget:" not in markdown(to_dict(result))

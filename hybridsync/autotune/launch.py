@@ -84,7 +84,7 @@ def _run(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
 
 def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
     """Flags over the config's ``hybridsync:`` section; ``ValueError`` for what cannot work."""
-    from hybridsync.autotune.loop import AutotuneSettings
+    from hybridsync.autotune.loop import AutotuneSettings, check_cluster
     from hybridsync.autotune.session import load_cluster
     from hybridsync.run.config import RunConfig, load_run_config
     from hybridsync.trials.store import DEFAULT_STORE
@@ -95,6 +95,7 @@ def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
     if cluster is None:
         raise ValueError("--autotune needs the cluster's spec (shape, inter-node bandwidth, servers per host): "
                          "give --cluster SPEC.yaml or a hybridsync: cluster: section in --config-file")
+    check_cluster(cluster)  # before the profile: a 1-worker spec was refused only once profiling was done
     if cluster.num_workers != job.num_proc:
         raise ValueError(f"the cluster spec has {cluster.num_workers} workers ({cluster.nodes} nodes x "
                          f"{cluster.workers_per_node}) but -np is {job.num_proc}")

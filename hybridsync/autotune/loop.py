@@ -189,6 +189,9 @@ class Autotuner:
         self._calibrate()
         self._refit()  # trials of this model and cluster already in the store (a resumed run) count
         references = self.references
+        rivals_only = self._rivals_only()
+        if rivals_only is not None:
+            self.progress.line(rivals_only)
         round_index, cut_by_time = 0, None
         while True:
             left = self.settings.trial_budget - len(self._measured())
@@ -225,10 +228,20 @@ class Autotuner:
             confirmed_s=confirmed, confirmed_repeats_s=repeats, unresolved_lead=unresolved_lead, runoff=runoff,
             trial_s={c.kind: self.levels.strategy_s[c.fingerprint] for c in lineup if c.fingerprint in self.levels.strategy_s},
             not_runnable=dict(self.not_runnable), exact=self.settings.exact, seconds=dict(self.seconds),
-            rounds_cut=None if cut_by_time is None else {"measured": len(self._measured()),
+            rivals_only=rivals_only, rounds_cut=None if cut_by_time is None else {"measured": len(self._measured()),
                                                          "budget": self.settings.trial_budget, "why": cut_by_time},
             job_levels={job: {"level": level.level, "drift_per_min": level.drift_per_min, "trials": level.trials}
                         for job, level in self.levels.jobs.items()})
+
+    def _rivals_only(self) -> str | None:
+        """Why the trial budget leaves nothing to tune (``None``: it does not). The rivals count against
+        the budget and are measured first: a budget of 10 with 10 rivals picked the fastest baseline and
+        said nothing about the hand-made mixes and search strategies it never measured."""
+        rivals, budget = len(self.references), self.settings.trial_budget
+        if budget > rivals:
+            return None
+        return (f"the trial budget ({budget}) measures only the {rivals} rivals: no hand-made mix or search "
+                f"strategy will be; a budget of at least {rivals + self.settings.per_round} measures a round of them")
 
     # --- steps ------------------------------------------------------------------------------
     def _records(self) -> list[TrialRecord]:
@@ -438,9 +451,9 @@ class Autotuner:
                       for i, (_, s) in enumerate(self._best_measured(self.settings.confirm_top))]
         lineup = self._fastest_references() + contenders
         schedule = shuffled_passes(lineup, self.settings.confirm_repeats, self.rng)
-        own_store = self.confirm_store is None  # a temporary store, closed once read
-        store = self.confirm_store or TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-confirm-"), "confirm.db"))
-        with store if own_store else contextlib.nullcontext(store):
+        with contextlib.ExitStack() as stack:  # without a confirm_store: a temporary one, removed once read
+            store = self.confirm_store or stack.enter_context(TrialStore(os.path.join(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridsync-confirm-")), "confirm.db")))
             started = time.monotonic()
             self.progress.phase(f"confirmation of {len(lineup)}", expected=len(schedule))
             self.runner_for(self.settings.confirm_protocol, store).run(schedule, self._confirmation_trial)
@@ -499,7 +512,8 @@ class Autotuner:
         schedule = shuffled_passes([leader, rival], passes, self.rng)
         started = time.monotonic()
         self.progress.phase(f"runoff {leader.kind} vs {rival.kind}", expected=len(schedule))
-        with TrialStore(os.path.join(tempfile.mkdtemp(prefix="hybridsync-runoff-"), "runoff.db")) as store:
+        with tempfile.TemporaryDirectory(prefix="hybridsync-runoff-") as folder, \
+                TrialStore(os.path.join(folder, "runoff.db")) as store:  # read here, then removed
             self.runner_for(self.settings.confirm_protocol, store).run(schedule, self._confirmation_trial)
             records = store.trials(model=self.model, cluster=self.cluster.to_dict())
         self.seconds["runoff"] = time.monotonic() - started
@@ -651,10 +665,15 @@ def diverse(ranked: Iterable[tuple[float, Strategy]], count: int, sizes: Mapping
     return sorted(picks, key=lambda item: item[0])
 
 
-def check_fits(description: ModelDescription, cluster: ClusterSpec) -> None:
-    """``ValueError`` now, not after a job started, if the cluster cannot run the model at all."""
+def check_cluster(cluster: ClusterSpec) -> None:
+    """``ValueError`` if the cluster has no synchronization to tune: what can be checked before profiling."""
     if cluster.num_workers < 2:
         raise ValueError(f"the cluster has {cluster.num_workers} worker(s); autotuning synchronization needs at "
                          f"least 2 (nodes x workers_per_node)")
+
+
+def check_fits(description: ModelDescription, cluster: ClusterSpec) -> None:
+    """``ValueError`` now, not after a job started, if the cluster cannot run the model at all."""
+    check_cluster(cluster)
     if not description.variables:
         raise ValueError(f"{description.name or 'model description'}: has no variables to synchronize")

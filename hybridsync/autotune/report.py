@@ -40,6 +40,7 @@ def to_dict(result: AutotuneResult) -> dict[str, Any]:
         "runner_up_rival": None if runner_up is None else {"kind": runner_up[0], "step_s": runner_up[1]},
         "unresolved_lead": result.unresolved_lead,
         "runoff": result.runoff,
+        "rivals_only": result.rivals_only,
         "rounds_cut": result.rounds_cut,
         "not_runnable": dict(result.not_runnable),
         "speedups": {kind: result.speedup_over(kind) for kind in sorted(result.confirmed_s)},
@@ -86,6 +87,8 @@ def markdown(doc: dict[str, Any]) -> str:
                      "one only on a lead the confirmation job resolves, or a runoff job confirms).")
     if doc.get("runoff"):
         lines.append(f"Runoff: {runoff_text(doc['runoff'])}.")
+    if doc.get("rivals_only"):
+        lines.append(f"Budget: {doc['rivals_only']}.")
     if doc.get("rounds_cut"):
         cut = doc["rounds_cut"]
         lines.append(f"Time limit: the rounds stopped at {cut['measured']} of {cut['budget']} strategies "

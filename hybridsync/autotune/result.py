@@ -77,6 +77,9 @@ class AutotuneResult:
     """The second job that measured such a lead again, pass by pass beside its rival
     (``{"kind", "over", "passes", "ratio", "p", "taken", "step_s"}``, or ``{"kind", "over", "skipped"}``
     when it would have run past the time limit); ``taken``: the lead held, and the search strategy won."""
+    rivals_only: str | None = None
+    """Set when the trial budget was spent on the rivals alone (no hand-made mix or search strategy
+    measured): why, and the budget that would measure a round of them."""
     rounds_cut: dict[str, Any] | None = None
     """Set when ``AutotuneSettings.time_limit_s`` stopped the rounds short of the trial budget:
     ``measured`` strategies of the ``budget``, and ``why`` (the seconds the loop expected)."""
@@ -156,10 +159,16 @@ class AutotuneResult:
         return out
 
     def verdict(self) -> str:
-        """One line: the winner, its speedup and the rival it is over (and why that rival is the fair one)."""
-        best = self.best_rival
-        line = f"winner {self.winner_kind}, {self.confirmed_s[self.winner_kind] * 1e3:.1f} ms per step"
-        if best is not None:
+        """One line: the winner, its speedup and the rival it is over (and why that rival is the fair one).
+        A rival that won is its own best fair rival: the line then names the next one it beat, as the
+        report does (it read "winner X ...; best fair rival X ...: 1.00x", naming nothing it beat)."""
+        best, runner_up = self.best_rival, self.runner_up_rival
+        winner_s = self.confirmed_s[self.winner_kind]
+        line = f"winner {self.winner_kind}, {winner_s * 1e3:.1f} ms per step"
+        if best is not None and best[0] == self.winner_kind and runner_up is not None and runner_up != best:
+            line += (f" (a rival: nothing measured beat it); next fair rival {runner_up[0]} "
+                     f"{runner_up[1] * 1e3:.1f} ms: {runner_up[1] / winner_s:.2f}x")
+        elif best is not None:
             line += f"; best fair rival {best[0]} {best[1] * 1e3:.1f} ms: {self.speedup:.2f}x"
         line += f" ({rival_rule(self)})"
         line += f"; {lead_text(self.unresolved_lead)}" if self.unresolved_lead else ""

@@ -3,6 +3,7 @@ the model description, the cluster, where trials run, and the loop with its repo
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from typing import TYPE_CHECKING, Any, Sequence
@@ -12,12 +13,16 @@ if TYPE_CHECKING:  # the loop needs numpy and the search; `hybridsync --help` mu
 
 
 def load_cluster(path: str) -> Any:
-    """A ``ClusterSpec`` from a spec YAML or from a run config's ``hybridsync: cluster:``."""
+    """A ``ClusterSpec`` from a spec YAML or from a run config's ``hybridsync: cluster:``;
+    ``ValueError`` naming the file when it cannot be read (a mistyped path was a traceback)."""
     import yaml
 
     from hybridsync.cluster.spec import ClusterSpec
-    with open(path, encoding="utf-8") as handle:
-        doc = yaml.safe_load(handle) or {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = yaml.safe_load(handle) or {}
+    except OSError as error:
+        raise ValueError(f"cannot read the cluster spec {path}: {error.strerror or error}") from None
     if isinstance(doc, dict) and isinstance(doc.get("hybridsync"), dict):
         from hybridsync.run.config import load_run_config
         spec = load_run_config(path).cluster
@@ -78,12 +83,15 @@ def workload_for(model: str | None, command: Sequence[str]) -> Any:
 def autotune(description: Any, cluster: Any, *, target: Any, workload: Any, settings: "AutotuneSettings",
              store_url: str, report_dir: str, simulator: str | None = None, workdir: str | None = None) -> "AutotuneResult":
     """Runs the autotune loop on ``target`` (entered by the caller: it lives as long as the caller
-    needs the cluster) and writes the report into ``report_dir``; returns the result."""
+    needs the cluster) and writes the report into ``report_dir``; returns the result. Without a
+    ``workdir``, the trial jobs' schedules, logs and confirmation store go to a temporary folder,
+    removed when every trial ran; kept, and named in the summary, when one failed (its log says why)."""
     from hybridsync.autotune.loop import Autotuner
     from hybridsync.autotune.report import write_report
     from hybridsync.description import description_id
     from hybridsync.trials.runner import TrialRunner, ZooWorkload
     from hybridsync.trials.store import TrialStore
+    temporary = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="hybridsync-autotune-")
     desc_id = description_id(description)
     name = description.name or "model"
@@ -98,10 +106,15 @@ def autotune(description: Any, cluster: Any, *, target: Any, workload: Any, sett
                           with_horovod=isinstance(workload, ZooWorkload), confirm_store=confirm_store)
         result = tuner.run()
     write_report(result, report_dir)
+    failed = any(t.measured_s is None for t in result.trials)
+    if temporary and not failed:
+        shutil.rmtree(workdir, ignore_errors=True)
     tau, resolved = result.kendall_tau, result.resolved_tau
     print(f"autotune: {result.verdict()}; trials vs confirmation Kendall tau "
           f"{'-' if tau is None else f'{tau:.2f}'} (over the pairs it resolves: "
           f"{'-' if resolved is None else f'{resolved:.2f}'}); {len(result.trials)} trials, "
-          f"{result.seconds['total']:.0f} s; report in {report_dir}")
+          f"{result.seconds['total']:.0f} s; report in {report_dir}"
+          + (f"; the trial jobs' logs in {workdir}" if failed else "")
+          + (f"\nautotune: {result.rivals_only}" if result.rivals_only else ""))
     return result
 

@@ -165,6 +165,9 @@ def _field_errors(values: Mapping[str, Any]) -> list[str]:
     for name, ok in checks.items():
         if name in values and not ok(values[name]):
             errors.append(f"{name} must be {expected[name]}, got {values[name]!r}")
+            if name == "workers_per_node" and isinstance(values[name], (list, tuple, Mapping)):
+                errors[-1] += (" (a spec's nodes hold equal numbers of workers, as hierarchical all-reduce "
+                               "needs: uneven hosts cannot be described)")
     if "inter_node_bandwidth" in values:
         try:
             parse_bandwidth(values["inter_node_bandwidth"])

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -57,8 +58,13 @@ def run_calibration(target: Any, *, workdir: str | None = None, repeats: int = 5
                     timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
     """Runs the calibration worker on every rank of an entered job target (``trials.jobs``) and
     returns rank 0's document; ``RuntimeError`` with the job's log tail if it fails or outlives
-    ``timeout_s``. The job is stopped, whole, in every case."""
-    workdir = workdir or tempfile.mkdtemp(prefix="hybridsync-calibration-")
+    ``timeout_s``. The job is stopped, whole, in every case; a temporary ``workdir`` (none given)
+    is removed once read, and kept, with the log the error names, when the job failed."""
+    if workdir is None:
+        folder = tempfile.mkdtemp(prefix="hybridsync-calibration-")
+        document = run_calibration(target, workdir=folder, repeats=repeats, sizes=sizes, timeout_s=timeout_s)
+        shutil.rmtree(folder, ignore_errors=True)
+        return document
     os.makedirs(workdir, exist_ok=True)
     results, log_path = os.path.join(workdir, "calibration.json"), os.path.join(workdir, "calibration.log")
     command, env = calibration_job(results, repeats=repeats, sizes=sizes)
