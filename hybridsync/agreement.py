@@ -112,6 +112,10 @@ def _strategy_problem(everyone: list[dict[str, Any]], ranks: list[int], switchin
     if switching:
         return (f"ranks disagree on the strategy passed to set_strategy() ({table}); every rank must call "
                 f"set_strategy() with the same strategy at the same step.")
+    if len({s for s, _, _ in keys}) == 1 and len({i for _, _, i in keys}) == 1:
+        return (f"ranks disagree on the synchronization strategy ({table}): the same strategy gives the ranks "
+                f"different routing plans, so their models differ (parameter names, shapes or dtypes). Every "
+                f"rank must build the same model.")
     return (f"ranks disagree on the synchronization strategy ({table}). Every rank must load the same strategy "
             f"file ({envvars.STRATEGY}={os.environ.get(envvars.STRATEGY)!r} here), build the same model and "
             f"create the same DistributedOptimizers in the same order.")

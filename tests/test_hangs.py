@@ -30,10 +30,10 @@ GONE_WITHIN_S = 20
 
 
 def rank_records(case: str, tmp_path: Path, launcher: str = "horovodrun", env: dict | None = None,
-                 prefix_argv: list[str] | None = None) -> list[dict]:
+                 prefix_argv: list[str] | None = None, timeout: float = JOB_TIMEOUT_S) -> list[dict]:
     prefix = tmp_path / case
     argv = (prefix_argv or launcher_argv(launcher)) + [sys.executable, str(WORKER), case, str(prefix)]
-    proc = run_job(argv, timeout=JOB_TIMEOUT_S, env=env)
+    proc = run_job(argv, timeout=timeout, env=env)
     files = [Path(f"{prefix}.rank{r}.json") for r in range(2)]
     assert all(f.exists() for f in files), proc.stdout[-6000:]
     records = [json.loads(f.read_text()) for f in files]
@@ -87,6 +87,23 @@ def test_a_rank_whose_loop_ends_early_on_the_parameter_server_route_fails_the_ot
     assert records[0]["type"] == "PSServerError", records[0]
     for text in ("worker1 left the job", "while worker0 waited for its push in step 2", "different numbers of steps"):
         assert text in records[0]["message"], records[0]["message"]
+    assert records[0]["seconds"] < DETECTED_WITHIN_S, f"rank 0 failed {records[0]['seconds']:.1f} s after"
+
+
+@pytest.mark.parametrize("gloo", [True, False], ids=["gloo", "mpirun"])
+def test_a_rank_whose_code_raises_on_the_parameter_server_route_fails_the_others_within_seconds(gloo, tmp_path):
+    """Rank 1's own code raises where rank 0 calls set_strategy() (a Horovod all-gather). Before,
+    rank 1's exit handlers said goodbye to the servers first, and that farewell waits for every
+    worker to leave, while rank 0 waited for rank 1 in the all-gather: both hung (rank 1 up to the
+    farewell's 300 s). Now Horovod shuts down first, as in a job without servers: rank 0 fails at once."""
+    strategy = tmp_path / "ps.json"
+    strategy.write_text(json.dumps({"version": 1, "default": {"route": "ps", "protocol": "bsp"}}))
+    records = rank_records("user_error", tmp_path, prefix_argv=[
+        str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", *(["--gloo"] if gloo else []),
+        "--strategy", str(strategy)], timeout=90)
+    assert records[1]["type"] == "UserCodeError", records[1]
+    assert records[0]["type"] == "HorovodInternalError", records[0]
+    assert "Horovod has been shut down" in records[0]["message"], records[0]
     assert records[0]["seconds"] < DETECTED_WITHIN_S, f"rank 0 failed {records[0]['seconds']:.1f} s after"
 
 

@@ -67,6 +67,8 @@ EXPECTED_ERRORS = {
     "sparse_on_one_rank": ("ValueError", "ranks disagree on which gradients are sparse: 0.weight (sparse on "
                                          "ranks [0], dense on ranks [1])"),
     "too_many_backward_passes": ("AssertionError", "more than backward_passes_per_step"),
+    "model_differs_on_one_rank": ("ValueError", "the same strategy gives the ranks different routing plans, so "
+                                                "their models differ (parameter names, shapes or dtypes)"),
 }
 
 

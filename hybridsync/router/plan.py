@@ -120,9 +120,12 @@ class RoutingPlan:
     """For variable i, the indices of the messages its gradient is part of."""
 
     def fingerprint(self) -> str:
-        """Hash of every message's name, route settings and pieces: equal plans hash equally."""
-        doc = [[m.name, m.config.to_dict(), [[p.var_name, p.start, p.stop, *(["rows"] if p.rows else [])]
-                                              for p in m.pieces]] for m in self.messages]
+        """Hash of every message's name, route settings and pieces (with their sizes and element types):
+        equal plans hash equally, and ranks whose models differ only in a width (a variable with as many
+        rows but other columns) do not, since the hierarchical route would sum their gradients silently."""
+        doc = [[m.name, m.config.to_dict(), [[p.var_name, p.start, p.stop, p.numel, p.dtype,
+                                               *(["rows"] if p.rows else [])] for p in m.pieces]]
+               for m in self.messages]
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def parameter_syncs(self) -> list[tuple[int | None, list[tuple[str, Piece, int | None]]]]:

@@ -145,6 +145,16 @@ def wrapped_twice() -> None:
     hs.DistributedOptimizer(inner, named_parameters=m.named_parameters())
 
 
+def model_differs_on_one_rank():
+    """Rank 1's first layer takes 6 inputs, rank 0's 4: the same parameter names and rows, other sizes.
+    Before, the ranks agreed (the plan hashed rows only), and the hierarchical route summed the
+    different gradients silently."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4 + 2 * hvd.rank(), 8), nn.ReLU(), nn.Linear(8, 2))
+    hs.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                            strategy={"default": {"route": "allreduce", "algorithm": "hierarchical"}})
+
+
 CASES = {
     "fingerprint_mismatch": rank_dependent_strategy,
     "two_optimizers_share_a_strategy": two_optimizers_share_a_strategy,
@@ -168,6 +178,7 @@ CASES = {
     "frozen_on_one_rank": frozen_on_one_rank,
     "backward_passes_differ": lambda: make(backward_passes_per_step=1 + hvd.rank()),
     "sparse_on_one_rank": sparse_on_one_rank,
+    "model_differs_on_one_rank": model_differs_on_one_rank,
     "too_many_backward_passes": too_many_backward_passes,
 }
 

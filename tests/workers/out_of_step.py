@@ -9,6 +9,8 @@ Cases:
 - ``freeze_after_build``: rank 1 freezes a parameter after the optimizer was built;
 - ``extra_optimizer``: rank 1 builds one more ``DistributedOptimizer`` than rank 0;
 - ``skip_step``: rank 1 skips ``optimizer.step()`` once;
+- ``user_error``: rank 1's own code raises where the others call ``set_strategy()``; its script
+  ends with that error (exit code 1, its exit handlers run), and so do the others' scripts;
 - ``sparse_no_gradient``: rank 1's sparse embedding gets no gradient in the first step (not
   an error: the ranks must agree to send sparse zeros), on the route of ``HYBRIDSYNC_STRATEGY``;
   records the embedding's gradient after the step, and the same with ``sparse_as_dense=True``;
@@ -100,6 +102,18 @@ def skip_step(model: Net, opt: torch.optim.Optimizer) -> None:
         step(model, opt)
 
 
+class UserCodeError(Exception):
+    """An error in the training script itself."""
+
+
+def user_error(model: Net, opt: torch.optim.Optimizer) -> None:
+    if hs.rank() == 1:
+        raise UserCodeError("rank 1's training code failed")
+    opt.set_strategy({"version": 1, "variables": {"fc1.weight": {"route": "allreduce", "partitions": 2}}})
+    for _ in range(3):
+        step(model, opt)
+
+
 def stop_early(model: Net, opt: torch.optim.Optimizer) -> None:
     """Rank 1's loop ends here, rank 0's runs on: rank 1 leaves at exit while rank 0 waits for it."""
     for _ in range(3 if hs.rank() == 0 else 0):
@@ -134,7 +148,8 @@ def rank0_elsewhere(prefix: str) -> None:
 
 
 CASES = {"skip_set_strategy": skip_set_strategy, "freeze_after_build": freeze_after_build,
-         "extra_optimizer": extra_optimizer, "skip_step": skip_step, "stop_early": stop_early}
+         "extra_optimizer": extra_optimizer, "skip_step": skip_step, "stop_early": stop_early,
+         "user_error": user_error}
 
 
 def main() -> None:
@@ -147,6 +162,8 @@ def main() -> None:
     with open(f"{prefix}.rank{hs.rank()}.json", "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
+    if case == "user_error":
+        sys.exit(1)  # as a script that raised: its exit handlers run (Horovod's shutdown, the PS farewell)
     if "OMPI_COMM_WORLD_SIZE" in os.environ:
         # mpirun ends every rank once one exits without MPI_Finalize: leave only when each rank's record
         # is written (one host), so that a slower rank is not killed before it writes its own (bounded).

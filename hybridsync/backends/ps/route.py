@@ -9,6 +9,7 @@ setting fails on every rank within seconds instead of leaving the others waiting
 """
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Sequence
 
@@ -48,7 +49,12 @@ def joined_client() -> ps_client.PSClient:
     if problems:
         others = f" ({len(problems)} of {hvd.size()} ranks reported a problem)" if len(problems) > 1 else ""
         raise RouteUnavailableError(f"{problems[0]}{others}; {_LAUNCH_HINT}")
-    return ps_client.init(worker_id=hvd.rank())
+    client = ps_client.init(worker_id=hvd.rank())
+    # At exit (handlers run last-registered first) Horovod shuts down before the client's farewell,
+    # which waits for every worker to leave: a rank that raised or ended its loop early must first
+    # fail the others' Horovod collectives (as in plain Horovod, at once), or each waits for the other.
+    atexit.register(hvd.shutdown)
+    return client
 
 
 def bsp_backend(namespace: str = "", client: ps_client.PSClient | None = None) -> ps_client.PSBackend:
