@@ -53,6 +53,25 @@ def run_job(argv: list[str], timeout: float = 240, env: dict | None = None) -> s
         pytest.fail(f"job did not finish within {timeout}s: {' '.join(argv)}\n{e.output}")
 
 
+def check_dropin_outcome(outcome: dict, tolerance: float, ranks_apart: bool = False) -> None:
+    """One pattern's outcome from a drop-in patterns worker (``workers/dropin_patterns.py``,
+    ``workers/tf_dropin_patterns.py``): hybridsync without a strategy (``none``) and with a mixed one
+    either fail as Horovod does, or keep their ranks equal (unless ``ranks_apart``), end where Horovod
+    does when Horovod's ranks agree, and the strategy changes nothing."""
+    horovod = outcome["horovod"]
+    for variant in ("none", "mixed"):
+        got = outcome[variant]
+        if "error" in got:
+            assert "error" in horovod and got["error"] == horovod["error"], (variant, got.get("trace"), horovod)
+            continue
+        if not ranks_apart:
+            assert got["diff_across_ranks"] <= tolerance, (variant, got)
+        if "diff_across_ranks" in horovod and horovod["diff_across_ranks"] <= tolerance:
+            assert got["diff_vs_horovod"] <= tolerance, (variant, got)
+        if variant == "mixed" and "error" not in outcome["none"]:
+            assert got["diff_vs_none"] <= tolerance, got
+
+
 _rank_results: dict[tuple[str, str], list[dict]] = {}
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, WORKERS, run_job
+from conftest import BIN, WORKERS, check_dropin_outcome, run_job
 
 sys.path.insert(0, str(WORKERS))
 from dropin_patterns import CASES  # noqa: E402
@@ -45,16 +45,4 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pattern_trains_as_horovod_does_or_better(case, tmp_path_factory):
-    tolerance = LOOSER.get(case, TOLERANCE)
-    outcome = results(tmp_path_factory)[case]
-    horovod = outcome["horovod"]
-    for variant in ("none", "mixed"):
-        got = outcome[variant]
-        if "error" in got:
-            assert "error" in horovod and got["error"] == horovod["error"], (variant, got.get("trace"), horovod)
-            continue
-        assert got["diff_across_ranks"] <= tolerance, (variant, got)
-        if "error" not in horovod and horovod["diff_across_ranks"] <= tolerance:
-            assert got["diff_vs_horovod"] <= tolerance, (variant, got)
-        if variant == "mixed" and "error" not in outcome["none"]:
-            assert got["diff_vs_none"] <= tolerance, got
+    check_dropin_outcome(results(tmp_path_factory)[case], LOOSER.get(case, TOLERANCE))

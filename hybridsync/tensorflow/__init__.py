@@ -87,24 +87,34 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor
 
 def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int) -> tf.Operation | None:
     """Assign rank ``root_rank``'s values to ``variables`` on every rank (e.g. after the first step,
-    once Keras has created them all), as ``horovod.tensorflow.broadcast_variables``."""
-    variables = list(variables)
+    once Keras has created them all), as ``horovod.tensorflow.broadcast_variables``.
 
-    def assign_all() -> list:
+    Inside ``tf.function`` it reads the variables and assigns them in the graph, as Horovod's does, so
+    TensorFlow orders it after the step's earlier updates of them (``apply_gradients``): it broadcasts
+    the updated values, and every later read sees the broadcast ones."""
+    variables = list(variables)
+    if not variables:
+        return None if tf.executing_eagerly() else tf.no_op()
+
+    def broadcast_all(*values: Any) -> list:
         from hybridsync.tensorflow.bridge import torch_copy
         hvd = horovod_torch("hybridsync.tensorflow.broadcast_variables")
         prefix = f"hybridsync.tf.broadcast_variables.{next(_NAMES)}"
-        values = [torch_copy(v) for v in variables]
-        handles = [hvd.broadcast_async_(t, root_rank, name=f"{prefix}.{i}") for i, t in enumerate(values)]
-        for variable, value, handle in zip(variables, values, handles):
+        copies = [torch_copy(v) for v in values]
+        handles = [hvd.broadcast_async_(t, root_rank, name=f"{prefix}.{i}") for i, t in enumerate(copies)]
+        for handle in handles:
             hvd.synchronize(handle)
-            variable.assign(value.numpy())
-        return []
+        return [c.numpy() for c in copies]
 
     if tf.executing_eagerly():
-        assign_all()
+        for variable, value in zip(variables, broadcast_all(*variables)):
+            variable.assign(value)
         return None
-    return tf.py_function(assign_all, [], [], name="hybridsync_broadcast_variables")
+    values = tf.py_function(broadcast_all, [tf.convert_to_tensor(v) for v in variables],
+                            [tf.as_dtype(v.dtype) for v in variables], name="hybridsync_broadcast_variables")
+    for variable, value in zip(variables, values):
+        value.set_shape(variable.shape)  # Keras 3 variables assign values of their own shape only
+    return tf.group(*[variable.assign(value) for variable, value in zip(variables, values)])
 
 
 def _through_torch(collective: Any, tensor: Any) -> tf.Tensor:

@@ -51,7 +51,7 @@ import torch
 
 from hybridsync import envvars
 from hybridsync.hooks import end_run
-from hybridsync.tensorflow.horovod_ops import HorovodRing, agreed, options_allow, plan_expressed
+from hybridsync.tensorflow.horovod_ops import HorovodRing, agreed, eager_zeros, options_allow, plan_expressed
 from hybridsync.tensorflow.layout import Layout, backward_groups, numpy_parts, torch_gradient
 from hybridsync.tensorflow.names import variable_names
 from hybridsync.horovod_options import SyncOptions
@@ -152,7 +152,7 @@ class GradientBridge:
                 # Eagerly each op would run alone and wait, one gradient at a time; traced, they run together
                 # and Horovod fuses them (Horovod's tape does the same eagerly). Traced per pattern of Nones.
                 self._horovod_eager = tf.function(
-                    lambda gradients: self._horovod.allreduce(gradients, self.variables, self.names))
+                    lambda gradients, zeros: self._horovod.allreduce_all(gradients, self.variables, self.names, zeros))
                 self.horovod_ring = expressed
             if allow_parameter_exchange:
                 with tf.init_scope():
@@ -173,7 +173,8 @@ class GradientBridge:
             return _densified(gradients) if self._sparse_as_dense else gradients
         if tf.executing_eagerly():
             if self.horovod_ring:  # Horovod's ops, as Horovod runs them eagerly: in a function of their own
-                return self._horovod_eager(_densified(gradients) if self._sparse_as_dense else gradients)
+                gradients = _densified(gradients) if self._sparse_as_dense else gradients
+                return self._horovod_eager(gradients, eager_zeros(gradients, self.variables))[0]
             synced = self._synchronize_now(gradients)
             self._end_if_run_finished()
             return synced

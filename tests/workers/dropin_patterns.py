@@ -26,13 +26,13 @@ STEPS = 6
 CASE_TIMEOUT_S = 120
 
 
-def mixed_strategy(named: list[tuple[str, nn.Parameter]]) -> dict:
-    """Every route and shape, cycling over the optimizer's trained variables: PS partitioned, a
-    hierarchical merge group, a PS merge group, hierarchical partitioned; the rest ring."""
+def mixed_strategy(shapes: list[tuple[str, tuple[int, ...]]]) -> dict:
+    """Every route and shape, cycling over the trained variables (name, shape): PS partitioned, a
+    hierarchical merge group, a PS merge group, hierarchical partitioned; the rest ring. (The TensorFlow
+    patterns, ``tf_dropin_patterns.py``, use it too.)"""
     variables = {}
-    trained = [(n, p) for n, p in named if p.requires_grad]
-    for i, (name, p) in enumerate(trained):
-        can_split = p.dim() > 0 and p.shape[0] >= 2
+    for i, (name, shape) in enumerate(shapes):
+        can_split = len(shape) > 0 and shape[0] >= 2
         kind = i % 6
         if kind == 0:
             variables[name] = {"route": "ps", **({"partitions": 2} if can_split else {})}
@@ -334,7 +334,8 @@ def maker(kind: str):
         if kind == "horovod":
             return hvd.DistributedOptimizer(base, named_parameters=named, **options)
         held = {id(p) for group in base.param_groups for p in group["params"]}
-        strategy = mixed_strategy([(n, p) for n, p in named if id(p) in held]) if kind == "mixed" else None
+        trained = [(n, tuple(p.shape)) for n, p in named if id(p) in held and p.requires_grad]
+        strategy = mixed_strategy(trained) if kind == "mixed" else None
         return hs.DistributedOptimizer(base, named_parameters=named, strategy=strategy, **options)
     return make
 

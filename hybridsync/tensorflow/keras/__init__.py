@@ -122,7 +122,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
                               process_set=process_set, scale_local_gradients=scale_local_gradients,
                               backward_passes_per_step=backward_passes_per_step, strategy=strategy)
     check_sync_policy(optimizer, options.strategy)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    # Not the mixin's own __dict__/__weakref__ descriptors: they refuse the optimizer's instances, and Keras 3's
+    # saving reads every object's __dict__ (model.save failed with a TypeError).
+    methods = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
@@ -137,4 +140,38 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     return wrapped
 
 
-__all__ = ["DistributedOptimizer", "callbacks"]
+def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None, compression: Any = None,
+               **options: Any) -> Any:
+    """A saved Keras model whose optimizer is wrapped in ``DistributedOptimizer`` (``compression`` and
+    ``options`` its arguments, ``strategy=`` included), as ``horovod.tensorflow.keras.load_model``: the
+    saved optimizer's state is picked up for training on. ``tf.keras.optimizers``' classes are found by name;
+    ``custom_optimizers``: other optimizer classes; ``custom_objects``: as Keras'."""
+    def wrapping(cls: type) -> type:
+        """A class (Keras 3 takes no function for an optimizer) whose ``from_config`` makes the wrapped one."""
+        def from_config(_: type, config: dict, custom_objects: Any = None) -> Any:
+            return DistributedOptimizer(cls.from_config(config), compression=compression, **options)
+        return type(cls.__name__, (cls,), {"from_config": classmethod(from_config)})
+
+    found = {name: cls for name, cls in vars(tf.keras.optimizers).items()
+             if isinstance(cls, type) and issubclass(cls, tf.keras.optimizers.Optimizer)}
+    found.update({cls.__name__: cls for cls in custom_optimizers or ()})
+    objects = {alias: wrapping(cls) for name, cls in found.items() for alias in (name, name.lower())}
+    objects.update(custom_objects or {})
+    return tf.keras.models.load_model(filepath, custom_objects=objects)
+
+
+_FROM_TENSORFLOW = {"init", "allreduce", "allgather", "broadcast", "broadcast_variables", "Compression", "Average",
+                    "Sum", "Adasum"}
+
+
+def __getattr__(name: str) -> Any:
+    """``hybridsync.tensorflow``'s functions (``init``, ``rank``, ``size``, ``allreduce``...) here too, as
+    ``horovod.tensorflow.keras`` has Horovod's: a script that imports it as ``hvd`` calls ``hvd.init()``."""
+    import hybridsync.tensorflow as hst
+    from hybridsync.frameworks import HOROVOD_PROCESS_FUNCTIONS
+    if name in _FROM_TENSORFLOW or name in HOROVOD_PROCESS_FUNCTIONS:
+        return getattr(hst, name)
+    raise AttributeError(f"module 'hybridsync.tensorflow.keras' has no attribute {name!r}")
+
+
+__all__ = ["DistributedOptimizer", "callbacks", "load_model"]
