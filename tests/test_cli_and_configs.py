@@ -1,7 +1,6 @@
 """The command line (explain, baseline) and the run configs in horovodrun_configs/."""
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +8,8 @@ from unittest import mock
 
 import pytest
 
-from hybridsync.cli import build_parser, main
+from conftest import every_help
+from hybridsync.cli import main
 from hybridsync.run.config import load_run_config
 from hybridsync.strategy import Strategy
 
@@ -117,21 +117,11 @@ def test_baseline_help_says_what_each_baseline_is(capsys):
     assert "invalid choice: 'parallax-typo'" in capsys.readouterr().err
 
 
-def _every_help(parser: argparse.ArgumentParser):
-    """The help text of a parser and of each of its subcommands, nested ones included."""
-    yield parser.prog, parser.format_help()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                yield from _every_help(sub)
-
-
 @pytest.mark.unit
 def test_every_help_is_plain_text(capsys):
     """What ``--help`` prints is for users: no reStructuredText markup from a module docstring."""
     from hybridsync.backends.ps import server
-    from hybridsync.run import cluster_cli
-    texts = dict(_every_help(build_parser())) | dict(_every_help(cluster_cli.build_parser()))
+    texts = every_help()
     with pytest.raises(SystemExit):
         server.main(["--help"])
     texts["hybridsync-server"] = capsys.readouterr().out

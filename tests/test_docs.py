@@ -8,6 +8,7 @@ before it is ``<!-- not-run: REASON -->``.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, WORKERS, launcher_argv, run_job
+from conftest import BIN, REPO, WORKERS, every_help, launcher_argv, run_job
 from hybridsync.run.procs import run_bounded
 
 DOC_FILES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
@@ -133,6 +134,30 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert "$ hybridsync-run --help" in cli and "--num-servers" in cli  # the hook ran
     api = (site / "reference" / "torch" / "index.html").read_text()
     assert "set_strategy" in api and "HYBRIDSYNC_STRATEGY" in api  # mkdocstrings rendered docstrings
+
+
+def _cli_help_hook():
+    """``docs/hooks/cli_help.py``, the mkdocs hook that writes each command's ``--help`` into the page."""
+    spec = importlib.util.spec_from_file_location("cli_help", REPO / "docs" / "hooks" / "cli_help.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.unit
+def test_the_cli_reference_shows_every_command_under_its_own_name() -> None:
+    """docs/reference/cli.md holds a ``cli-help`` marker for every command and subcommand, nested
+    ones included (a new subcommand, or a flag of one, would otherwise be missing from the
+    reference), and each help names the command a user types (run in-process, as the site build
+    does, ``hybridsync-server``'s said ``usage: mkdocs``)."""
+    page = (REPO / "docs" / "reference" / "cli.md").read_text()
+    marked = re.findall(r"^<!-- cli-help: (.+?) -->$", page, flags=re.MULTILINE)
+    commands = {*every_help(), "hybridsync-run", "hybridsync-server"}
+    assert sorted(marked) == sorted(commands), f"missing: {commands - set(marked)}; unknown: {set(marked) - commands}"
+    hook = _cli_help_hook()
+    for command in commands - {"hybridsync-run"}:  # hybridsync-run's help is prose, then horovodrun's usage
+        assert hook.command_help(command).startswith(f"usage: {command} "), command
+    assert hook.command_help("hybridsync-run").startswith("hybridsync-run: ")
 
 
 @pytest.mark.unit
