@@ -134,11 +134,13 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert "$ hybridsync-run --help" in cli and "--num-servers" in cli  # the hook ran
     api = (site / "reference" / "torch" / "index.html").read_text()
     assert "set_strategy" in api and "HYBRIDSYNC_STRATEGY" in api  # mkdocstrings rendered docstrings
+    environment = (site / "reference" / "environment" / "index.html").read_text()
+    assert "<!-- envvars -->" not in environment and "HYBRIDSYNC_PS_JOIN_TIMEOUT" in environment  # its hook ran
 
 
-def _cli_help_hook():
-    """``docs/hooks/cli_help.py``, the mkdocs hook that writes each command's ``--help`` into the page."""
-    spec = importlib.util.spec_from_file_location("cli_help", REPO / "docs" / "hooks" / "cli_help.py")
+def _hook(name: str):
+    """A mkdocs hook of ``docs/hooks/``, loaded as the site build loads it."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "docs" / "hooks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -154,10 +156,37 @@ def test_the_cli_reference_shows_every_command_under_its_own_name() -> None:
     marked = re.findall(r"^<!-- cli-help: (.+?) -->$", page, flags=re.MULTILINE)
     commands = {*every_help(), "hybridsync-run", "hybridsync-server"}
     assert sorted(marked) == sorted(commands), f"missing: {commands - set(marked)}; unknown: {set(marked) - commands}"
-    hook = _cli_help_hook()
+    hook = _hook("cli_help")
     for command in commands - {"hybridsync-run"}:  # hybridsync-run's help is prose, then horovodrun's usage
         assert hook.command_help(command).startswith(f"usage: {command} "), command
     assert hook.command_help("hybridsync-run").startswith("hybridsync-run: ")
+
+
+ENV_NAME = re.compile(r"\b(?:HYBRIDSYNC|DMLC|BYTEPS)_[A-Z0-9_]*[A-Z0-9]\b")
+
+
+@pytest.mark.unit
+def test_every_environment_variable_is_named_once_and_documented() -> None:
+    """The package spells an environment variable only in ``hybridsync/envvars.py`` (elsewhere a
+    string that is just a name, ``"HYBRIDSYNC_WAIT"``, would bypass it and be missing from the
+    generated reference page); each name there has a docstring, the page's row; and every
+    ``HYBRIDSYNC_``/``DMLC_``/``BYTEPS_`` name the docs, README or examples mention is one of them
+    (or a build variable of ``tools/``/``scripts/``), so a renamed or removed variable cannot
+    linger in a page."""
+    rows = _hook("envvars_table").variables()
+    named = {name for _, names, _ in rows for name in names}
+    assert {"HYBRIDSYNC_STRATEGY", "HYBRIDSYNC_WAIT", "DMLC_NUM_SERVER"} <= named
+    assert not [names for _, names, doc in rows if not doc], "envvars.py names without a docstring"
+    spelled = [f"{path.relative_to(REPO)}: {node.value}" for path in (REPO / "hybridsync").rglob("*.py")
+               if path.name != "envvars.py" for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value)]
+    assert not spelled, f"use the name from hybridsync.envvars instead: {spelled}"
+    build = "\n".join(path.read_text() for folder in ("tools", "scripts") for path in (REPO / folder).rglob("*")
+                      if path.is_file() and path.suffix in {"", ".sh", ".py"})
+    mentioned = {f"{path.relative_to(REPO)}: {name}"
+                 for path in [*DOC_FILES, *(REPO / "examples").rglob("*.py")]
+                 for name in ENV_NAME.findall(path.read_text()) if name not in named and name not in build}
+    assert not mentioned, f"environment variables hybridsync does not have: {sorted(mentioned)}"
 
 
 @pytest.mark.unit

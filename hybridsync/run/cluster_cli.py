@@ -18,6 +18,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Sequence
 
+from hybridsync import envvars
 from hybridsync.cluster.netns import NAMESPACE_PREFIX, EmulatedCluster, leftovers, remove_leftovers
 from hybridsync.cluster.spec import ClusterSpec
 
@@ -101,7 +102,7 @@ def _start(cluster: EmulatedCluster, args: argparse.Namespace, command: list[str
     env: dict[str, str] = {}
     if args.servers:
         emulated.launch_servers(cluster, shlex.split(args.servers))  # teardown stops them
-        env = {**emulated.ps_env(cluster), "DMLC_ROLE": "worker"}
+        env = {**emulated.ps_env(cluster), envvars.DMLC_ROLE: "worker"}
     if args.launcher == "gloo":
         return emulated.launch_gloo(cluster, command, env=env)
     if args.launcher == "mpirun":

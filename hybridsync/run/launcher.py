@@ -40,6 +40,7 @@ import sys
 import time
 from typing import Sequence
 
+from hybridsync import envvars
 from hybridsync.run import procs
 from hybridsync.run.horovodrun import horovodrun_command
 from hybridsync.run.ps_servers import any_worker_joined, ps_environment, server_command, server_environment
@@ -477,7 +478,7 @@ def job_environment(options: LaunchOptions, job: JobShape, num_servers: int,
     """What every rank (and server) gets on top of the launcher's own environment."""
     env = {}
     if options.strategy:
-        env["HYBRIDSYNC_STRATEGY"] = options.strategy
+        env[envvars.STRATEGY] = options.strategy
     if num_servers:
         root = (rendezvous_address((*job.hosts, *(placement or ()))) if placement is None
                 or _is_this_host(placement[0]) else placement[0])
