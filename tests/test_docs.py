@@ -190,6 +190,33 @@ def test_every_environment_variable_is_named_once_and_documented() -> None:
 
 
 @pytest.mark.unit
+def test_the_strategy_key_table_is_the_knob_table() -> None:
+    """docs/guides/strategies.md's table of a variable's keys has one row per knob of
+    ``hybridsync.knobs.KNOBS`` (the one table the validator reads), with the routes it applies to;
+    the page names every top-level key a strategy file may have."""
+    from hybridsync import knobs, strategy
+
+    page = (REPO / "docs" / "guides" / "strategies.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([\w, ]+) \|", page, flags=re.MULTILINE))
+    documented = {key: tuple(knobs.ROUTE_NAMES) if routes == "all" else tuple(routes.split(", "))
+                  for key, routes in rows.items()}
+    assert documented == {knob.name: knob.routes for knob in knobs.KNOBS}
+    assert not [key for key in strategy.TOP_LEVEL_KEYS if f'"{key}"' not in page]
+
+
+@pytest.mark.unit
+def test_the_run_config_keys_are_documented() -> None:
+    """Every key of a run config's ``hybridsync:`` section and of its ``autotune:`` entries is named in
+    the guides that describe them (clusters, autotuning), as `key` or `key:`."""
+    from hybridsync.run import config
+
+    pages = "".join((REPO / "docs" / "guides" / name).read_text() for name in ("clusters.md", "autotuning.md"))
+    missing = [key for key in sorted({*config.SECTION_KEYS, *config.AUTOTUNE_KEYS})
+               if f"`{key}`" not in pages and f"`{key}:`" not in pages]
+    assert not missing, f"run config keys no guide names: {missing}"
+
+
+@pytest.mark.unit
 def test_every_block_is_data_a_run_program_or_says_why_not() -> None:
     """Every fence names its language; a ``not-run`` comment stands right before a program block
     (a stray one would excuse nothing); some blocks do run, in the README too."""
