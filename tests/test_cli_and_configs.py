@@ -87,6 +87,30 @@ def test_search_refuses_runoff_knobs_that_cannot_work_before_any_trial(tmp_path,
 
 
 @pytest.mark.unit
+def test_user_mistakes_are_one_line_each(tmp_path, capsys):
+    """A mistake on the command line is one line on stderr, exit status 2: hybridsync-run hands an
+    unknown flag to horovodrun's parser, which printed its 40-line usage first and named
+    horovodrun; a missing file read as Python's ``[Errno 2] No such file or directory: 'x'``."""
+    pytest.importorskip("horovod.runner")
+    from hybridsync.cli import run_main
+    absent = tmp_path / "absent.yaml"
+    cases = [
+        (run_main, ["-np", "2", "--bogus-flag", "python", "-c", "pass"],
+         "hybridsync-run: error: unrecognized arguments: --bogus-flag (hybridsync-run --help lists its own "
+         "flags and horovodrun's)"),
+        (run_main, ["-np", "2", "--config-file", str(absent), "python", "-c", "pass"],
+         f"hybridsync-run: error: cannot read --config-file '{absent}': No such file or directory"),
+        (main, ["search", "--model", str(REPO / "data" / "descriptions" / "ncf.json"), "--cluster", str(absent),
+                "-o", str(tmp_path / "s.json")],
+         f"hybridsync search: error: '{absent}': No such file or directory"),
+    ]
+    for command, argv, line in cases:
+        assert command(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", line + "\n"), argv
+
+
+@pytest.mark.unit
 def test_baseline_writes_a_loadable_strategy(tmp_path, capsys):
     (tmp_path / "m.json").write_text(MODEL)
     out = tmp_path / "strategies" / "p.json"  # a folder not made yet: made
