@@ -90,9 +90,11 @@ def test_search_refuses_runoff_knobs_that_cannot_work_before_any_trial(tmp_path,
 def test_user_mistakes_are_one_line_each(tmp_path, capsys):
     """A mistake on the command line is one line on stderr, exit status 2: hybridsync-run hands an
     unknown flag to horovodrun's parser, which printed its 40-line usage first and named
-    horovodrun; a missing file read as Python's ``[Errno 2] No such file or directory: 'x'``."""
+    horovodrun; a missing file read as Python's ``[Errno 2] No such file or directory: 'x'``; and
+    ``hybridsync cluster``'s errors had no ``error:`` as every other command's have."""
     pytest.importorskip("horovod.runner")
     from hybridsync.cli import run_main
+    from hybridsync.run.cluster_cli import main as cluster_main
     absent = tmp_path / "absent.yaml"
     cases = [
         (run_main, ["-np", "2", "--bogus-flag", "python", "-c", "pass"],
@@ -103,6 +105,8 @@ def test_user_mistakes_are_one_line_each(tmp_path, capsys):
         (main, ["search", "--model", str(REPO / "data" / "descriptions" / "ncf.json"), "--cluster", str(absent),
                 "-o", str(tmp_path / "s.json")],
          f"hybridsync search: error: '{absent}': No such file or directory"),
+        (cluster_main, ["run", str(absent), "--", "true"],  # the spec is read before anything starts
+         f"hybridsync cluster run: error: '{absent}': No such file or directory"),
     ]
     for command, argv, line in cases:
         assert command(argv) == 2, argv

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 from hybridsync import envvars
 from hybridsync.cluster.netns import NAMESPACE_PREFIX, EmulatedCluster, leftovers, remove_leftovers
 from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.run.launcher import describe_os_error
 
 if TYPE_CHECKING:
     from hybridsync.run.emulated import Job
@@ -164,10 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return actions[args.action](args)
     except (ValueError, PermissionError, FileNotFoundError) as error:
-        print(f"hybridsync cluster {args.action}: {error}", file=sys.stderr)
+        message = describe_os_error(error) if isinstance(error, OSError) else error
+        print(f"hybridsync cluster {args.action}: error: {message}", file=sys.stderr)
         return 2
     except (RuntimeError, subprocess.SubprocessError) as error:
-        print(f"hybridsync cluster {args.action}: {error}", file=sys.stderr)
+        print(f"hybridsync cluster {args.action}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hybridsync cluster {args.action}: interrupted; torn down", file=sys.stderr)
