@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -214,6 +215,57 @@ def test_the_run_config_keys_are_documented() -> None:
     missing = [key for key in sorted({*config.SECTION_KEYS, *config.AUTOTUNE_KEYS})
                if f"`{key}`" not in pages and f"`{key}:`" not in pages]
     assert not missing, f"run config keys no guide names: {missing}"
+
+
+def _command_lines(block: Block) -> list[list[str]]:
+    """The ``hybridsync``/``hybridsync-run`` command lines of a shell block, as argv, with the docs'
+    notation resolved: ``\\``-continued lines joined, ``[--flag VALUE]`` given, ``a|b`` as ``a``,
+    ``VAR=value`` and ``sudo`` dropped; overview lines (holding ``...``) left out."""
+    lines = []
+    for line in block.code.replace("\\\n", " ").splitlines():
+        line = re.sub(r"\[([^\]|]*)(\|[^\]]*)?\]", r"\1", line)  # [--a x | --b y] -> --a x
+        words = shlex.split(line, comments=True)
+        while words and (words[0] == "sudo" or re.match(r"^[A-Z_]+=", words[0])):
+            words = words[1:]
+        if words[:1] in (["hybridsync"], ["hybridsync-run"]) and "..." not in words:
+            lines.append([word if word.startswith("-") else word.split("|")[0] for word in words])
+    return lines
+
+
+@pytest.mark.unit
+def test_the_docs_command_lines_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Every ``hybridsync ...`` and ``hybridsync-run ...`` line of the docs' shell blocks, run or not,
+    is accepted by the parsers as written (subcommands, flags and their values; hybridsync-run's
+    flags and horovodrun's): a renamed or removed flag cannot stay in a page, even in a block that
+    needs root or many hosts to run. Nothing is run; relative files resolve as in the block runs."""
+    from hybridsync.cli import build_parser
+    from hybridsync.run import cluster_cli, launcher
+    from hybridsync.strategy import Strategy
+
+    for name in ("examples", "horovodrun_configs", "data"):
+        (tmp_path / name).symlink_to(REPO / name)
+    Strategy().save(tmp_path / "s.json")  # the file the docs' jobs name
+    monkeypatch.chdir(tmp_path)
+    commands = [(block, words) for block in ALL_BLOCKS if block.language in ("bash", "sh")
+                for words in _command_lines(block)]
+    assert len(commands) > 30
+    refused = []
+    for block, (program, *argv) in commands:
+        try:
+            if program == "hybridsync-run":
+                if not launcher.asks_for_help(argv):
+                    launcher.horovodrun_job(launcher.split_argv(argv)[1])
+            elif argv[:1] == ["cluster"]:  # everything after "--" is the job's (cluster_cli.main)
+                cluster_cli.build_parser().parse_args(argv[1:argv.index("--")] if "--" in argv else argv[1:])
+            else:
+                build_parser().parse_args(argv)
+        except SystemExit as error:
+            if error.code:
+                why = capsys.readouterr().err.strip().splitlines()[-1]  # the parser's error, after its usage
+                refused.append(f"{block.name}: {program} {shlex.join(argv)}: {why}")
+        except ValueError as error:
+            refused.append(f"{block.name}: {program} {shlex.join(argv)}: {error}")
+    assert not refused, "\n".join(refused)
 
 
 @pytest.mark.unit
