@@ -269,6 +269,20 @@ def test_the_docs_command_lines_parse(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.unit
+def test_every_python_block_compiles() -> None:
+    """A python block that is not run (a fragment of a training script) still compiles, so a typo or
+    a half-edited line in one cannot wait for a reader to paste it."""
+    broken = []
+    for block in ALL_BLOCKS:
+        if block.language == "python":
+            try:
+                compile(block.code, block.name, "exec")
+            except SyntaxError as error:
+                broken.append(f"{block.name}: {error}")
+    assert not broken, broken
+
+
+@pytest.mark.unit
 def test_every_block_is_data_a_run_program_or_says_why_not() -> None:
     """Every fence names its language; a ``not-run`` comment stands right before a program block
     (a stray one would excuse nothing); some blocks do run, in the README too."""
