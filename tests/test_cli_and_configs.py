@@ -1,6 +1,7 @@
 """The command line (explain, baseline) and the run configs in horovodrun_configs/."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,21 @@ def test_user_mistakes_are_one_line_each(tmp_path, capsys):
         assert command(argv) == 2, argv
         captured = capsys.readouterr()
         assert (captured.out, captured.err) == ("", line + "\n"), argv
+
+
+@pytest.mark.unit
+def test_hybridsync_run_help_states_the_defaults_the_code_uses():
+    """hybridsync-run's own options are a hand-written table (its flags sit among horovodrun's): the
+    defaults it states must be the constants the launcher and the autotuner use."""
+    from hybridsync.autotune.launch import DEFAULT_REPORT_DIR, DEFAULT_TRIAL_BUDGET
+    from hybridsync.placement import DEFAULT_PARTITION_BYTES
+    from hybridsync.run.launcher import usage
+    from hybridsync.trials.store import DEFAULT_STORE
+
+    own = usage().split("horovodrun options")[0]  # its own section, before horovodrun's help
+    stated = dict(re.findall(r"^  (--[\w-]+) .*\(default ([^):][^)]*)\)$", own, flags=re.MULTILINE))
+    assert stated == {"--partition-bytes": str(DEFAULT_PARTITION_BYTES), "--trial-budget": str(DEFAULT_TRIAL_BUDGET),
+                      "--store": DEFAULT_STORE, "--autotune-report": DEFAULT_REPORT_DIR}
 
 
 @pytest.mark.unit
