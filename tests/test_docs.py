@@ -157,10 +157,9 @@ def test_the_cli_reference_shows_every_command_under_its_own_name() -> None:
     marked = re.findall(r"^<!-- cli-help: (.+?) -->$", page, flags=re.MULTILINE)
     commands = {*every_help(), "hybridsync-run", "hybridsync-server"}
     assert sorted(marked) == sorted(commands), f"missing: {commands - set(marked)}; unknown: {set(marked) - commands}"
-    hook = _hook("cli_help")
-    for command in commands - {"hybridsync-run"}:  # hybridsync-run's help is prose, then horovodrun's usage
-        assert hook.command_help(command).startswith(f"usage: {command} "), command
-    assert hook.command_help("hybridsync-run").startswith("hybridsync-run: ")
+    assert all(help_text.startswith(f"usage: {prog} ") for prog, help_text in every_help().items())
+    # run in-process by the hook, as the site build does; its parser took argv[0] for its name
+    assert _hook("cli_help").command_help("hybridsync-server").startswith("usage: hybridsync-server ")
 
 
 ENV_NAME = re.compile(r"\b(?:HYBRIDSYNC|DMLC|BYTEPS)_[A-Z0-9_]*[A-Z0-9]\b")
