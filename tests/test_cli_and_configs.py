@@ -1,6 +1,7 @@
 """The command line (explain, baseline) and the run configs in horovodrun_configs/."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -166,6 +167,9 @@ def test_every_help_is_plain_text(capsys):
     """What ``--help`` prints is for users: no reStructuredText markup from a module docstring."""
     from hybridsync.backends.ps import server
     texts = every_help()
+    if importlib.util.find_spec("torch") is not None:  # the zoo's trainer, a command the zoo guide shows
+        from hybridsync.zoo import train
+        texts["python -m hybridsync.zoo.train"] = train.build_parser().format_help()
     with pytest.raises(SystemExit):
         server.main(["--help"])
     texts["hybridsync-server"] = capsys.readouterr().out
