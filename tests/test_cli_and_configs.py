@@ -117,6 +117,16 @@ def test_user_mistakes_are_one_line_each(tmp_path, capsys):
 
 
 @pytest.mark.unit
+def test_hybridsync_run_passes_horovodruns_version_answer_through(capsys):
+    """``--version`` is horovodrun's to answer (status 0), not a mistake to report."""
+    horovod = pytest.importorskip("horovod")
+    from hybridsync.cli import run_main
+    with pytest.raises(SystemExit) as exit:
+        run_main(["-np", "1", "--version", "python", "-c", "pass"])
+    assert not exit.value.code and capsys.readouterr().out.strip() == horovod.__version__
+
+
+@pytest.mark.unit
 def test_hybridsync_run_help_states_the_defaults_the_code_uses():
     """hybridsync-run's own options are a hand-written table (its flags sit among horovodrun's): the
     defaults it states must be the constants the launcher and the autotuner use."""

@@ -329,7 +329,9 @@ def _horovodrun_args(horovodrun_argv: Sequence[str]) -> argparse.Namespace:
             return launch.parse_args()
         except OSError as e:
             raise ValueError(f"cannot read --config-file {describe_os_error(e)}") from None
-        except SystemExit:
+        except SystemExit as exit:
+            if not exit.code:  # --version answered: horovodrun's own exit
+                raise
             lines = errors.getvalue().strip().splitlines() or ["horovodrun refused its arguments"]
             raise ValueError(f"{lines[-1].removeprefix('horovodrun: error: ')} "
                              "(hybridsync-run --help lists its own flags and horovodrun's)") from None
