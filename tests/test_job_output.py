@@ -83,16 +83,18 @@ def test_launcher_quiet_ranks_environment_untouched(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_failed_rank_ends_in_one_line_not_horovodruns_traceback(tmp_path):
-    """A training script that fails: its ranks' lines, Horovod's three lines about the processes,
-    then one line saying which rank failed first, exit status 1 (as before); no traceback of
-    horovodrun's internals (it was 20 lines, ending in ``RuntimeError: Horovod detected...``)."""
+    """A training script that fails: its ranks' lines, Horovod's lines about the processes (the
+    other rank stopped with SIGTERM if it was still running), then one line saying which rank
+    failed first, exit status 1 (as before); no traceback of horovodrun's internals (it was 20
+    lines, ending in ``RuntimeError: Horovod detected...``)."""
     script = "import os, sys; print('rank', os.environ['HOROVOD_RANK'], 'fails'); sys.exit(3)"
     proc = run_job([str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-c",
                     script], timeout=120)
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
-    assert unexpected_lines(proc.stdout, [r"rank \d fails", r"Process \d exit with status code 3\.",
+    assert unexpected_lines(proc.stdout, [r"rank \d fails", r"Process \d exit with status code (3|143)\.",
                                           r"Terminating remaining workers after failure of Process \d\.",
+                                          r"Terminated",  # the other rank, if still running, is stopped (143)
                                           r"hybridsync-run: error: rank \d exited with status 3, the first to fail; "
                                           r"horovodrun stopped the others \(the ranks' output above says why\)"]) == [], \
         proc.stdout[-3000:]
