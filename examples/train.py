@@ -71,6 +71,7 @@ def main() -> None:
             print(f"  {message.name:<28} {config.route + '/' + variant:<23} "
                   f"{message.config.compression or '-':<5} <- {pieces}")
 
+    window = min(30, args.steps)  # the steps the accuracy is measured over: the last 30, or all of a short run
     start, correct, seen = time.perf_counter(), 0, 0
     for step, (tokens, labels) in enumerate(batches(hs.rank(), args.steps)):
         opt.zero_grad()
@@ -78,7 +79,7 @@ def main() -> None:
         loss = nn.functional.cross_entropy(logits, labels)
         loss.backward()
         opt.step()
-        if step >= args.steps - 30:
+        if step >= args.steps - window:
             correct += int((logits.argmax(dim=1) == labels).sum())
             seen += len(labels)
         if hs.rank() == 0 and (step % 50 == 0 or step == args.steps - 1):
@@ -87,7 +88,7 @@ def main() -> None:
     accuracy = hs.allreduce(torch.tensor(correct / seen), name="demo.accuracy").item()
     if hs.rank() == 0:
         print(f"{args.steps} steps in {elapsed:.1f} s ({elapsed / args.steps * 1e3:.1f} ms/step); "
-              f"training accuracy over the last 30 steps: {accuracy:.1%}")
+              f"training accuracy over the last {window} steps: {accuracy:.1%}")
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as e:
-        print(f"hybridsync {args.subcommand}: error: {e}", file=sys.stderr)
+        message = launcher.describe_os_error(e) if isinstance(e, OSError) else e
+        print(f"hybridsync {args.subcommand}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -3,7 +3,9 @@
 Code that reads or sets one imports its name from here, so a rename or a search for
 who uses a variable needs one place. Three vocabularies: hybridsync's own settings,
 BytePS's launch variables (the parameter-server route speaks them, so a BytePS job
-script works unchanged) and the variables Horovod's launchers set per rank.
+script works unchanged) and the variables Horovod's launchers set per rank. Every name has
+a docstring: the docs' environment variable reference (docs/reference/environment.md) is
+generated from this module, section by section.
 """
 from __future__ import annotations
 
@@ -49,18 +51,28 @@ PROFILE_WARMUP_DEFAULT = 3
 
 # --- BytePS's launch vocabulary (parameter-server route) -------------------------------
 DMLC_ROLE = "DMLC_ROLE"
+"""``server`` or ``worker``: what this process is in a parameter-server job."""
 DMLC_NUM_WORKER = "DMLC_NUM_WORKER"
+"""Worker processes in the job (a BSP step waits for this many pushes)."""
 DMLC_NUM_SERVER = "DMLC_NUM_SERVER"
+"""Parameter servers in the job; set (and not 0) in a worker, ``hs.init()`` connects to them."""
 DMLC_PS_ROOT_URI = "DMLC_PS_ROOT_URI"
+"""Host of server 0, which hosts the rendezvous."""
 DMLC_PS_ROOT_PORT = "DMLC_PS_ROOT_PORT"
+"""Rendezvous port on ``DMLC_PS_ROOT_URI``."""
 DMLC_SERVER_ID = "DMLC_SERVER_ID"
+"""A server's index, 0 .. ``DMLC_NUM_SERVER`` - 1."""
 DMLC_WORKER_ID = "DMLC_WORKER_ID"
+"""A worker's index, 0 .. ``DMLC_NUM_WORKER`` - 1 (unset: the launcher's rank, ``LAUNCHER_RANKS``)."""
 DMLC_NODE_HOST = "DMLC_NODE_HOST"
+"""A server's own address, as BytePS names it: set by the launchers for each server they place on a
+known host, for server programs that read it (``hybridsync-server`` does not need it)."""
 PARTITION_BYTES = "BYTEPS_PARTITION_BYTES"
 """The largest parameter-server key, in bytes (``hybridsync.placement.DEFAULT_PARTITION_BYTES``)."""
 
 # --- set per rank by launchers ---------------------------------------------------------
 HOROVOD_RANK = "HOROVOD_RANK"
+"""This process's rank, as horovodrun sets it."""
 LAUNCHER_RANKS = (HOROVOD_RANK, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 """A process's rank as horovodrun, Open MPI's and PMI launchers set it (a PS worker id fallback)."""
 HOROVOD_ELASTIC = "HOROVOD_ELASTIC"
@@ -68,16 +80,7 @@ HOROVOD_ELASTIC = "HOROVOD_ELASTIC"
 INTERFACE = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
 """The network interface Gloo uses, as horovodrun and torch spell it (first one set wins)."""
 
-# --- test hooks ------------------------------------------------------------------------
-STORE_HOLD_S = "HYBRIDSYNC_STORE_HOLD_S"
-"""Seconds ``TrialStore.add`` sleeps inside its transaction, before the commit (a test hook:
-lets a test kill a writer mid-transaction, or make writers contend for the lock)."""
-TRIAL_FAULT = "HYBRIDSYNC_TRIAL_FAULT"
-"""Fault injection for the trial runner's tests (``hybridsync.trials.worker``): comma-separated
-``KIND:crash`` / ``KIND:hang`` make the last rank exit (or stop responding) at a candidate of that kind."""
-TRIAL_REPLICA_SUMS = "HYBRIDSYNC_TRIAL_REPLICA_SUMS"
-"""``1``: the trial worker also reports every rank's sum of the trained parameters after each trial
-(its tests check that synchronized copies stay equal across ranks and the local step's do not)."""
+# --- set by the trial runner (hybridsync-run --autotune) in the jobs it starts ---------
 TRIALS = "HYBRIDSYNC_TRIALS"
 """Schedule (JSON lines) of strategies a training script's optimizer measures in flight
 (``hybridsync.hooks.trials``); set by the trial runner for ``hybridsync-run --autotune``."""
@@ -89,6 +92,17 @@ TRIALS_STEPS = "HYBRIDSYNC_TRIALS_STEPS"
 """Timed steps per trial."""
 TRIALS_SETTLE_S = "HYBRIDSYNC_TRIALS_SETTLE_S"
 """Seconds a trial job runs before its first trial counts (``TrialProtocol.settle_s``)."""
+
+# --- test hooks ------------------------------------------------------------------------
+STORE_HOLD_S = "HYBRIDSYNC_STORE_HOLD_S"
+"""Seconds ``TrialStore.add`` sleeps inside its transaction, before the commit (a test hook:
+lets a test kill a writer mid-transaction, or make writers contend for the lock)."""
+TRIAL_FAULT = "HYBRIDSYNC_TRIAL_FAULT"
+"""Fault injection for the trial runner's tests (``hybridsync.trials.worker``): comma-separated
+``KIND:crash`` / ``KIND:hang`` make the last rank exit (or stop responding) at a candidate of that kind."""
+TRIAL_REPLICA_SUMS = "HYBRIDSYNC_TRIAL_REPLICA_SUMS"
+"""``1``: the trial worker also reports every rank's sum of the trained parameters after each trial
+(its tests check that synchronized copies stay equal across ranks and the local step's do not)."""
 
 
 @overload

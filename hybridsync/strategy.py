@@ -38,7 +38,8 @@ Algorithm = Literal["ring", "hierarchical"]
 CompressionName = Literal["none", "fp16"]
 Protocol = Literal["bsp", "asp", "ssp"]
 
-_TOP_LEVEL_KEYS = {"version", "default", "variables", "sync"}
+TOP_LEVEL_KEYS = {"version", "default", "variables", "sync"}
+"""The keys a strategy document may have at its top level (the docs name each: tests/test_docs.py)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,8 +206,8 @@ class Strategy:
         """Parse and validate a strategy document; raises ``ValueError`` naming every culprit."""
         if not isinstance(doc, Mapping):
             raise ValueError(f"invalid strategy: expected a mapping at top level, got {type(doc).__name__}")
-        errors = [f"unknown top-level key {key!r} (allowed: {', '.join(sorted(_TOP_LEVEL_KEYS))})"
-                  for key in doc if key not in _TOP_LEVEL_KEYS]
+        errors = [f"unknown top-level key {key!r} (allowed: {', '.join(sorted(TOP_LEVEL_KEYS))})"
+                  for key in doc if key not in TOP_LEVEL_KEYS]
         version = doc.get("version", STRATEGY_VERSION)
         if type(version) is not int or version != STRATEGY_VERSION:  # True and 1.0 equal 1 in Python
             errors.append(f"version {doc.get('version')!r} is not supported (this hybridsync reads "

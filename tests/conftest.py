@@ -1,6 +1,7 @@
 """Shared helpers: launching real multi-process jobs with a hard time bound; a description profiled again."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -32,6 +33,22 @@ def reprofiled(desc: ModelDescription, factor: float) -> ModelDescription:
                                  optimizer_s=desc.timing.optimizer_s * factor, step_s=desc.timing.step_s * factor)
     return dataclasses.replace(desc, timing=timing, variable_timing={
         name: dataclasses.replace(t, ready_s=t.ready_s * factor) for name, t in desc.variable_timing.items()})
+
+
+def every_help() -> dict[str, str]:
+    """The ``--help`` text of every command and subcommand, nested ones included, by ``prog``
+    (``hybridsync cluster`` from its own parser: ``hybridsync``'s entry for it only hands over)."""
+    from hybridsync.cli import build_parser
+    from hybridsync.run import cluster_cli
+
+    def walk(parser: argparse.ArgumentParser):
+        yield parser.prog, parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from walk(sub)
+
+    return dict(walk(build_parser())) | dict(walk(cluster_cli.build_parser()))
 
 
 def launcher_argv(launcher: str, np: int = 2, hosts: str | None = None) -> list[str]:

@@ -1,7 +1,8 @@
 """The command line (explain, baseline) and the run configs in horovodrun_configs/."""
 from __future__ import annotations
 
-import argparse
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ from unittest import mock
 
 import pytest
 
-from hybridsync.cli import build_parser, main
+from conftest import every_help
+from hybridsync.cli import main
 from hybridsync.run.config import load_run_config
 from hybridsync.strategy import Strategy
 
@@ -87,6 +89,59 @@ def test_search_refuses_runoff_knobs_that_cannot_work_before_any_trial(tmp_path,
 
 
 @pytest.mark.unit
+def test_user_mistakes_are_one_line_each(tmp_path, capsys):
+    """A mistake on the command line is one line on stderr, exit status 2: hybridsync-run hands an
+    unknown flag to horovodrun's parser, which printed its 40-line usage first and named
+    horovodrun; a missing file read as Python's ``[Errno 2] No such file or directory: 'x'``; and
+    ``hybridsync cluster``'s errors had no ``error:`` as every other command's have."""
+    pytest.importorskip("horovod.runner")
+    from hybridsync.cli import run_main
+    from hybridsync.run.cluster_cli import main as cluster_main
+    absent = tmp_path / "absent.yaml"
+    cases = [
+        (run_main, ["-np", "2", "--bogus-flag", "python", "-c", "pass"],
+         "hybridsync-run: error: unrecognized arguments: --bogus-flag (hybridsync-run --help lists its own "
+         "flags and horovodrun's)"),
+        (run_main, ["-np", "2", "--config-file", str(absent), "python", "-c", "pass"],
+         f"hybridsync-run: error: cannot read --config-file '{absent}': No such file or directory"),
+        (main, ["search", "--model", str(REPO / "data" / "descriptions" / "ncf.json"), "--cluster", str(absent),
+                "-o", str(tmp_path / "s.json")],
+         f"hybridsync search: error: '{absent}': No such file or directory"),
+        (cluster_main, ["run", str(absent), "--", "true"],  # the spec is read before anything starts
+         f"hybridsync cluster run: error: '{absent}': No such file or directory"),
+    ]
+    for command, argv, line in cases:
+        assert command(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", line + "\n"), argv
+
+
+@pytest.mark.unit
+def test_hybridsync_run_passes_horovodruns_version_answer_through(capsys):
+    """``--version`` is horovodrun's to answer (status 0), not a mistake to report."""
+    horovod = pytest.importorskip("horovod")
+    from hybridsync.cli import run_main
+    with pytest.raises(SystemExit) as exit:
+        run_main(["-np", "1", "--version", "python", "-c", "pass"])
+    assert not exit.value.code and capsys.readouterr().out.strip() == horovod.__version__
+
+
+@pytest.mark.unit
+def test_hybridsync_run_help_states_the_defaults_the_code_uses():
+    """hybridsync-run's own options are a hand-written table (its flags sit among horovodrun's): the
+    defaults it states must be the constants the launcher and the autotuner use."""
+    from hybridsync.autotune.launch import DEFAULT_REPORT_DIR, DEFAULT_TRIAL_BUDGET
+    from hybridsync.placement import DEFAULT_PARTITION_BYTES
+    from hybridsync.run.launcher import usage
+    from hybridsync.trials.store import DEFAULT_STORE
+
+    own = usage().split("horovodrun options")[0]  # its own section, before horovodrun's help
+    stated = dict(re.findall(r"^  (--[\w-]+) .*\(default ([^):][^)]*)\)$", own, flags=re.MULTILINE))
+    assert stated == {"--partition-bytes": str(DEFAULT_PARTITION_BYTES), "--trial-budget": str(DEFAULT_TRIAL_BUDGET),
+                      "--store": DEFAULT_STORE, "--autotune-report": DEFAULT_REPORT_DIR}
+
+
+@pytest.mark.unit
 def test_baseline_writes_a_loadable_strategy(tmp_path, capsys):
     (tmp_path / "m.json").write_text(MODEL)
     out = tmp_path / "strategies" / "p.json"  # a folder not made yet: made
@@ -117,21 +172,14 @@ def test_baseline_help_says_what_each_baseline_is(capsys):
     assert "invalid choice: 'parallax-typo'" in capsys.readouterr().err
 
 
-def _every_help(parser: argparse.ArgumentParser):
-    """The help text of a parser and of each of its subcommands, nested ones included."""
-    yield parser.prog, parser.format_help()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                yield from _every_help(sub)
-
-
 @pytest.mark.unit
 def test_every_help_is_plain_text(capsys):
     """What ``--help`` prints is for users: no reStructuredText markup from a module docstring."""
     from hybridsync.backends.ps import server
-    from hybridsync.run import cluster_cli
-    texts = dict(_every_help(build_parser())) | dict(_every_help(cluster_cli.build_parser()))
+    texts = every_help()
+    if importlib.util.find_spec("torch") is not None:  # the zoo's trainer, a command the zoo guide shows
+        from hybridsync.zoo import train
+        texts["python -m hybridsync.zoo.train"] = train.build_parser().format_help()
     with pytest.raises(SystemExit):
         server.main(["--help"])
     texts["hybridsync-server"] = capsys.readouterr().out

@@ -8,9 +8,11 @@ before it is ``<!-- not-run: REASON -->``.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, WORKERS, launcher_argv, run_job
+from conftest import BIN, REPO, WORKERS, every_help, launcher_argv, run_job
 from hybridsync.run.procs import run_bounded
 
 DOC_FILES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
@@ -133,6 +135,150 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert "$ hybridsync-run --help" in cli and "--num-servers" in cli  # the hook ran
     api = (site / "reference" / "torch" / "index.html").read_text()
     assert "set_strategy" in api and "HYBRIDSYNC_STRATEGY" in api  # mkdocstrings rendered docstrings
+    environment = (site / "reference" / "environment" / "index.html").read_text()
+    assert "<!-- envvars -->" not in environment and "HYBRIDSYNC_PS_JOIN_TIMEOUT" in environment  # its hook ran
+
+
+def _hook(name: str):
+    """A mkdocs hook of ``docs/hooks/``, loaded as the site build loads it."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "docs" / "hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.unit
+def test_the_cli_reference_shows_every_command_under_its_own_name() -> None:
+    """docs/reference/cli.md holds a ``cli-help`` marker for every command and subcommand, nested
+    ones included (a new subcommand, or a flag of one, would otherwise be missing from the
+    reference), and each help names the command a user types (run in-process, as the site build
+    does, ``hybridsync-server``'s said ``usage: mkdocs``)."""
+    page = (REPO / "docs" / "reference" / "cli.md").read_text()
+    marked = re.findall(r"^<!-- cli-help: (.+?) -->$", page, flags=re.MULTILINE)
+    commands = {*every_help(), "hybridsync-run", "hybridsync-server"}
+    assert sorted(marked) == sorted(commands), f"missing: {commands - set(marked)}; unknown: {set(marked) - commands}"
+    assert all(help_text.startswith(f"usage: {prog} ") for prog, help_text in every_help().items())
+    # run in-process by the hook, as the site build does; its parser took argv[0] for its name
+    assert _hook("cli_help").command_help("hybridsync-server").startswith("usage: hybridsync-server ")
+
+
+ENV_NAME = re.compile(r"\b(?:HYBRIDSYNC|DMLC|BYTEPS)_[A-Z0-9_]*[A-Z0-9]\b")
+
+
+@pytest.mark.unit
+def test_every_environment_variable_is_named_once_and_documented() -> None:
+    """The package spells an environment variable only in ``hybridsync/envvars.py`` (elsewhere a
+    string that is just a name, ``"HYBRIDSYNC_WAIT"``, would bypass it and be missing from the
+    generated reference page); each name there has a docstring, the page's row; and every
+    ``HYBRIDSYNC_``/``DMLC_``/``BYTEPS_`` name the docs, README or examples mention is one of them
+    (or a build variable of ``tools/``/``scripts/``), so a renamed or removed variable cannot
+    linger in a page."""
+    rows = _hook("envvars_table").variables()
+    named = {name for _, names, _ in rows for name in names}
+    assert {"HYBRIDSYNC_STRATEGY", "HYBRIDSYNC_WAIT", "DMLC_NUM_SERVER"} <= named
+    assert not [names for _, names, doc in rows if not doc], "envvars.py names without a docstring"
+    spelled = [f"{path.relative_to(REPO)}: {node.value}" for path in (REPO / "hybridsync").rglob("*.py")
+               if path.name != "envvars.py" for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value)]
+    assert not spelled, f"use the name from hybridsync.envvars instead: {spelled}"
+    build = "\n".join(path.read_text() for folder in ("tools", "scripts") for path in (REPO / folder).rglob("*")
+                      if path.is_file() and path.suffix in {"", ".sh", ".py"})
+    mentioned = {f"{path.relative_to(REPO)}: {name}"
+                 for path in [*DOC_FILES, *(REPO / "examples").rglob("*.py")]
+                 for name in ENV_NAME.findall(path.read_text()) if name not in named and name not in build}
+    assert not mentioned, f"environment variables hybridsync does not have: {sorted(mentioned)}"
+
+
+@pytest.mark.unit
+def test_the_strategy_key_table_is_the_knob_table() -> None:
+    """docs/guides/strategies.md's table of a variable's keys has one row per knob of
+    ``hybridsync.knobs.KNOBS`` (the one table the validator reads), with the routes it applies to;
+    the page names every top-level key a strategy file may have."""
+    from hybridsync import knobs, strategy
+
+    page = (REPO / "docs" / "guides" / "strategies.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([\w, ]+) \|", page, flags=re.MULTILINE))
+    documented = {key: tuple(knobs.ROUTE_NAMES) if routes == "all" else tuple(routes.split(", "))
+                  for key, routes in rows.items()}
+    assert documented == {knob.name: knob.routes for knob in knobs.KNOBS}
+    assert not [key for key in strategy.TOP_LEVEL_KEYS if f'"{key}"' not in page]
+
+
+@pytest.mark.unit
+def test_the_run_config_keys_are_documented() -> None:
+    """Every key of a run config's ``hybridsync:`` section and of its ``autotune:`` entries is named in
+    the guides that describe them (clusters, autotuning), as `key` or `key:`."""
+    from hybridsync.run import config
+
+    pages = "".join((REPO / "docs" / "guides" / name).read_text() for name in ("clusters.md", "autotuning.md"))
+    missing = [key for key in sorted({*config.SECTION_KEYS, *config.AUTOTUNE_KEYS})
+               if f"`{key}`" not in pages and f"`{key}:`" not in pages]
+    assert not missing, f"run config keys no guide names: {missing}"
+
+
+def _command_lines(block: Block) -> list[list[str]]:
+    """The ``hybridsync``/``hybridsync-run`` command lines of a shell block, as argv, with the docs'
+    notation resolved: ``\\``-continued lines joined, ``[--flag VALUE]`` given, ``a|b`` as ``a``,
+    ``VAR=value`` and ``sudo`` dropped; overview lines (holding ``...``) left out."""
+    lines = []
+    for line in block.code.replace("\\\n", " ").splitlines():
+        line = re.sub(r"\[([^\]|]*)(\|[^\]]*)?\]", r"\1", line)  # [--a x | --b y] -> --a x
+        words = shlex.split(line, comments=True)
+        while words and (words[0] == "sudo" or re.match(r"^[A-Z_]+=", words[0])):
+            words = words[1:]
+        if words[:1] in (["hybridsync"], ["hybridsync-run"]) and "..." not in words:
+            lines.append([word if word.startswith("-") else word.split("|")[0] for word in words])
+    return lines
+
+
+@pytest.mark.unit
+def test_the_docs_command_lines_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Every ``hybridsync ...`` and ``hybridsync-run ...`` line of the docs' shell blocks, run or not,
+    is accepted by the parsers as written (subcommands, flags and their values; hybridsync-run's
+    flags and horovodrun's): a renamed or removed flag cannot stay in a page, even in a block that
+    needs root or many hosts to run. Nothing is run; relative files resolve as in the block runs."""
+    from hybridsync.cli import build_parser
+    from hybridsync.run import cluster_cli, launcher
+    from hybridsync.strategy import Strategy
+
+    for name in ("examples", "horovodrun_configs", "data"):
+        (tmp_path / name).symlink_to(REPO / name)
+    Strategy().save(tmp_path / "s.json")  # the file the docs' jobs name
+    monkeypatch.chdir(tmp_path)
+    commands = [(block, words) for block in ALL_BLOCKS if block.language in ("bash", "sh")
+                for words in _command_lines(block)]
+    assert len(commands) > 30
+    refused = []
+    for block, (program, *argv) in commands:
+        try:
+            if program == "hybridsync-run":
+                if not launcher.asks_for_help(argv):
+                    launcher.horovodrun_job(launcher.split_argv(argv)[1])
+            elif argv[:1] == ["cluster"]:  # everything after "--" is the job's (cluster_cli.main)
+                cluster_cli.build_parser().parse_args(argv[1:argv.index("--")] if "--" in argv else argv[1:])
+            else:
+                build_parser().parse_args(argv)
+        except SystemExit as error:
+            if error.code:
+                why = capsys.readouterr().err.strip().splitlines()[-1]  # the parser's error, after its usage
+                refused.append(f"{block.name}: {program} {shlex.join(argv)}: {why}")
+        except ValueError as error:
+            refused.append(f"{block.name}: {program} {shlex.join(argv)}: {error}")
+    assert not refused, "\n".join(refused)
+
+
+@pytest.mark.unit
+def test_every_python_block_compiles() -> None:
+    """A python block that is not run (a fragment of a training script) still compiles, so a typo or
+    a half-edited line in one cannot wait for a reader to paste it."""
+    broken = []
+    for block in ALL_BLOCKS:
+        if block.language == "python":
+            try:
+                compile(block.code, block.name, "exec")
+            except SyntaxError as error:
+                broken.append(f"{block.name}: {error}")
+    assert not broken, broken
 
 
 @pytest.mark.unit

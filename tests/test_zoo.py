@@ -183,6 +183,15 @@ def test_zoo_model_trains_under_other_launchers_and_horovod(launcher, name, opti
 
 
 @pytest.mark.multiprocess
+def test_a_recommender_trains_without_torch_warnings():
+    """The tabular models' Adagrad takes sparse gradients; torch warned once per process that its
+    sparse tensors skip their invariant checks (its default) unless the program says so."""
+    proc = run_job([*TRAIN[:3], "--warmup", "1", "--steps", "3", "--model", "gen-recsys-3"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "Warning" not in proc.stdout and "gen-recsys-3 on 1 ranks" in proc.stdout, proc.stdout[-4000:]
+
+
+@pytest.mark.multiprocess
 def test_importing_hybridsync_does_not_import_the_zoo():
     code = "import sys, hybridsync, hybridsync.cli; print(sorted(m for m in sys.modules if 'zoo' in m or m == 'torch'))"
     proc = run_job([sys.executable, "-c", code], timeout=60)

@@ -50,6 +50,9 @@ def train(name: str, args: argparse.Namespace, model: nn.Module, optimizer: torc
     else:
         import hybridsync as hs
     hs.init()
+    # Adagrad's sparse steps build sparse tensors without checks (torch's default): say so, or torch
+    # warns about it once per rank
+    torch.sparse.check_sparse_tensor_invariants.disable()
     optimizer = hs.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hs.broadcast_parameters(model.state_dict(), root_rank=0)
     next_batch = batches(hs.rank(), hs.size())

@@ -18,8 +18,10 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Sequence
 
+from hybridsync import envvars
 from hybridsync.cluster.netns import NAMESPACE_PREFIX, EmulatedCluster, leftovers, remove_leftovers
 from hybridsync.cluster.spec import ClusterSpec
+from hybridsync.run.launcher import describe_os_error
 
 if TYPE_CHECKING:
     from hybridsync.run.emulated import Job
@@ -101,7 +103,7 @@ def _start(cluster: EmulatedCluster, args: argparse.Namespace, command: list[str
     env: dict[str, str] = {}
     if args.servers:
         emulated.launch_servers(cluster, shlex.split(args.servers))  # teardown stops them
-        env = {**emulated.ps_env(cluster), "DMLC_ROLE": "worker"}
+        env = {**emulated.ps_env(cluster), envvars.DMLC_ROLE: "worker"}
     if args.launcher == "gloo":
         return emulated.launch_gloo(cluster, command, env=env)
     if args.launcher == "mpirun":
@@ -163,10 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return actions[args.action](args)
     except (ValueError, PermissionError, FileNotFoundError) as error:
-        print(f"hybridsync cluster {args.action}: {error}", file=sys.stderr)
+        message = describe_os_error(error) if isinstance(error, OSError) else error
+        print(f"hybridsync cluster {args.action}: error: {message}", file=sys.stderr)
         return 2
     except (RuntimeError, subprocess.SubprocessError) as error:
-        print(f"hybridsync cluster {args.action}: {error}", file=sys.stderr)
+        print(f"hybridsync cluster {args.action}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hybridsync cluster {args.action}: interrupted; torn down", file=sys.stderr)

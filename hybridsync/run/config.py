@@ -34,7 +34,8 @@ from typing import Any
 
 from hybridsync.strategy import Strategy
 
-_KEYS = {"strategy", "num_servers", "partition_bytes", "cluster", "autotune"}
+SECTION_KEYS = {"strategy", "num_servers", "partition_bytes", "cluster", "autotune"}
+"""The keys of the ``hybridsync:`` section (the guides name each: tests/test_docs.py)."""
 AUTOTUNE_KEYS = {"enabled": bool, "trial_budget": int, "store": str, "report": str, "per_round": int,
                  "search_budget": int, "seed": int, "simulator": str, "exact": bool, "runoff_passes": int,
                  "time_limit_s": float}
@@ -70,10 +71,10 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
     section = doc.get("hybridsync") or {}
     if not isinstance(section, dict):
         raise ValueError(f"{path}: 'hybridsync' must be a mapping, got {type(section).__name__}")
-    unknown = sorted(set(section) - _KEYS)
+    unknown = sorted(set(section) - SECTION_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown key(s) in 'hybridsync': {', '.join(unknown)} "
-                         f"(allowed: {', '.join(sorted(_KEYS))})")
+                         f"(allowed: {', '.join(sorted(SECTION_KEYS))})")
     strategy = section.get("strategy")
     if strategy is not None:
         if not isinstance(strategy, str) or not strategy:

@@ -84,7 +84,7 @@ class Job:
                 kill_pids([helper.pid], grace_s=1.0)
 
 
-EMULATION_ENV = {"HYBRIDSYNC_WAIT": "sleep"}
+EMULATION_ENV = {envvars.WAIT: "sleep"}
 """Every rank on the emulated cluster: its hosts share a few cores, so waiting ranks must
 sleep, not spin (``hybridsync.backends.waiting``). ``env`` arguments may override it."""
 

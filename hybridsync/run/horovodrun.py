@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -95,13 +96,38 @@ def exec_mpirun_in_place(execve: Callable[..., Any] = os.execve) -> Callable[...
     return in_place
 
 
+_RANK_FAILED = re.compile(r"^Horovod detected that one or more processes exited with non-zero status.*"
+                          r"Process name: (?P<rank>\S+)\s+Exit code: (?P<code>\S+)", re.DOTALL)
+"""The error Horovod 0.28.1's Gloo launcher raises when a rank fails (``gloo_run.launch_gloo``; the
+process name is the rank's index in its host plan, that is its rank)."""
+
+
+def rank_failure(error: BaseException) -> str | None:
+    """One line for horovodrun's verdict on a failed rank, or ``None`` for any other error. Raised
+    out of ``run_commandline``, that verdict printed a 20-line traceback of horovodrun's internals
+    after the ranks' own output, which already says what went wrong."""
+    match = _RANK_FAILED.match(str(error)) if isinstance(error, RuntimeError) else None
+    if match is None:
+        return None
+    return (f"hybridsync-run: error: rank {match['rank']} exited with status {match['code']}, the first to fail; "
+            "horovodrun stopped the others (the ranks' output above says why)")
+
+
 def main() -> None:
     """horovodrun's own entry point, after its build check ran quietly."""
     check_build_quietly(sys.argv[1:])
     from horovod.runner.launch import run_commandline
     sys.argv[0] = "horovodrun"  # argparse's usage and error lines name the program
     os.execve = exec_mpirun_in_place()  # horovodrun's last call on the MPI path; this process ends in it
-    sys.exit(run_commandline())
+    try:
+        status = run_commandline()
+    except RuntimeError as error:
+        line = rank_failure(error)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(1)  # the status the traceback gave
+    sys.exit(status)
 
 
 if __name__ == "__main__":  # horovodrun's per-rank helpers are spawned: they import this module

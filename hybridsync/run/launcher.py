@@ -40,6 +40,7 @@ import sys
 import time
 from typing import Sequence
 
+from hybridsync import envvars
 from hybridsync.run import procs
 from hybridsync.run.horovodrun import horovodrun_command
 from hybridsync.run.ps_servers import any_worker_joined, ps_environment, server_command, server_environment
@@ -305,17 +306,41 @@ def _uses_gloo(args: argparse.Namespace) -> bool:
     return bool(launch.is_gloo_used(args.use_gloo, args.use_mpi, args.use_jsrun))
 
 
-def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
-    """The ``-np`` and hosts horovodrun will use, read with horovodrun's own parser."""
+def describe_os_error(error: OSError) -> str:
+    """An ``OSError`` as a user reads it: ``'x.yaml': No such file or directory``, not Python's
+    ``[Errno 2] No such file or directory: 'x.yaml'``."""
+    if error.filename is not None and error.strerror:
+        return f"{str(error.filename)!r}: {error.strerror}"
+    return error.strerror or str(error)
+
+
+def _horovodrun_args(horovodrun_argv: Sequence[str]) -> argparse.Namespace:
+    """horovodrun's parse of ``horovodrun_argv`` (it also reads ``--config-file``), or ``ValueError``
+    with its one-line error: its parser would print its 40-line usage before that line, and name
+    horovodrun, on a mistake the user made on hybridsync-run's command line (an unknown flag)."""
+    import contextlib
+    import io
     from unittest import mock
 
     from horovod.runner import launch
-    from horovod.runner.common.util import hosts as horovod_hosts
-    with mock.patch.object(sys, "argv", ["horovodrun", *horovodrun_argv]):
+    errors = io.StringIO()
+    with mock.patch.object(sys, "argv", ["horovodrun", *horovodrun_argv]), contextlib.redirect_stderr(errors):
         try:
-            args = launch.parse_args()  # also reads --config-file, as horovodrun will
+            return launch.parse_args()
         except OSError as e:
-            raise ValueError(f"cannot read --config-file: {e}") from None
+            raise ValueError(f"cannot read --config-file {describe_os_error(e)}") from None
+        except SystemExit as exit:
+            if not exit.code:  # --version answered: horovodrun's own exit
+                raise
+            lines = errors.getvalue().strip().splitlines() or ["horovodrun refused its arguments"]
+            raise ValueError(f"{lines[-1].removeprefix('horovodrun: error: ')} "
+                             "(hybridsync-run --help lists its own flags and horovodrun's)") from None
+
+
+def horovodrun_job(horovodrun_argv: Sequence[str]) -> JobShape:
+    """The ``-np`` and hosts horovodrun will use, read with horovodrun's own parser."""
+    from horovod.runner.common.util import hosts as horovod_hosts
+    args = _horovodrun_args(horovodrun_argv)
     if not args.command:
         raise ValueError("no training command given (e.g. hybridsync-run -np 2 python train.py)")
     if args.num_proc is not None and int(args.num_proc) < 1:  # mpirun would say so only after 15 s, unclearly
@@ -495,7 +520,7 @@ def job_environment(options: LaunchOptions, job: JobShape, num_servers: int,
     """What every rank (and server) gets on top of the launcher's own environment."""
     env = {}
     if options.strategy:
-        env["HYBRIDSYNC_STRATEGY"] = options.strategy
+        env[envvars.STRATEGY] = options.strategy
     if num_servers:
         root = (rendezvous_address((*job.hosts, *(placement or ()))) if placement is None
                 or _is_this_host(placement[0]) else placement[0])

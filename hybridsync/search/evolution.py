@@ -275,13 +275,15 @@ def run_search(search: Searcher, cost: Callable[[StrategyBatch], np.ndarray], bu
                progress: bool = True) -> tuple[float, Strategy]:
     """Spends ``budget`` cost evaluations in batches (``cost`` scores a batch at once, e.g.
     ``simulator_cost``); returns the best (cost, strategy). ``batch`` (default: ``auto_batch``)
-    is a generation of the evolutionary search."""
+    is a generation of the evolutionary search. ``progress``: a bar on stderr while it is a terminal
+    (in a log, a bar is tens of carriage-return redraws of a search that lasts seconds; the caller
+    prints the result)."""
     from tqdm import tqdm
 
     batch = auto_batch(budget) if batch is None else batch
     if budget < 1 or batch < 1:
         raise ValueError(f"run_search: budget and batch must be >= 1, got budget {budget}, batch {batch}")
-    with tqdm(total=budget, unit="strategy", disable=not progress) as bar:
+    with tqdm(total=budget, unit="strategy", disable=None if progress else True) as bar:  # None: a TTY only
         spent = 0
         while spent < budget:
             candidates = search.ask(min(batch, budget - spent))

@@ -29,6 +29,8 @@ import statistics
 import time
 from typing import Any, Callable
 
+from hybridsync import envvars
+
 DEFAULT_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 """Message bytes: a latency probe and three sizes up to a PS key (4 MiB at 250 Mbit/s: ~0.2 s)."""
 BURST = 16
@@ -61,7 +63,7 @@ def _paths(hvd: Any, sizes: list[int]) -> dict[str, Callable[[int], Callable[[],
     except RouteUnavailableError as error:
         if hvd.rank() == 0:
             print(f"calibration: no hierarchical path ({error})", flush=True)
-    if os.environ.get("DMLC_NUM_SERVER", "0") not in ("", "0"):
+    if os.environ.get(envvars.DMLC_NUM_SERVER, "0") not in ("", "0"):
         ps = make_backend("ps", "bsp", namespace="calibration")
         burst = [torch.ones(BURST_BYTES // 4) for _ in range(BURST)]
         # the burst's keys first, on their own, so that they spread over every server (declared
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
         paths = {path: {str(n): [max(rank["paths"][path][n][i] for rank in everyone) for i in range(len(times))]
                         for n, times in by_size.items()} for path, by_size in mine.items()}
         doc = {"world": {"size": hvd.size(), "local_size": hvd.local_size(), "cross_size": hvd.cross_size(),
-                         "num_servers": int(os.environ.get("DMLC_NUM_SERVER", "0") or 0)},
+                         "num_servers": int(os.environ.get(envvars.DMLC_NUM_SERVER, "0") or 0)},
                "repeats": args.repeats, "burst": {"keys": BURST, "bytes": BURST_BYTES}, "paths": paths,
                "cpu": {"bytes": CPU_BYTES, "seconds": statistics.median(rank["cpu"] for rank in everyone)}}
         partial = f"{args.results}.partial"

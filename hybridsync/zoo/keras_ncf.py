@@ -115,7 +115,7 @@ def train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridsync.zoo.keras_ncf", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hybridsync.zoo.keras_ncf", description=__doc__.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100, help="timed steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=5)

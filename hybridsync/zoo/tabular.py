@@ -139,7 +139,10 @@ class RecommenderModel(ZooModel):
 
     def optimizer(self, model: nn.Module, learning_rate: float | None = None) -> torch.optim.Optimizer:
         """Adagrad, as recommenders are often trained (wide & deep's deep part was): it takes sparse
-        gradients, and its per-row step sizes let rarely seen ids learn as fast as the dense layers."""
+        gradients, and its per-row step sizes let rarely seen ids learn as fast as the dense layers.
+        Its sparse steps build sparse tensors without checks, as torch does by default; saying so
+        explicitly keeps torch from warning about it once per rank."""
+        torch.sparse.check_sparse_tensor_invariants.disable()
         return torch.optim.Adagrad(model.parameters(), lr=self.learning_rate if learning_rate is None else learning_rate)
 
 

@@ -103,7 +103,7 @@ def train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybridsync.zoo.train", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hybridsync.zoo.train", description=__doc__.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help=f"a zoo model ({', '.join(zoo.ZOO_MODELS)}) or a generated one "
                                         f"(gen-<family>-<k>, e.g. gen-recsys-7)")

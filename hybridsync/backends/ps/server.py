@@ -313,7 +313,10 @@ it restarts the server when it dies or hangs; the workers give the new one its v
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry: settings from the environment, a few timeouts from flags."""
-    parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # prog: its usage and errors name the command whether run as hybridsync-server, by
+    # ``python -m`` (hybridsync-run's servers) or in-process (the docs' help hook, under mkdocs).
+    parser = argparse.ArgumentParser(prog="hybridsync-server", description=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--join-timeout", type=float, default=120.0,
                         help="seconds to wait for every server and worker to join (default 120)")
     parser.add_argument("--id-from-launcher-rank", action="store_true",
