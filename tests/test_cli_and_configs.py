@@ -106,7 +106,7 @@ def test_user_mistakes_are_one_line_each(tmp_path, capsys):
          f"hybridsync-run: error: cannot read --config-file '{absent}': No such file or directory"),
         (main, ["search", "--model", str(REPO / "data" / "descriptions" / "ncf.json"), "--cluster", str(absent),
                 "-o", str(tmp_path / "s.json")],
-         f"hybridsync search: error: '{absent}': No such file or directory"),
+         f"hybridsync search: error: cannot read the cluster spec {absent}: No such file or directory"),
         (cluster_main, ["run", str(absent), "--", "true"],  # the spec is read before anything starts
          f"hybridsync cluster run: error: '{absent}': No such file or directory"),
     ]
