@@ -340,6 +340,18 @@ def test_hybridsync_profile_writes_a_valid_description(tmp_path, optimizers):
 
 
 @pytest.mark.multiprocess
+def test_profiling_a_zoo_model_by_name_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    """``hybridsync search --model ncf`` (and the autotune benchmark) profile a zoo model into a
+    temporary folder; each run left one behind (``hybridsync-profile-*``, the description in it)."""
+    import tempfile
+    from hybridsync.autotune.session import load_or_profile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    description = load_or_profile("ncf")
+    assert description.name == "ncf" and description.timing is not None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.multiprocess
 def test_profiled_script_stops_after_its_steps_with_the_updates_of_an_unprofiled_run(tmp_path):
     env = {envvars.PROFILE: str(tmp_path / "d.json"), envvars.PROFILE_STEPS: str(STEPS),
            envvars.PROFILE_WARMUP: str(WARMUP)}

@@ -46,10 +46,10 @@ def load_or_profile(model: str) -> Any:
         raise ValueError(f"--model {model!r} is neither a file nor a zoo model ({', '.join(ZOO_MODELS)}, "
                          f"or generated: gen-<family>-<k>)")
     from hybridsync.run.profile import profile_command
-    output = os.path.join(tempfile.mkdtemp(prefix="hybridsync-profile-"), f"{model}.json")
     print(f"profiling the zoo model {model} (one process)...", file=sys.stderr)
-    return profile_command([sys.executable, "-m", "hybridsync.zoo.train", "--model", model, "--steps", "1000"],
-                           output=output, name=model)
+    with tempfile.TemporaryDirectory(prefix="hybridsync-profile-") as folder:  # read back, then removed
+        return profile_command([sys.executable, "-m", "hybridsync.zoo.train", "--model", model, "--steps", "1000"],
+                               output=os.path.join(folder, f"{model}.json"), name=model)
 
 
 def load_simulator(path: str | None) -> Any:
