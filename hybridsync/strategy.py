@@ -185,12 +185,14 @@ class Strategy:
         strategy needs nodes holding equal numbers of ranks exactly then."""
         return self.default.hierarchical or bool(self.hierarchical_variables())
 
-    def servers_named(self) -> dict[str, tuple[int, ...]]:
-        """The parameter servers the strategy pins each of its configs to (``servers``), by name
-        (``"default"`` for the default): a job needs more servers than the highest index named."""
+    def servers_beyond(self, num_servers: int) -> dict[str, list[int]]:
+        """The configs (by variable name, ``"default"`` for the default) that pin a shard to a
+        parameter server a job of ``num_servers`` servers (numbered from 0) does not have, with those
+        server indices; empty when the strategy fits such a job."""
         configs = {"default": self.default, **self.variables}
-        return {name: config.servers for name, config in configs.items()
-                if config.route == "ps" and config.servers}
+        beyond = {name: [s for s in config.servers if s >= num_servers]
+                  for name, config in configs.items() if config.route == "ps" and config.servers}
+        return {name: servers for name, servers in beyond.items() if servers}
 
     def hierarchical_variables(self) -> list[str]:
         """The variables this strategy names that go by hierarchical all-reduce."""

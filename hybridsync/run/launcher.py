@@ -467,15 +467,14 @@ def _is_this_host(host: str) -> bool:
         return False
 
 
-def check_hierarchical_fits(strategy_path: str | None, job: JobShape) -> None:
-    """``ValueError`` when the strategy routes variables through hierarchical all-reduce but the job
+def check_hierarchical_fits(strategy: Strategy | None, job: JobShape, strategy_path: str | None) -> None:
+    """``ValueError`` when the strategy (read from ``strategy_path``) routes variables through hierarchical all-reduce but the job
     puts different numbers of ranks on its hosts: that route needs equal nodes, and every rank would
     fail building its optimizer (``RouteUnavailableError``), after start-up, in a traceback each.
     (An elastic job's optimizer falls back to ring instead: ``hybridsync.world``.)"""
     counts = {count for _, count in job.ranks_per_host}
-    if strategy_path is None or len(counts) < 2:
+    if strategy is None or len(counts) < 2:
         return
-    strategy = Strategy.load(strategy_path)
     if strategy.uses_hierarchical:
         placed = ", ".join(f"{count} on {host}" for host, count in job.ranks_per_host)
         names = strategy.hierarchical_variables()
@@ -485,15 +484,11 @@ def check_hierarchical_fits(strategy_path: str | None, job: JobShape) -> None:
                          f"ranks: give the hosts equal slots, or route those variables 'ring'")
 
 
-def check_servers_fit(strategy_path: str | None, num_servers: int) -> None:
-    """``ValueError`` when the strategy pins a variable to a parameter server the job will not start
+def check_servers_fit(strategy: Strategy | None, num_servers: int, strategy_path: str | None) -> None:
+    """``ValueError`` when the strategy (read from ``strategy_path``) pins a variable to a parameter server the job will not start
     (``servers: [3]`` with 2 servers): every rank would fail building its optimizer, after start-up,
     in a traceback each."""
-    if strategy_path is None:
-        return
-    missing = {name: [s for s in servers if s >= num_servers]
-               for name, servers in Strategy.load(strategy_path).servers_named().items()}
-    missing = {name: servers for name, servers in missing.items() if servers}
+    missing = {} if strategy is None else strategy.servers_beyond(num_servers)
     if missing:
         name, servers = next(iter(missing.items()))
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -501,12 +496,6 @@ def check_servers_fit(strategy_path: str | None, num_servers: int) -> None:
                          f"{num_servers} parameter server{'s' if num_servers != 1 else ''} (numbered from 0): "
                          f"give --num-servers (or the config's num_servers) {max(max(s) for s in missing.values()) + 1}"
                          f", or change the strategy's servers")
-
-
-def _uses_ps(strategy_path: str | None) -> bool:
-    if strategy_path is None:
-        return False
-    return Strategy.load(strategy_path).uses_ps
 
 
 def _free_port() -> int:
@@ -551,17 +540,19 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     autotuner (``hybridsync.cli.run_main`` starts it for ``--autotune``) trains its winner through this."""
     job_shape = horovodrun_job(horovodrun_argv)
     options = with_run_config(options, job_shape.config_file)
-    num_servers = options.num_servers if options.num_servers is not None else int(_uses_ps(options.strategy))
+    strategy = Strategy.load(options.strategy) if options.strategy else None  # read once, checked below
+    uses_ps = strategy is not None and strategy.uses_ps
+    num_servers = options.num_servers if options.num_servers is not None else int(uses_ps)
     if job_shape.elastic:
         for note in elastic_notes(job_shape, num_servers):
             print(f"hybridsync-run: {note}", file=sys.stderr)
         num_servers = 0
-    elif num_servers == 0 and _uses_ps(options.strategy):
+    elif num_servers == 0 and uses_ps:
         raise ValueError(f"strategy {options.strategy} routes variables through the parameter server, "
                          f"but the number of servers (--num-servers or the config's num_servers) is 0")
-    check_hierarchical_fits(options.strategy, job_shape)
+    check_hierarchical_fits(strategy, job_shape, options.strategy)
     if num_servers:
-        check_servers_fit(options.strategy, num_servers)
+        check_servers_fit(strategy, num_servers, options.strategy)
     placement = server_placement(options, job_shape, num_servers) if num_servers else None
     env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
