@@ -12,6 +12,7 @@ from typing import Sequence
 
 from hybridsync import baselines
 from hybridsync.autotune import cli as autotune_cli
+from hybridsync.cli_parser import CommandParser
 from hybridsync.description import VariableInfo, load_model_description
 from hybridsync.explain import explain
 from hybridsync.run import launcher, profile
@@ -73,7 +74,7 @@ def _baselines_epilog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="hybridsync", description="Inspect, build, measure and search synchronization strategies; run emulated "
         "clusters. Training jobs start with hybridsync-run (hybridsync-run --help).")
     commands = parser.add_subparsers(dest="subcommand", required=True)  # "command" is a script's argv

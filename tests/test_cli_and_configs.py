@@ -117,6 +117,28 @@ def test_user_mistakes_are_one_line_each(tmp_path, capsys):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("argv, last_line", [
+    ([], "hybridsync: error: choose a command: explain, baseline, profile, trials, search, dataset, syncswitch, "
+         "cluster"),
+    (["--verbose"], "hybridsync: error: unrecognized arguments: --verbose"),
+    (["trials"], "hybridsync trials: error: choose a command: run, list, sweep"),
+    (["dataset", "--x"], "hybridsync dataset: error: unrecognized arguments: --x"),
+    (["search", "--modle", "ncf", "--cluster", "c.yaml", "-o", "s.json"],
+     "hybridsync search: error: unrecognized arguments: --modle"),
+    (["search", "--mod", "ncf", "-oout.json"], "hybridsync search: error: the following arguments are required: "
+                                               "--cluster"),  # an abbreviation and a glued value are known flags
+    (["cluster", "--bogus"], "hybridsync cluster: error: unrecognized arguments: --bogus"),
+])
+def test_a_mistyped_flag_or_missing_command_is_named(argv, last_line, capsys):
+    """argparse reports missing required arguments before unknown ones, so ``hybridsync --verbose``
+    said "the following arguments are required: subcommand" (an internal name), and a typo in a
+    search flag listed the required flags instead of the typo."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == last_line
+
+
+@pytest.mark.unit
 def test_hybridsync_run_passes_horovodruns_version_answer_through(capsys):
     """``--version`` is horovodrun's to answer (status 0), not a mistake to report."""
     horovod = pytest.importorskip("horovod")

@@ -19,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Sequence
 
 from hybridsync import envvars
+from hybridsync.cli_parser import CommandParser
 from hybridsync.cluster.netns import NAMESPACE_PREFIX, EmulatedCluster, leftovers, remove_leftovers
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.run.launcher import describe_os_error
@@ -32,7 +33,7 @@ EXIT_TIMEOUT = 124
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hybridsync cluster``."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="hybridsync cluster", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Bring an emulated multi-node cluster up (network namespaces joined by shaped links),\n"
                     "run a job across it, tear it down. Needs root.",
