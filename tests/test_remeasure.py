@@ -158,6 +158,8 @@ def test_remeasure_runs_a_stored_jobs_lineup_again_and_replaces_its_trials(tmp_p
     assert all(r.status == "ok" and r.warmup_steps == 1 and len(r.step_times) == 4 for r in new)
     assert min(r.started for r in new) > window[1]
     assert f"ncf on 1x2@1gbit+1ps: job {old[0].job} -> {new[0].job}" in again.stdout
+    for job, line in ((first, "trials: 3/3 trials"), (again, "remeasure: 3/3 trials")):  # a log: lines, no redraws
+        assert line in job.stdout and "\r" not in job.stdout, job.stdout[-2000:]
     assert sqlite3.connect(tmp_path / "trials.db").execute("SELECT count(*) FROM descriptions").fetchone() == (1,)
     rerun = run_job(argv, timeout=60)
     assert rerun.returncode == 0 and "no job of" in rerun.stdout, rerun.stdout

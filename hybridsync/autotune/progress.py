@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from hybridsync.progress import is_terminal
+
 
 class AutotuneProgress:
     """A tqdm bar over ``budget`` strategies on ``stream`` (stderr) while entered (``with``), unless
@@ -36,7 +38,7 @@ class AutotuneProgress:
     def __enter__(self) -> "AutotuneProgress":
         stream = self.stream or sys.stderr
         self.writing = self.enabled
-        if self.enabled and (self.draw if self.draw is not None else _is_terminal(stream)):
+        if self.enabled and (self.draw if self.draw is not None else is_terminal(stream)):
             from tqdm import tqdm
             self.bar = tqdm(total=self.budget, desc="autotune", dynamic_ncols=True, file=stream,
                             mininterval=0,  # a redraw per trial: seconds apart
@@ -87,8 +89,3 @@ class AutotuneProgress:
         count = f" {self.done}/{self.expected} trials" if self.expected else ""
         failed = f", {self.failed} failed" if self.failed else ""
         self.bar.set_postfix_str(f"{self.phase_name}{count}{failed}", refresh=refresh)
-
-
-def _is_terminal(stream: TextIO) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())

@@ -10,15 +10,14 @@ DEFAULT_FRACTIONS = (0.0625, 0.125, 0.25, 0.5)
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+    from hybridsync.progress import progress_bar
     from hybridsync.strategy import Strategy
     from hybridsync.syncswitch.tune import switch_strategy, tune_on_digits
 
     base = Strategy.load(args.strategy) if args.strategy else Strategy.from_dict({"default": {"route": "ps"}})
     switch_strategy(base, 0.5, args.steps)  # a base the policy cannot drive fails before any run
     probes = 1 + math.ceil(math.log2(len(args.fractions) + 1))
-    with tqdm(total=probes * len(args.seeds), desc="tuning runs", unit="run") as progress:
+    with progress_bar(probes * len(args.seeds), desc="tuning runs", unit="run") as progress:
         result = tune_on_digits(args.fractions, steps=args.steps, seeds=args.seeds, tolerance=args.tolerance,
                                 workdir=tempfile.mkdtemp(prefix="hs-syncswitch-tune-"), progress=progress)
     for fraction, (accuracy, seconds) in sorted(result.measured.items()):

@@ -137,8 +137,7 @@ def run_with_progress(runs: Sequence[tuple[str, str, Any, list[Candidate]]], sto
                       args: argparse.Namespace) -> None:
     """Runs each (model, description id, target, candidates) in turn under one progress bar
     (trials done / left, ETA, best so far), printing a summary line per run."""
-    from tqdm import tqdm
-
+    from hybridsync.progress import progress_bar
     from hybridsync.trials.runner import DEFAULT_BLOCK_SIZE, TrialProtocol, TrialRunner
     if args.controls < 0:
         raise ValueError(f"--controls must be >= 0, got {args.controls}")
@@ -146,7 +145,7 @@ def run_with_progress(runs: Sequence[tuple[str, str, Any, list[Candidate]]], sto
     runners = [TrialRunner(model=model, description_id=desc_id, target=target, store=store, protocol=protocol,
                            workdir=args.workdir) for model, desc_id, target, _ in runs]
     pending = [len(runner.pending(candidates)) for runner, (_, _, _, candidates) in zip(runners, runs)]
-    with tqdm(total=sum(pending), unit="trial", dynamic_ncols=True) as bar:
+    with progress_bar(sum(pending), desc="trials", unit="trial") as bar:
         for runner, (model, _, target, candidates) in zip(runners, runs):
             best: dict[str, Any] = {"ms": None, "failed": 0}
 

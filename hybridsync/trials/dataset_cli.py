@@ -122,8 +122,7 @@ def _redescribe(args: argparse.Namespace) -> int:
 def _remeasure(args: argparse.Namespace) -> int:
     from itertools import groupby
 
-    from tqdm import tqdm
-
+    from hybridsync.progress import progress_bar
     from hybridsync.trials.jobs import EmulatedTarget, HostsTarget
     from hybridsync.trials.redescribe import load_descriptions
     from hybridsync.trials.remeasure import description_for, jobs_started_between, remeasure_job
@@ -141,7 +140,7 @@ def _remeasure(args: argparse.Namespace) -> int:
                 print(f"{j.started}  {j.job}  {j.model:<20} {cluster_label(j.cluster.to_dict()):<18} "
                       f"{len(j.trials)} trials -> description {described[j.job][0]}")
             return 0
-        with tqdm(total=sum(len(j.candidates()) for j in jobs), unit="trial", dynamic_ncols=True) as bar:
+        with progress_bar(sum(len(j.candidates()) for j in jobs), desc="remeasure", unit="trial") as bar:
             for _, same_cluster in groupby(jobs, key=lambda j: j.cluster):
                 batch = list(same_cluster)
                 spec = batch[0].cluster

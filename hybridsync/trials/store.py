@@ -524,7 +524,8 @@ def _read_jsonl(path: str | os.PathLike[str], progress: bool) -> Iterator[TrialR
             from tqdm import tqdm
             total = sum(1 for _ in handle)
             handle.seek(0)
-            lines = tqdm(handle, total=total, desc=f"import {os.path.basename(path)}", unit="row")
+            lines = tqdm(handle, total=total, desc=f"import {os.path.basename(path)}", unit="row",
+                         disable=None)  # None: on a terminal only (an import takes seconds)
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
