@@ -280,6 +280,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                           + "; ".join(notes), RuntimeWarning, stacklevel=3)
         return fitted
 
+    def _warn_of_dense_sparse_gradients(self) -> None:
+        """Rank 0 warns, after the first step, of the sparse gradients the strategy sends at their full
+        dense size (partitioned, merged or hierarchical on the all-reduce route): correct, but an
+        embedding table's gradient can then cost many times the rows a step touched, with nothing
+        else in the job's output to say why it is slow (``hybridsync explain`` says it ahead)."""
+        router = self._router
+        if router is None or not router.sent_dense or self._hvd.rank() != 0:
+            return
+        dense = sorted(router.sent_dense)
+        names = ", ".join(f"{self.plan.var_names[i]} ({_megabytes(self._params[i])})" for i in dense[:5])
+        more = f" and {len(dense) - 5} more" if len(dense) > 5 else ""
+        warnings.warn(f"hybridsync: the strategy sends {len(dense)} sparse gradient(s) dense, at full size, every "
+                      f"step: {names}{more}. Only a whole variable alone in its message on the ring, or any "
+                      f"shape on the parameter server, travels as the rows a step touched.",
+                      RuntimeWarning, stacklevel=3)
+
     def pull_parameters(self) -> None:
         """The ASP/SSP variables take the servers' current values, pushing nothing (the others are
         untouched). Called on every rank once every rank's last update is pushed (after a barrier),
@@ -435,6 +451,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._all_built:
             self._all_built = True
             _check_held(_unheld_variables(self._requested_strategy))
+            self._warn_of_dense_sparse_gradients()
         self._synchronized = False
         (self._router or self._built_router()).before_step()
         for hook in self._hooks:
@@ -466,6 +483,10 @@ model's variables, and each optimizer routes its own part of them."""
 _TIED_ALIASES: dict[str, str] = {}
 """A tied parameter's later names (``named_parameters(remove_duplicate=False)``), each to the name its
 variable has: a strategy that names one is told which name to use."""
+
+
+def _megabytes(param: torch.Tensor) -> str:
+    return f"{param.numel() * param.element_size() / 1e6:.1f} MB"
 
 
 def _unheld_variables(strategy: Strategy | None) -> list[str]:

@@ -180,6 +180,9 @@ class Router:
         self._sparse_results: dict[int, list[torch.Tensor]] = {}
         self._densified: dict[int, torch.Tensor] = {}
         """This step's sparse gradients made dense for an all-reduce, by variable index."""
+        self.sent_dense: set[int] = set()
+        """Variables whose sparse gradient the strategy made this router send dense (at the variable's
+        full size) though ``sparse_as_dense`` did not ask for it: the optimizer warns of them once."""
         self._as_rows = [any(piece.rows for piece in m.pieces) for m in plan.messages]
         """Per message, whether it holds a dense gradient sent as its nonzero rows (``Piece.rows``)."""
         self._rows: dict[int, torch.Tensor] = {}
@@ -518,6 +521,8 @@ class Router:
         dense = self._densified.get(var_index)
         if dense is None:
             dense = self._densified[var_index] = grad.to_dense()
+            if not self._sparse_as_dense:
+                self.sent_dense.add(var_index)
         return dense
 
     def _write_back_sparse(self) -> None:
