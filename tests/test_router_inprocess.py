@@ -472,10 +472,13 @@ def test_message_wire_matches_what_the_router_sends():
 
 
 class _RecordingBackend:
-    """Reduces nothing; records the order in which its messages are waited for."""
+    """Reduces nothing; records the order in which its messages are waited for. ``any_order``: it
+    declares ``waits_in_any_order``, as the ring's backend does."""
 
-    def __init__(self, waited: list[str]) -> None:
+    def __init__(self, waited: list[str], any_order: bool = False) -> None:
         self.waited = waited
+        if any_order:
+            self.waits_in_any_order = True
 
     def submit(self, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction) -> _Handle:
         return _Handle(lambda: self.waited.append(name))
@@ -484,12 +487,15 @@ class _RecordingBackend:
         """Nothing outlives a step here."""
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
-def test_ring_waits_follow_submission_other_routes_the_plan(algorithm):
+@pytest.mark.parametrize("algorithm, ring_serves_it", [("ring", True), ("hierarchical", False),
+                                                      ("hierarchical", True)])
+def test_ring_waits_follow_submission_other_routes_the_plan(algorithm, ring_serves_it):
     """Horovod's ring handles complete on Horovod's thread: taken in the order they were submitted,
     as Horovod does; a route whose wait meets the other ranks in a collective (here one
     hierarchical variable, on a backend that is not staged) makes every wait of the step follow
-    the plan, whatever order the gradients came in (staged backends: reverse plan order, below)."""
+    the plan, whatever order the gradients came in (staged backends: reverse plan order, below).
+    A hierarchical variable that the ring's backend serves (one rank per node: ``make_backend``)
+    is the ring's: before, the route's name alone put every wait of such a plan in plan order."""
     waited: list[str] = []
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     named = list(model.named_parameters())
@@ -499,7 +505,7 @@ def test_ring_waits_follow_submission_other_routes_the_plan(algorithm):
                                                                            "algorithm": algorithm}}})
     plan = build_plan(variables_from_model(model), strategy)
     router = Router(plan, [p for _, p in named], compression=Compression.none, reduction=Reduction(),
-                    backends=lambda *_, **__: _RecordingBackend(waited))
+                    backends=lambda route, variant, **_: _RecordingBackend(waited, variant == "ring" or ring_serves_it))
     for var_index in range(len(named)):  # not the backward pass's order: rank-dependent orders happen
         router.mark_ready(var_index)
     router.finish()
@@ -509,7 +515,7 @@ def test_ring_waits_follow_submission_other_routes_the_plan(algorithm):
     for var_index in reversed(range(len(named))):
         router.mark_ready(var_index)
     router.finish()
-    assert waited == (in_plan_order[::-1] if algorithm == "ring" else in_plan_order)
+    assert waited == (in_plan_order[::-1] if ring_serves_it else in_plan_order)
 
 
 class _StagedHandle:

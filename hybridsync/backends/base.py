@@ -23,6 +23,11 @@ the router asks once, with ``isinstance``, when it builds its backends, never pe
   during the backward pass, in one order on every rank (the collectives across nodes must
   meet in the same order), so that their transfers overlap the rest of the backward pass.
 
+One capability is an attribute, not a method: ``waits_in_any_order`` (true on the ring's backend)
+says a backend's handles complete on their own (Horovod's background thread), so each rank may wait
+for them in the order it submitted them. Without it (a route whose wait may meet the other ranks in
+a collective) the router waits for every message of the step in one order on every rank.
+
 The protocols are ``runtime_checkable``: a backend from elsewhere needs only the methods
 (structural typing); hybridsync's own backends also name them as bases, so what each
 supports reads in its class line. ASP/SSP exchange parameters, not gradients: they are a

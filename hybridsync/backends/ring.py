@@ -26,6 +26,9 @@ class _HorovodHandle:
 class RingAllreduce(SparseBackend):
     """Ring all-reduce through Horovod; a merged message becomes one grouped all-reduce."""
 
+    waits_in_any_order = True
+    """Horovod completes the handles on its own thread: a rank may wait in its submission order."""
+
     def __init__(self, process_set: Any = None) -> None:
         import horovod.torch as hvd
         self._hvd = hvd

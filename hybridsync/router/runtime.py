@@ -150,11 +150,12 @@ class Router:
         self._sizes = tuple(len(m.var_indices) for m in plan.messages)
         """Per message, how many variables feed it: ``_waiting_on``'s value at the start of a step."""
         self._waiting_on = list(self._sizes)
-        self._in_plan_order = any(_backend_key(m) != _RING for m, skip in zip(plan.messages, self._async) if not skip)
+        self._in_plan_order = any(not getattr(b, "waits_in_any_order", False) for b in self._backends if b is not None)
         """Whether ``finish()`` waits in one order on every rank (``_position``'s with staged messages,
         else plan order): a route whose wait blocks on a collective needs it (every rank meets the
         others at the same message); Horovod's ring handles complete on Horovod's own thread, so a
-        ring-only plan waits in the order it submitted, as Horovod does."""
+        plan whose backends are all the ring's (hierarchical messages too, where ``make_backend`` gives
+        them the ring) waits in the order it submitted, as Horovod does."""
         self._staged = [m for m in reversed(range(len(plan.messages))) if isinstance(self._backends[m], StagedBackend)]
         """Messages whose collectives start after submit (``StagedBackend``: hierarchical all-reduce), in
         the order every rank starts them, which ``finish()`` keeps. Advanced on every gradient hook, so
@@ -573,9 +574,6 @@ def _horovod_exchange(process_set: Any) -> KindsExchange:
         return [record["kinds"] for record in gather_records(
             hvd, {"kinds": states}, process_set if process_set is not None else hvd.global_process_set, name)]
     return exchange
-
-
-_RING = ("allreduce", "ring")
 
 
 _plan_position = operator.attrgetter("index")
