@@ -52,6 +52,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Names given for parameters the optimizer did not hold: theirs if ``add_param_group`` adds them."""
         self._named = named
         _HELD_VARIABLES.update(name for name, _ in named)
+        _NAMED_FOR_LATER.update(spare.values())
         _TIED_ALIASES.update(aliases)
         self._groups = None if options.groups is None else grouped_names(options.groups, self.param_groups,
                                                                          {p: name for name, p in named})
@@ -480,6 +481,11 @@ _HELD_VARIABLES: set[str] = set()
 model's variables, and each optimizer routes its own part of them."""
 
 
+_NAMED_FOR_LATER: set[str] = set()
+"""Names ``named_parameters`` gave for parameters no optimizer holds yet: a fine-tuning script adds
+them later (``add_param_group``), and a strategy that configures them is not a misspelt one."""
+
+
 _TIED_ALIASES: dict[str, str] = {}
 """A tied parameter's later names (``named_parameters(remove_duplicate=False)``), each to the name its
 variable has: a strategy that names one is told which name to use."""
@@ -490,8 +496,9 @@ def _megabytes(param: torch.Tensor) -> str:
 
 
 def _unheld_variables(strategy: Strategy | None) -> list[str]:
-    """The variables ``strategy`` names that no optimizer of this process holds."""
-    return [] if strategy is None else sorted(set(strategy.variables) - _HELD_VARIABLES)
+    """The variables ``strategy`` names that no optimizer of this process holds, nor will hold once
+    ``add_param_group`` adds the parameters its ``named_parameters`` named."""
+    return [] if strategy is None else sorted(set(strategy.variables) - _HELD_VARIABLES - _NAMED_FOR_LATER)
 
 
 def _check_held(unheld: list[str]) -> None:

@@ -58,6 +58,7 @@ EXPECTED_ERRORS = {
     "wrapped_twice": ("ValueError", "is a DistributedOptimizer already (horovod.torch's)"),
     "strategy_names_a_tied_alias": ("ValueError", "variable 'decoder.weight' is the same parameter as "
                                                   "'embed.weight' (tied weights are one variable"),
+    "strategy_names_a_group_added_later": (None, "no error"),
     "predivide_with_sum": ("ValueError", "gradient_predivide_factor not supported"),
     "compression_by_name": ("TypeError", "compression must be a compressor such as hybridsync.Compression.fp16"),
     "zero_grad_before_step": ("AssertionError", "zero_grad() was called after loss.backward()"),

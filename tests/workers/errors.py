@@ -61,6 +61,26 @@ def two_optimizers_share_a_strategy():
         raise AssertionError(f"each optimizer should route its own part, got {routed}")
 
 
+def strategy_names_a_group_added_later():
+    """Fine-tuning: the head joins the optimizer after a step (``add_param_group``), and the strategy
+    configures it. The first step refused the strategy ("not in the model"); now the head is routed as
+    the strategy says once it is added."""
+    torch.manual_seed(0)  # names no other case uses: the cases share one process, and what it holds
+    m = nn.ModuleDict({"backbone": nn.Linear(4, 8), "late_head": nn.Linear(8, 2)})
+    opt = hs.DistributedOptimizer(torch.optim.SGD(m["backbone"].parameters(), lr=0.1),
+                                  named_parameters=m.named_parameters(),
+                                  strategy={"variables": {"late_head.weight": {"route": "allreduce", "partitions": 2}}})
+    for step in range(3):
+        if step == 1:
+            opt.add_param_group({"params": list(m["late_head"].parameters())})
+        opt.zero_grad()
+        m["late_head"](m["backbone"](torch.randn(3, 4))).sum().backward()
+        opt.step()
+    sent = {piece.var_name: message.config.partitions for message in opt.plan.messages for piece in message.pieces}
+    if sent.get("late_head.weight") != 2:
+        raise AssertionError(f"the head should go in 2 partitions once added, got {sent}")
+
+
 def rank_dependent_strategy():
     if hvd.rank() == 0:
         return make({"variables": {"0.weight": {"route": "allreduce", "partitions": 2}}})
@@ -172,6 +192,7 @@ CASES = {
     "duplicate_names": lambda: make(named=[("w", p) for p in model().parameters()]),
     "wrapped_twice": lambda: wrapped_twice(),
     "strategy_names_a_tied_alias": strategy_names_a_tied_alias,
+    "strategy_names_a_group_added_later": strategy_names_a_group_added_later,
     "predivide_with_sum": lambda: make(op=hs.Sum, gradient_predivide_factor=2.0),
     "compression_by_name": lambda: make(compression="fp16"),
     "zero_grad_before_step": zero_grad_before_step,
