@@ -325,6 +325,47 @@ def test_servers_no_worker_joined_are_stopped_when_the_job_ends(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_taken_ps_root_port_is_refused_before_anything_starts(tmp_path, capsys):
+    """``--ps-root-port`` taken by another process (another job's store): server 0's supervisor died
+    at once with torch's socket traceback, and the workers waited for its store until their join
+    timeout (120 s, a line every 10 s asking whether it hung)."""
+    import socket
+    strategy = tmp_path / "ps.json"
+    strategy.write_text(json.dumps({"version": 1, "default": {"route": "ps"}}))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert run_main(["-np", "2", "-H", "localhost:2", "--strategy", str(strategy), "--ps-root-port", str(port),
+                         "python", "train.py"]) == 2
+    assert capsys.readouterr().err == (f"hybridsync-run: error: --ps-root-port {port}: this host cannot listen on it "
+                                       "(Address already in use; another job's rendezvous?): choose another port, or "
+                                       "leave it unset for a free one\n")
+
+
+@pytest.mark.multiprocess
+def test_a_server_that_fails_while_the_job_runs_stops_the_job(capsys, monkeypatch):
+    """A server that exits with an error (its supervisor killed, out of restarts, its port taken
+    under a race) left the job's workers waiting for it until their timeouts (120 s for a store no
+    one hosts). Now the job goes on for a grace (its ranks' own errors come first), then stops."""
+    from hybridsync.run import launcher, procs
+    monkeypatch.setattr(launcher, "FAILED_SERVER_GRACE_S", 1.0)
+    job = procs.start([sys.executable, "-c", "import time; time.sleep(60)"], capture=False)
+    server = procs.start([sys.executable, "-c", "raise SystemExit(3)"], capture=False)
+    started = time.monotonic()
+    try:
+        assert launcher.wait_watching_servers(job, {"parameter server 0": server}) == 1
+    finally:
+        procs.stop(job), procs.stop(server)
+    assert time.monotonic() - started < 15 and job.poll() is not None
+    assert capsys.readouterr().err == ("hybridsync-run: error: parameter server 0 exited with status 3 while the job "
+                                       "ran (its output above says why); stopping the job\n")
+    healthy = procs.start([sys.executable, "-c", "import time; time.sleep(2)"], capture=False)
+    done = procs.start([sys.executable, "-c", "pass"], capture=False)  # a server that left: status 0
+    assert launcher.wait_watching_servers(healthy, {"parameter server 0": done}) == 0
+
+
+@pytest.mark.unit
 def test_every_launcher_writes_the_ps_vocabulary_the_route_reads():
     """hybridsync-run and the emulated cluster share one writer of the servers' settings; a
     server and a worker read back what it wrote (a misspelt variable would fail here)."""

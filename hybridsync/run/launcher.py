@@ -38,7 +38,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from hybridsync import envvars
 from hybridsync.run import procs
@@ -498,6 +498,20 @@ def check_servers_fit(strategy: Strategy | None, num_servers: int, strategy_path
                          f", or change the strategy's servers")
 
 
+def check_port_free(port: int) -> None:
+    """``ValueError`` unless this host can listen on ``port``, where server 0 will host the rendezvous
+    store: taken (another job's store), its supervisor would die at once, and the workers wait for
+    the store until their join timeout."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store listens
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            raise ValueError(f"--ps-root-port {port}: this host cannot listen on it ({describe_os_error(error)}; "
+                             f"another job's rendezvous?): choose another port, or leave it unset for a free one"
+                             ) from None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -554,6 +568,8 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     if num_servers:
         check_servers_fit(strategy, num_servers, options.strategy)
     placement = server_placement(options, job_shape, num_servers) if num_servers else None
+    if num_servers and options.ps_root_port and (placement is None or _is_this_host(placement[0])):
+        check_port_free(options.ps_root_port)
     env = {**os.environ, **job_environment(options, job_shape, num_servers, placement)}
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     servers: list[subprocess.Popen] = []
@@ -561,7 +577,11 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
     try:
         servers = start_servers(num_servers, env, placement, job_shape.ssh_args)
         job = procs.start([*horovodrun_command(), *horovodrun_argv], env=env, capture=False)
-        return job.wait()
+        names = ([f"parameter server {i}" for i in range(num_servers)] if placement is None
+                 else ["the horovodrun of the parameter servers"])
+        # Watched only when the strategy routes to them, so that every worker joins them at once: servers
+        # started for a later switch give up when no worker joined within their timeout, harmlessly.
+        return wait_watching_servers(job, dict(zip(names, servers)) if uses_ps else {})
     except KeyboardInterrupt:
         print("hybridsync-run: interrupted; stopping the job and its servers", file=sys.stderr)
         return 130
@@ -570,6 +590,39 @@ def run(options: LaunchOptions, horovodrun_argv: Sequence[str], *, server_grace_
             procs.stop(job)
         _stop_servers(servers, server_grace_s, env)
         signal.signal(signal.SIGTERM, previous)
+
+
+SERVER_WATCH_S = 0.5
+"""How often ``wait_watching_servers`` looks at the servers while the job runs."""
+FAILED_SERVER_GRACE_S = 30.0
+"""How long a job may go on after a server failed, to end with its own ranks' errors, before the
+launcher stops it and names the server. A worker that raised is why a server gives up on it, and the
+other ranks need seconds (tens under load) to learn it from Horovod: 5 s cut their reports short.
+Long against that, short against the workers' join timeout (120 s) for a store no one hosts."""
+
+
+def wait_watching_servers(job: subprocess.Popen, servers: Mapping[str, subprocess.Popen]) -> int:
+    """``job.wait()``, except that a server (by name) that exits with an error while the job runs stops
+    the job: its workers would otherwise wait their join timeout (120 s) for a store no one hosts
+    (its port taken), or their RPC timeouts for a server that gave up. ``1``, with a line naming the
+    server, then."""
+    failed_at = None
+    while True:
+        try:
+            return job.wait(timeout=SERVER_WATCH_S)
+        except subprocess.TimeoutExpired:
+            pass
+        failed = [(name, server.returncode) for name, server in servers.items() if server.poll() not in (None, 0)]
+        if not failed:
+            continue
+        failed_at = failed_at or time.monotonic()
+        if time.monotonic() - failed_at < FAILED_SERVER_GRACE_S:
+            continue
+        name, code = failed[0]
+        print(f"hybridsync-run: error: {name} exited with status {code} while the job ran (its output above says "
+              f"why); stopping the job", file=sys.stderr, flush=True)
+        procs.stop(job)
+        return 1
 
 
 def _stop_servers(servers: list[subprocess.Popen], grace_s: float, env: dict[str, str]) -> None:

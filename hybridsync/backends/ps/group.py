@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 import threading
 import time
@@ -72,10 +73,19 @@ def store_key(*parts: object) -> str:
 
 def open_store(config: PSConfig, *, host: bool = False, timeout_s: float = 60.0) -> Any:
     """The rendezvous store: hosted by this process (``host``) or reached as a client (retrying
-    until ``timeout_s``: its host may start after us)."""
+    until ``timeout_s``: its host may start after us). A host that cannot listen (the port taken by
+    another job) raises ``RuntimeError`` saying so in one sentence, not torch's socket report."""
     import torch.distributed as dist
-    return dist.TCPStore(config.root_uri, config.root_port, is_master=host, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        return dist.TCPStore(config.root_uri, config.root_port, is_master=host, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as error:
+        if not host:
+            raise
+        reason = re.search(r"message: (.+)$", str(error))
+        raise RuntimeError(f"cannot host the rendezvous store on port {config.root_port}: "
+                           f"{reason.group(1) if reason else error} (set another port with --ps-root-port or "
+                           f"DMLC_PS_ROOT_PORT, or leave it unset for a free one)") from None
 
 
 def reach_store(config: PSConfig, timeout_s: float) -> Any:

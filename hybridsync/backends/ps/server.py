@@ -345,12 +345,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"hybridsync PS server: {e}\n")
     if os.environ.get(envvars.DMLC_ROLE, "server") != "server":
         parser.exit(2, f"hybridsync PS server: DMLC_ROLE is {os.environ[envvars.DMLC_ROLE]!r}, expected 'server'\n")
-    if args.supervise:
-        from hybridsync.backends.ps.supervisor import supervise
-        child = ["--join-timeout", str(args.join_timeout), "--restore-timeout", str(args.restore_timeout)]
-        return supervise(config, {**env, envvars.DMLC_SERVER_ID: str(config.index)}, child,
-                         max_restarts=args.max_restarts, join_timeout_s=args.join_timeout)
     try:
+        if args.supervise:
+            from hybridsync.backends.ps.supervisor import supervise
+            child = ["--join-timeout", str(args.join_timeout), "--restore-timeout", str(args.restore_timeout)]
+            return supervise(config, {**env, envvars.DMLC_SERVER_ID: str(config.index)}, child,
+                             max_restarts=args.max_restarts, join_timeout_s=args.join_timeout)
         return serve(config, join_timeout_s=args.join_timeout, restore_timeout_s=args.restore_timeout)
     except RuntimeError as e:
         group.abandon(1, f"hybridsync PS {config.name}: {e}")
