@@ -36,6 +36,10 @@ it fails naming what it waited for (default 120; a notice on stderr every 10 s s
 PS_SUPERVISED = "HYBRIDSYNC_PS_SUPERVISED"
 """Set by ``hybridsync-server --supervise`` for the server it runs: the supervisor hosts the
 rendezvous store (server 0's) and replaces the server if it dies."""
+EMULATED_PROCESSES_PER_CORE = "HYBRIDSYNC_EMULATED_PROCESSES_PER_CORE"
+"""Most processes (ranks and parameter servers) an emulated cluster may run per core of this
+machine (default 8; 0: no bound). A bigger spec is refused before anything is built: that many
+processes to a core measure the cores, not the links, and a 40 x 16 spec would start 640 ranks."""
 TF_OVERLAP_BYTES = "HYBRIDSYNC_TF_OVERLAP_BYTES"
 """TensorFlow graphs on the bridge: bytes of gradients per group handed to the runtime while the
 backward pass runs (default ``TF_OVERLAP_BYTES_DEFAULT``); 0 hands them all over after it, at once."""

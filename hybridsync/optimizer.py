@@ -201,7 +201,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                switching=True)
         router = Router(plan, self._params, compression=self._compression, reduction=self._reduction,
                         process_set=process_set, sparse_as_dense=self.sparse_as_dense, kinds=self._kinds,
-                        instance=instance if self._elastic else None)
+                        instance=instance if self._elastic else None, scoped_names=self._elastic)
         previous, self._router = current, router  # the hooks read self._router at every gradient
         self.plan, self.strategy, self.process_set = plan, resolved, process_set
         previous.close()
@@ -252,7 +252,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if self._synchronizing else None)
         self._router = Router(self.plan, self._params, compression=self._compression, reduction=self._reduction,
                               process_set=self.process_set, sparse_as_dense=self.sparse_as_dense, kinds=self._kinds,
-                              instance=instance)
+                              instance=instance, scoped_names=self._elastic)
         self._use_controller(self._controller_for(running))
         return self._router
 

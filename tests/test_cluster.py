@@ -355,3 +355,23 @@ def test_cli_run_starts_servers_on_every_host(tmp_path: Path) -> None:
     assert main(["run", str(spec_path), "--servers", server, "--timeout", "20", "--", "sh", "-c", job]) == 0
     assert sorted(p.name for p in marks.iterdir()) == [
         "n0-server-0-4", "n0-server-1-4", "n0-worker-10.77.0.1-2", "n1-server-2-4", "n1-server-3-4"]
+
+
+@pytest.mark.unit
+def test_an_oversized_emulated_cluster_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridsync.cluster.netns import EmulatedCluster, check_fits_machine
+    monkeypatch.delenv("HYBRIDSYNC_EMULATED_PROCESSES_PER_CORE", raising=False)
+    big = ClusterSpec(nodes=40, workers_per_node=16, inter_node_bandwidth="1gbit")
+    with pytest.raises(ValueError, match=r"640 processes \(40 nodes x \(16 workers \+ 0 servers\)\) on 2 cores is "
+                                         r"over 8 per core.*HYBRIDSYNC_EMULATED_PROCESSES_PER_CORE"):
+        check_fits_machine(big, cores=2)
+    check_fits_machine(ClusterSpec(nodes=4, workers_per_node=4, inter_node_bandwidth="1gbit"), cores=2)  # 16: fits
+    with pytest.raises(ValueError, match="per core"):  # the constructor checks, with this machine's cores
+        EmulatedCluster(ClusterSpec(nodes=250, workers_per_node=1000, inter_node_bandwidth="1gbit"))
+    monkeypatch.setenv("HYBRIDSYNC_EMULATED_PROCESSES_PER_CORE", "0")
+    check_fits_machine(big, cores=2)  # no bound
+    monkeypatch.setenv("HYBRIDSYNC_EMULATED_PROCESSES_PER_CORE", "400")
+    check_fits_machine(big, cores=2)
+    monkeypatch.setenv("HYBRIDSYNC_EMULATED_PROCESSES_PER_CORE", "many")
+    with pytest.raises(ValueError, match="HYBRIDSYNC_EMULATED_PROCESSES_PER_CORE='many'"):
+        check_fits_machine(big, cores=2)

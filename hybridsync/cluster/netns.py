@@ -30,6 +30,7 @@ import threading
 import uuid
 from typing import Any, Mapping, Sequence
 
+from hybridsync import envvars
 from hybridsync.children import die_with_parent
 from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one place
     NAMESPACE_PREFIX,
@@ -45,11 +46,14 @@ from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one 
 )
 from hybridsync.cluster.spec import SUBNET_MASK_BITS, ClusterSpec
 
-__all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "host_cpus", "kill_pids", "leftovers",
-           "list_namespaces", "namespace_pids", "remove_leftovers", "require_root", "sh", "tbf_args"]
+__all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "check_fits_machine", "host_cpus", "kill_pids",
+           "leftovers", "list_namespaces", "namespace_pids", "remove_leftovers", "require_root", "sh", "tbf_args"]
 
 NODE_IFACE = "eth0"
 """The uplink's name inside each node namespace (what ``HOROVOD_GLOO_IFACE`` names)."""
+DEFAULT_PROCESSES_PER_CORE = 8
+"""Ranks and servers per core an emulated cluster may hold by default: the largest spec here is
+4 x 4 ranks on 2 cores, and at 8 per core a step is already mostly waiting for a core."""
 
 
 def tbf_args(bits_per_second: int) -> list[str]:
@@ -75,6 +79,19 @@ def host_cpus(node: int, nodes: int, cpus: Sequence[int]) -> tuple[int, ...]:
     return tuple(cpus[node * share:(node + 1) * share])
 
 
+def check_fits_machine(spec: ClusterSpec, cores: int) -> None:
+    """``ValueError`` if ``spec``'s ranks and servers exceed ``HYBRIDSYNC_EMULATED_PROCESSES_PER_CORE``
+    (default ``DEFAULT_PROCESSES_PER_CORE``) per core of the ``cores`` this process may use."""
+    per_core = envvars.int_from_env(envvars.EMULATED_PROCESSES_PER_CORE, DEFAULT_PROCESSES_PER_CORE, 0)
+    processes = spec.num_workers + spec.num_servers
+    if per_core and processes > per_core * cores:
+        raise ValueError(
+            f"an emulated cluster of {processes} processes ({spec.nodes} nodes x ({spec.workers_per_node} workers "
+            f"+ {spec.servers_per_node} servers)) on {cores} cores is over {per_core} per core: its step times "
+            f"would measure the cores, not the links. Emulate a smaller cluster (the search and the simulator "
+            f"take the full spec), or set {envvars.EMULATED_PROCESSES_PER_CORE} higher (0: no bound)")
+
+
 class EmulatedCluster:
     """A cluster of ``spec.nodes`` hosts as namespaces behind a shaped bridge.
 
@@ -86,8 +103,11 @@ class EmulatedCluster:
     """
 
     def __init__(self, spec: ClusterSpec, *, job_id: str | None = None, pin_hosts: bool = False) -> None:
-        self.spec = spec
+        """``ValueError`` if the spec holds more processes than this machine can run as a cluster
+        (``check_fits_machine``)."""
         cores = sorted(os.sched_getaffinity(0))
+        check_fits_machine(spec, len(cores))
+        self.spec = spec
         self.cpus: tuple[tuple[int, ...], ...] | None = (
             tuple(host_cpus(i, spec.nodes, cores) for i in range(spec.nodes)) if pin_hosts else None)
         """The cores of each host (``pin_hosts``), or ``None``: the kernel places every process."""

@@ -6,7 +6,12 @@
   runs ~8-10x slower. Off: the cap is lifted (the processes stay in the group).
 - ``LinkStraggler``: a network straggler. One host's uplink (both directions: its veth
   end and the switch's port) is re-shaped to a lower ``tbf`` rate; off: the cluster's rate.
-  (This kernel has no ``sch_netem``, so added latency is not available.)
+  Both are shapers (queues that pace), not policers. What the host sends queues on the host
+  itself, so a TCP sender is held back without loss; what it receives queues at the switch
+  port, behind faster links, where slow start's overshoot is dropped as at a real switch:
+  a short transfer into the host can pay a retransmission timeout (200 ms minimum; at
+  20 Mbit/s, 3 of 10 transfers of 1.5 MB measured 14.9 instead of 20.0 Mbit/s, 6 MB ones
+  19.3 every time). (This kernel has no ``sch_netem``, so added latency is not available.)
 
 Both are registered with the cluster and undone at its teardown (the cgroup removed, once
 its processes are gone). ``StragglerSchedule`` turns one on and off at given seconds after

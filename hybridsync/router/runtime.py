@@ -118,19 +118,28 @@ class Router:
                  backends: BackendFactory = make_backend,
                  parameter_syncs: ParameterSyncFactory = make_parameter_sync,
                  kinds: GradientKinds | None = None, exchange: KindsExchange | None = None,
-                 instance: int | None = None) -> None:
+                 instance: int | None = None, scoped_names: bool = False) -> None:
         """``sparse_as_dense``: every sparse gradient is made dense for its message, whatever the
         backend could send (Horovod's option). ``backends`` and ``parameter_syncs`` make the
         transports, ``exchange`` the all-gather that agrees on gradient kinds (a test passes
         fakes); ``kinds``: what earlier routers over the same parameters agreed. ``instance``:
         the number the ranks agreed on, when their processes built different numbers of routers
         before (a worker that joined an elastic job); by default ``next_instance()``. Either way
-        the next router numbers past it."""
+        the next router numbers past it.
+
+        ``scoped_names``: every message goes out under a name of this router's own,
+        ``opt<instance>.<message name>``, not the plan's (an unsplit variable's message has the
+        variable's name). For an elastic job: a reset abandons a plan mid-step, and a message
+        Horovod still holds under a name makes the next plan's message of that name fail ("a
+        tensor with the same name as another tensor that is currently being processed");
+        routers' numbers only grow, so their names never meet."""
         assert len(params) == len(plan.var_names)
         self.instance = _take_instance(instance)
         """Identical on every rank (the optimizer's fingerprint check covers it)."""
         self.namespace = f"opt{self.instance}"
         """Prefix of every name kept beyond a step (parameter-server keys): two routers never share one."""
+        self._names = [f"{self.namespace}.{m.name}" if scoped_names else m.name for m in plan.messages]
+        """Each message's name on the wire, by index: the plan's, or with ``scoped_names`` this router's."""
         self.plan = plan
         self.closed = False
         """Set by ``close()``: the plan's keys, segments and groups are released."""
@@ -210,11 +219,11 @@ class Router:
         ``fp16`` they equal the plan's ``Message.wire``.
         """
         by_backend: dict[int, tuple[KeyedBackend, list]] = {}
-        for message, backend, compressor in zip(self.plan.messages, self._keyed, self._compressors):
+        for message, name, backend, compressor in zip(self.plan.messages, self._names, self._keyed, self._compressors):
             if backend is not None:
                 sent = [compressor.compress(self._piece_of(piece, self._params[piece.var_index].detach().to("meta")))[0]
                         for piece in message.pieces]
-                declaration = (message.name, wire_of(sent), message.server)
+                declaration = (name, wire_of(sent), message.server)
                 by_backend.setdefault(id(backend), (backend, []))[1].append(declaration)
         for backend, messages in by_backend.values():
             backend.declare_all(messages)
@@ -436,7 +445,7 @@ class Router:
             grad = self._gradient(pieces[0])
             if not grad.is_sparse:
                 sent, ctx = compressor.compress(grad)
-                handle = backend.submit(message.name, (sent,), self._reduction)
+                handle = backend.submit(self._names[m_index], (sent,), self._reduction)
                 flight = _InFlight(m_index, message, handle, None, [grad], [sent], [ctx], compressor)
                 self._in_flight.append(flight)
                 if self._staged:
@@ -451,7 +460,7 @@ class Router:
                      for piece, grad in zip(pieces, grads)]
         views = [self._piece_of(piece, grad) for piece, grad in zip(message.pieces, grads)]
         sent, contexts = zip(*(compressor.compress(view) for view in views))
-        handle = backend.submit(message.name, sent, self._reduction)
+        handle = backend.submit(self._names[m_index], sent, self._reduction)
         flight = _InFlight(m_index, message, handle, None, views, list(sent), list(contexts), compressor)
         self._in_flight.append(flight)
         if self._staged:
@@ -488,7 +497,7 @@ class Router:
         message, compressor = self.plan.messages[m_index], self._compressors[m_index]
         pieces, sparse_backend, keyed_backend = message.pieces, self._sparse[m_index], self._keyed[m_index]
         if len(pieces) == 1 and pieces[0].whole and sparse_backend is not None:
-            result = sparse_backend.submit_sparse(message.name, grads[0], self._reduction)
+            result = sparse_backend.submit_sparse(self._names[m_index], grads[0], self._reduction)
             self._in_flight.append(_InFlight(m_index, message, None, lambda: [result()], [], [], [], compressor,
                                              [(pieces[0].var_index, 0)]))
             return True
@@ -506,7 +515,7 @@ class Router:
                 parts.append((piece.var_name, wire))
                 rows.append(None)
                 views.append(view), sent.append(wire), contexts.append(ctx)
-        result = keyed_backend.submit_parts(message.name, parts, self._reduction)
+        result = keyed_backend.submit_parts(self._names[m_index], parts, self._reduction)
         self._in_flight.append(_InFlight(m_index, message, None, result, views, sent, contexts, compressor, rows))
         return True
 
