@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,8 +85,8 @@ def test_node_segment_is_shared_between_processes_and_leaves_no_file(tmp_path) -
     mine = NodeSegment(path, local_size=2, padded=4, dtype=torch.float32, local_rank=0)
     assert mine.inputs[0].numel() == mine.inputs[1].numel() == mine.output.numel() == 4
     mine.inputs[0].fill_(1.0)
-    child = subprocess.run([sys.executable, str(WORKERS / "segment_peer.py"), path], capture_output=True, text=True,
-                           timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = subprocess.run([sys.executable, str(WORKERS / "segment_peer.py"), path, "hard"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert child.returncode == 0, child.stderr
     assert not os.path.exists(path)
     # The child has exited: waiting for it is an error naming it, not a hang.
@@ -100,6 +103,41 @@ def test_node_segment_is_shared_between_processes_and_leaves_no_file(tmp_path) -
     del forgotten
     gc.collect()
     assert not os.path.exists(path)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_whose_process_is_exiting_is_not_waited_for(tmp_path) -> None:
+    """A node peer whose script raised or ended while the others wait for it in a segment: they fail
+    within a second or two, naming it, while its own exit handlers (Horovod's shutdown, the script's)
+    still run. Before, they waited until its process was gone: here 60 s, 2-8 s in a loaded 2-rank job."""
+    path = str(tmp_path / "segment")
+    mine = NodeSegment(path, local_size=2, padded=4, dtype=torch.float32, local_rank=0, ranks=[4, 5])
+    mine.inputs[0].fill_(1.0)
+    child = subprocess.Popen([sys.executable, str(WORKERS / "segment_peer.py"), path, "slow"], text=True,
+                             stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    outcome: dict = {}
+
+    def wait() -> None:
+        began = time.monotonic()
+        try:
+            mine.wait_until(lambda: False, lambda: [1], "testing")
+        except PeerExitedError as e:
+            outcome.update(error=str(e), seconds=time.monotonic() - began)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    try:
+        assert int(child.stdout.readline()) == child.pid  # mapped, and on its way out
+        waiter.start()
+        waiter.join(timeout=10)  # bounded: the old code waited for the child to be reaped
+        assert outcome, "still waiting 10 s after the peer began to exit"
+        assert child.poll() is None, "the peer was gone already: the check would not tell the two apart"
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        waiter.join(timeout=10)
+    assert re.fullmatch(r"local rank 1 of this node \(rank 5\) is exiting \(its script raised or ended: .*\) "
+                        r"while testing", outcome["error"]), outcome
+    assert mine.inputs[1].tolist() == [2.0] * 4
 
 
 @pytest.mark.unit

@@ -1,8 +1,9 @@
 """One rank (rank 1) leaves the program the others run; record what each rank saw.
 
 Usage: python out_of_step.py CASE OUT_PREFIX   -> OUT_PREFIX.rank<R>.json (2 ranks or more)
-Each rank records the exception it raised (type, message) and the seconds from the moment
-the ranks went out of step (each rank's own clock) to the error; then it exits 0.
+Each rank records the exception it raised (type, message), the seconds from the moment
+the ranks went out of step (each rank's own clock) to the error and the error's epoch time
+(``at``); then it exits 0.
 
 Cases:
 - ``skip_set_strategy``: rank 1 does not call ``set_strategy()`` (the others do) and trains on;
@@ -11,6 +12,10 @@ Cases:
 - ``skip_step``: rank 1 skips ``optimizer.step()`` once;
 - ``user_error``: rank 1's own code raises where the others call ``set_strategy()``; its script
   ends with that error (exit code 1, its exit handlers run), and so do the others' scripts;
+- ``raise_in_step``: rank 1's own code raises between ``backward()`` and ``step()`` (its gradients
+  submitted, the others waiting in their step for them); its script ends with that error, as
+  ``user_error``. With ``SLOW_EXIT_S`` set, its exit handlers take that long (a slow log upload,
+  a big checkpoint): the others must not wait for them;
 - ``sparse_no_gradient``: rank 1's sparse embedding gets no gradient in the first step (not
   an error: the ranks must agree to send sparse zeros), on the route of ``HYBRIDSYNC_STRATEGY``;
   records the embedding's gradient after the step, and the same with ``sparse_as_dense=True``;
@@ -20,6 +25,7 @@ Cases:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -72,7 +78,8 @@ def out_of_step(prepare: Callable[[Net, torch.optim.Optimizer], None],
         diverge(model, opt)
         return {"type": None, "message": "no error", "seconds": time.perf_counter() - began}
     except Exception as e:  # noqa: BLE001 - what the user would see
-        return {"type": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - began}
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - began,
+                "at": time.time()}
 
 
 def skip_set_strategy(model: Net, opt: torch.optim.Optimizer) -> None:
@@ -114,6 +121,14 @@ def user_error(model: Net, opt: torch.optim.Optimizer) -> None:
         step(model, opt)
 
 
+def raise_in_step(model: Net, opt: torch.optim.Optimizer) -> None:
+    if hs.rank() == 1:
+        step(model, opt, call_step=False)
+        raise UserCodeError("rank 1's training code failed between backward() and step()")
+    for _ in range(3):
+        step(model, opt)
+
+
 def stop_early(model: Net, opt: torch.optim.Optimizer) -> None:
     """Rank 1's loop ends here, rank 0's runs on: rank 1 leaves at exit while rank 0 waits for it."""
     for _ in range(3 if hs.rank() == 0 else 0):
@@ -149,11 +164,13 @@ def rank0_elsewhere(prefix: str) -> None:
 
 CASES = {"skip_set_strategy": skip_set_strategy, "freeze_after_build": freeze_after_build,
          "extra_optimizer": extra_optimizer, "skip_step": skip_step, "stop_early": stop_early,
-         "user_error": user_error}
+         "user_error": user_error, "raise_in_step": raise_in_step}
 
 
 def main() -> None:
     case, prefix = sys.argv[1], sys.argv[2]
+    if os.environ.get("SLOW_EXIT_S"):  # registered first, so it runs after hybridsync's and Horovod's handlers
+        atexit.register(time.sleep, float(os.environ["SLOW_EXIT_S"]))
     hs.init()
     if case == "rank0_elsewhere":
         rank0_elsewhere(prefix)
@@ -162,7 +179,7 @@ def main() -> None:
     with open(f"{prefix}.rank{hs.rank()}.json", "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
-    if case == "user_error":
+    if case in ("user_error", "raise_in_step"):
         sys.exit(1)  # as a script that raised: its exit handlers run (Horovod's shutdown, the PS farewell)
     if "OMPI_COMM_WORLD_SIZE" in os.environ:
         # mpirun ends every rank once one exits without MPI_Finalize: leave only when each rank's record

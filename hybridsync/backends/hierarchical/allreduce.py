@@ -145,8 +145,7 @@ class HierarchicalAllreduce(StagedBackend):
                 problem = f"rank {hvd.rank()} cannot map a segment in {SHM_DIR}: {e}"
         barrier(hvd, "hybridsync.node_memory_probe")  # every rank has written its probe
         if probe is not None:
-            problem = _probe_problem(probe, [hvd.cross_rank() * groups.local_size + i for i in range(groups.local_size)],
-                                     hvd.rank())
+            problem = _probe_problem(probe, self.node_ranks(), hvd.rank())
         answers = hvd.allgather_object((choice, problem), name="hybridsync.node_memory_check")
         if probe is not None:
             self._node_pids = [int(pid) for pid in probe.pids]
@@ -172,13 +171,20 @@ class HierarchicalAllreduce(StagedBackend):
         through shared memory is another transport, faster for large messages (benchmarks/RESULTS.md)."""
         return self.intra_node == "horovod" and (self.groups.intra_node is None or self.groups.cross_node is None)
 
+    def node_ranks(self) -> list[int]:
+        """The ranks of this rank's node, by local rank (``hierarchical_groups`` checked that ranks are laid out
+        node by node)."""
+        first = self.hvd.cross_rank() * self.groups.local_size
+        return list(range(first, first + self.groups.local_size))
+
     def segment(self, name: str, tensors: Sequence[torch.Tensor]) -> tuple[NodeSegment, int]:
         """The node's shared segment for message ``name`` (mapped at its first use) and this use's number."""
         padded, dtype = padded_length(tensors, self.groups.local_size), buffer_dtype(tensors)
         segment = self._segments.get(name)
         if segment is None:
             segment = NodeSegment(segment_path(self.job_token, self.hvd.cross_rank(), name),
-                                  self.groups.local_size, padded, dtype, self.hvd.local_rank(), self._node_pids)
+                                  self.groups.local_size, padded, dtype, self.hvd.local_rank(), self._node_pids,
+                                  self.node_ranks())
             self._segments[name] = segment
         if segment.output.numel() != padded or segment.output.dtype != dtype:
             raise RuntimeError(f"message {name!r} changed size or dtype between steps")

@@ -16,13 +16,17 @@ counter visible only after the data written before it; ``supported()`` says wher
 holds. A waiting rank checks the pids of the ranks it waits for: one that died is an
 error within seconds, not a hang; so is one that lives on but left the segment (its plan
 dropped after a failed step, e.g. while an elastic job is re-formed), which writes ``LEFT``
-in place of its pid.
+in place of its pid, and one whose process is exiting (its script raised or ended), which
+writes ``EXITING`` as its exit handlers begin: the others fail within a second, naming it,
+instead of waiting until its process is gone (its interpreter's shutdown alone took 2-5 s on
+a loaded machine, and a script's own exit handlers may take any time).
 
 The file is unlinked as soon as every rank of the node has mapped it, so nothing stays in
 ``/dev/shm`` however the job ends; the memory goes back when the last rank unmaps it.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import mmap
 import os
@@ -45,6 +49,8 @@ SPIN_S = 1e-3
 MAX_SLEEP_S = 200e-6
 LEFT = -1
 """Written by a rank in place of its pid when it lets go of a segment (``NodeSegment.leave``)."""
+EXITING = -2
+"""Written in place of its pid by a rank whose process is exiting (``leave_all_at_exit``)."""
 
 
 def supported() -> bool:
@@ -70,9 +76,9 @@ class NodeSegment:
     """
 
     def __init__(self, path: str, local_size: int, padded: int, dtype: torch.dtype, local_rank: int,
-                 pids: Sequence[int] = ()) -> None:
+                 pids: Sequence[int] = (), ranks: Sequence[int] = ()) -> None:
         """``pids``: the node's ranks' process ids where known, so that a rank that dies before
-        it maps the segment is noticed too."""
+        it maps the segment is noticed too; ``ranks``: their ranks in the job, for messages."""
         assert 3 * local_size * 8 <= HEADER_BYTES, local_size
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = HEADER_BYTES + (local_size + 1) * padded * itemsize
@@ -89,7 +95,7 @@ class NodeSegment:
                           f"segment in {os.path.dirname(path)} ({e.strerror}); enlarge it (docker: --shm-size) "
                           f"or set HYBRIDSYNC_INTRA_NODE=horovod") from None
         os.close(fd)
-        self.path, self.local_rank = path, local_rank
+        self.path, self.local_rank, self.ranks = path, local_rank, list(ranks)
         with warnings.catch_warnings():  # the mapping is writable; torch warns about buffers in general
             warnings.simplefilter("ignore")
             header = torch.frombuffer(self._map, dtype=torch.int64, count=3 * local_size)
@@ -101,6 +107,7 @@ class NodeSegment:
             if int(self.pids[i]) == 0:  # a rank that mapped it already (or left it) says so itself
                 self.pids[i] = pid
         self.pids[local_rank] = os.getpid()
+        _leave_at_exit(self)
         # Also at exit, for a message submitted but never waited for (an exception in between).
         self.unlink = weakref.finalize(self, _remove, path)
         """Removes the file once every rank has mapped it (the mapping stays valid); runs once."""
@@ -142,6 +149,11 @@ class NodeSegment:
         re-form an elastic job, where it waits for the very rank that waits here."""
         self.pids[self.local_rank] = LEFT
 
+    def who(self, local_rank: int) -> str:
+        """``local_rank`` of this node named for a message: with its rank in the job where known."""
+        known = f" (rank {self.ranks[local_rank]})" if local_rank < len(self.ranks) else ""
+        return f"local rank {local_rank} of this node{known}"
+
     def check_alive(self, local_ranks: list[int], what: str) -> None:
         """Raises ``PeerExitedError`` if one of ``local_ranks`` mapped the segment and has exited or left it since."""
         for i in local_ranks:
@@ -149,14 +161,40 @@ class NodeSegment:
             if pid == 0:
                 continue  # not mapped yet: still on its way here
             if pid == LEFT:
-                raise PeerExitedError(f"local rank {i} of this node left while {what} (it dropped this plan: "
+                raise PeerExitedError(f"{self.who(i)} left while {what} (it dropped this plan: "
                                       f"its step failed, or the job is being re-formed)")
+            if pid == EXITING:
+                raise PeerExitedError(f"{self.who(i)} is exiting (its script raised or ended: its first error "
+                                      f"in the log is the cause) while {what}")
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 raise PeerExitedError(f"local rank {i} of this node (pid {pid}) exited while {what}") from None
             except PermissionError:
                 pass  # alive, under another user
+
+
+_MAPPED: "weakref.WeakSet[NodeSegment]" = weakref.WeakSet()
+"""This process's segments still mapped, for ``leave_all_at_exit``."""
+_exit_handler_registered = False
+
+
+def _leave_at_exit(segment: NodeSegment) -> None:
+    """Remember ``segment`` for ``leave_all_at_exit``, registered once per process at its first segment:
+    after ``hvd.init()``, so it runs before Horovod's shutdown (exit handlers run last-registered first)."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(leave_all_at_exit)
+        _exit_handler_registered = True
+    _MAPPED.add(segment)
+
+
+def leave_all_at_exit() -> None:
+    """Write ``EXITING`` for this rank in every segment it still maps: the node's ranks waiting in one
+    for this process fail within ``LIVENESS_CHECK_S`` rather than after its slower exit handlers."""
+    for segment in list(_MAPPED):
+        if int(segment.pids[segment.local_rank]) == os.getpid():  # not one it left already
+            segment.pids[segment.local_rank] = EXITING
 
 
 def _remove(path: str) -> None:

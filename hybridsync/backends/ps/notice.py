@@ -5,7 +5,9 @@ by its supervisor), the RPC group, then every server. A hand-started server 0 th
 (stopped, swapped out) accepts the worker's connection in the kernel and never answers, so the
 worker waited out the store's 120 s and then the join's 120 s with no word at all. Now the
 phases share one deadline (``HYBRIDSYNC_PS_JOIN_TIMEOUT``, default 120 s) and a notice says,
-every ``NOTICE_INTERVAL_S``, what is awaited, where, and for how long.
+every ``NOTICE_INTERVAL_S``, what is awaited, where, and for how long, from a quarter of that
+deadline on: servers that start after the workers on a busy machine can take longer than 10 s
+(each imports torch), and a notice at 10 s then read like a fault in a healthy job's log.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from hybridsync import envvars
 NOTICE_INTERVAL_S = 10.0
 """Seconds between notices (at most: a shorter join timeout gets at least ``MIN_NOTICES``)."""
 MIN_NOTICES = 4
+FIRST_NOTICE_SHARE = 0.25
+"""The first notice comes after this share of the deadline (30 s of the default 120 s)."""
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -35,13 +39,15 @@ def store_state(address: str, port: int) -> str:
 
 class WaitNotice:
     """While the ``with`` block runs, print ``<who>: still waiting ... for <awaited()>`` on stderr
-    every interval; the caller sets ``awaited`` as it moves from phase to phase."""
+    every interval once a quarter of ``timeout_s`` has passed; the caller sets ``awaited`` as it
+    moves from phase to phase."""
 
     def __init__(self, who: str, timeout_s: float, awaited: Callable[[], str]) -> None:
         self.who = who
         self.timeout_s = timeout_s
         self.awaited = awaited
         self.interval_s = min(NOTICE_INTERVAL_S, max(timeout_s / MIN_NOTICES, 0.5))
+        self.first_notice_s = max(FIRST_NOTICE_SHARE * timeout_s, self.interval_s)
         self._start = time.monotonic()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hybridsync-ps-wait-notice", daemon=True)
@@ -59,6 +65,8 @@ class WaitNotice:
         self._thread.join(timeout=PROBE_TIMEOUT_S + 1.0)
 
     def _run(self) -> None:
+        if self._done.wait(self.first_notice_s - self.interval_s):
+            return
         while not self._done.wait(self.interval_s):
             waited = time.monotonic() - self._start
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -50,11 +50,25 @@ def joined_client() -> ps_client.PSClient:
         others = f" ({len(problems)} of {hvd.size()} ranks reported a problem)" if len(problems) > 1 else ""
         raise RouteUnavailableError(f"{problems[0]}{others}; {_LAUNCH_HINT}")
     client = ps_client.init(worker_id=hvd.rank())
-    # At exit (handlers run last-registered first) Horovod shuts down before the client's farewell,
-    # which waits for every worker to leave: a rank that raised or ended its loop early must first
-    # fail the others' Horovod collectives (as in plain Horovod, at once), or each waits for the other.
-    atexit.register(hvd.shutdown)
+    shut_down_first(hvd.shutdown)
     return client
+
+
+_shut_down_first: list[Callable[[], None]] = []
+
+
+def shut_down_first(shutdown: Callable[[], None]) -> None:
+    """Run ``shutdown`` (Horovod's) at exit before the PS client's farewell; registered once per process.
+
+    Exit handlers run last-registered first, and the farewell waits for every worker to leave: a
+    rank that raised or ended its loop early must first fail the others' Horovod collectives (as in
+    plain Horovod, at once), or each waits for the other. A client joined again (after
+    ``ps.shutdown()``) registers its farewell again, so this moves Horovod's after it rather than
+    adding a second one."""
+    for registered in _shut_down_first:
+        atexit.unregister(registered)
+    _shut_down_first[:] = [shutdown]
+    atexit.register(shutdown)
 
 
 def bsp_backend(namespace: str = "", client: ps_client.PSClient | None = None) -> ps_client.PSBackend:
