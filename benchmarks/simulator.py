@@ -5,8 +5,8 @@
 
 The one command that refits the shipped simulator: reads the successful trials of the shipped
 dataset (default: ``data/trials.jsonl.gz``, loaded into a temporary store; or a store URL,
-read only) and the calibrations of its clusters
-(``data/calibrations.json``, ``python -m hybridsync.model.calibration``: the reference an
+read only; but not those a later runtime revision outdates, ``hybridsync.trials.revisions``) and the
+calibrations of its clusters (``data/calibrations.json``, ``python -m hybridsync.model.calibration``: the reference an
 autotune's calibration of a new cluster is read against; the training clusters themselves are
 priced by their spec), then prints, for the analytic model alone, XGBoost alone and
 both: leave-one-model-out, leave-one-family-out (``evaluate.family_of``: ``gen-<family>-<k>``;
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 store.import_jsonl(path)
                 print(f"dataset {path}")
             samples = load_samples(store)
+            print(_outdated(store))
             print(_repeatability(store))
     print(_noise_ceiling(samples, args.seed))
     evaluate(samples, args)
@@ -137,6 +138,18 @@ def _transfer(samples: list, models: list[str], constants: object, params: objec
     if rows:
         print("\nwarm start on a held-out model with k of its trials (test: its other trials):")
         print(format_table(rows))
+
+
+def _outdated(store: object) -> str:
+    """How many successful trials the simulator leaves out as measured by an older runtime
+    (``hybridsync.trials.revisions``), and why."""
+    from hybridsync.trials.revisions import current
+
+    _, dropped = current(store.trials(status="ok"))
+    if not dropped:
+        return "outdated trials: none (every trial measured what the runtime runs now)"
+    return "outdated trials, left out of the fit and the scores: " + "; ".join(
+        f"{count} ({change}; measured before)" for change, count in dropped.items())
 
 
 def _repeatability(store: object) -> str:
