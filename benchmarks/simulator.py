@@ -5,8 +5,8 @@
 
 The one command that refits the shipped simulator: reads the successful trials of the shipped
 dataset (default: ``data/trials.jsonl.gz``, loaded into a temporary store; or a store URL,
-read only) and the calibrations of its clusters
-(``data/calibrations.json``, ``python -m hybridsync.model.calibration``: the reference an
+read only; but not those a later runtime revision outdates, ``hybridsync.trials.revisions``) and the
+calibrations of its clusters (``data/calibrations.json``, ``python -m hybridsync.model.calibration``: the reference an
 autotune's calibration of a new cluster is read against; the training clusters themselves are
 priced by their spec), then prints, for the analytic model alone, XGBoost alone and
 both: leave-one-model-out, leave-one-family-out (``evaluate.family_of``: ``gen-<family>-<k>``;
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="processes fitting the held-out sets at once (default 1; each fit uses one thread)")
     parser.add_argument("--no-transfer", action="store_true", help="skip the warm-start rows")
+    parser.add_argument("--predictions", help="write every held-out trial's prediction here (JSON lines: split, held "
+                                              "out, kind, model, cluster, job, trial kind, strategy, measured and "
+                                              "predicted seconds): where the errors are")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
 
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 store.import_jsonl(path)
                 print(f"dataset {path}")
             samples = load_samples(store)
+            print(_outdated(store))
             print(_repeatability(store))
     print(_noise_ceiling(samples, args.seed))
     evaluate(samples, args)
@@ -112,6 +116,11 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
     pooled = summarize(rows)
     print("\npooled over held-out sets (metrics within each trial job):")
     print(format_table(pooled))
+    print("\nthe same per cluster:")
+    print(format_table(_per_cluster(pooled, clusters)))
+    if args.predictions:
+        _write_predictions(rows, samples, args.predictions)
+        print(f"\nheld-out predictions: {args.predictions}")
     if not args.no_transfer:  # to the models that are a family of their own (the zoo's): a few fits each
         _transfer(samples, [m for m in models if family_of(m) == m], constants, params, links, args.seed)
     if args.png and pooled:
@@ -123,6 +132,37 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
     if args.save:
         simulator.save(args.save)
         print(f"saved: {args.save} (fit on all {len(samples)} trials)")
+
+
+def _per_cluster(pooled: list, clusters: list[str]) -> list:
+    """Each pooled row scored on each cluster's trials (``held out``: the cluster)."""
+    import dataclasses
+
+    out = []
+    for row in pooled:
+        for label in clusters:
+            mask = np.array([group[1] == label for group in row.groups])
+            if mask.any():
+                out.append(dataclasses.replace(row.where(mask), held_out=label))
+    return out
+
+
+def _write_predictions(rows: list, samples: list, path: str) -> None:
+    """Every held-out trial's prediction, one JSON object a line (``--predictions``)."""
+    import json
+
+    from hybridsync.model.evaluate import held_out_name
+    from hybridsync.trials.store import cluster_label
+
+    with open(path, "w", encoding="utf-8") as out:
+        for row in rows:
+            test = [s for s in samples if held_out_name(s, row.split) == row.held_out]  # cross_validate's order
+            for sample, predicted in zip(test, row.predicted):
+                out.write(json.dumps({
+                    "split": row.split, "held_out": row.held_out, "kind": row.kind, "model": sample.model,
+                    "cluster": cluster_label(sample.cluster.to_dict()), "job": sample.job,
+                    "trial_kind": sample.kind, "strategy": None if sample.strategy is None else sample.strategy.to_dict(),
+                    "measured_s": sample.step_s, "predicted_s": float(predicted), "noise_s": sample.noise_s}) + "\n")
 
 
 def _transfer(samples: list, models: list[str], constants: object, params: object, links: dict, seed: int) -> None:
@@ -137,6 +177,18 @@ def _transfer(samples: list, models: list[str], constants: object, params: objec
     if rows:
         print("\nwarm start on a held-out model with k of its trials (test: its other trials):")
         print(format_table(rows))
+
+
+def _outdated(store: object) -> str:
+    """How many successful trials the simulator leaves out as measured by an older runtime
+    (``hybridsync.trials.revisions``), and why."""
+    from hybridsync.trials.revisions import current
+
+    _, dropped = current(store.trials(status="ok"))
+    if not dropped:
+        return "outdated trials: none (every trial measured what the runtime runs now)"
+    return "outdated trials, left out of the fit and the scores: " + "; ".join(
+        f"{count} ({change}; measured before)" for change, count in dropped.items())
 
 
 def _repeatability(store: object) -> str:

@@ -88,13 +88,14 @@ def _drift(url: str, samples: list, constants: object) -> str:
     """Per job: the slope of the analytic model's log residual over the job's wall time."""
     from hybridsync.model.evaluate import predict_samples
     from hybridsync.model.simulator import Simulator
+    from hybridsync.trials.revisions import current
     from hybridsync.trials.store import TrialStore, cluster_label
 
     simulator = Simulator(kind="analytic", constants=constants).fit(samples)
     residual = np.log(np.array([s.step_s for s in samples]) / predict_samples(simulator, samples))
     with TrialStore(url, create=False) as store:
-        records = [r for r in store.trials(status="ok") if r.median_s]
-    assert len(records) == len(samples), "load_samples keeps every successful trial, in the store's order"
+        records, _ = current([r for r in store.trials(status="ok") if r.median_s])
+    assert len(records) == len(samples), "load_samples keeps every current successful trial, in the store's order"
     jobs: dict[str, list[int]] = defaultdict(list)
     for i, record in enumerate(records):
         jobs[record.job].append(i)

@@ -44,11 +44,12 @@ def horovod_torch(feature: str) -> ModuleType:
 
 
 def versions() -> dict[str, str]:
-    """Versions of what a measured time depends on: torch, Horovod (if it imports), hybridsync."""
+    """Versions of what a measured time depends on: torch, Horovod (if it imports), hybridsync and
+    its runtime revision (``version.RUNTIME_REVISION``: which stored trials still measure what runs)."""
     import torch
 
-    from hybridsync.version import __version__
-    out = {"torch": torch.__version__, "hybridsync": __version__}
+    from hybridsync.version import RUNTIME_REVISION, __version__
+    out = {"torch": torch.__version__, "hybridsync": __version__, "runtime": str(RUNTIME_REVISION)}
     try:
         import horovod
         out["horovod"] = horovod.__version__

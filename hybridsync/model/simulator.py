@@ -44,6 +44,7 @@ from hybridsync.model.encoding import (ModelArrays, StrategyBatch, Units, as_run
 from hybridsync.model.features import ANALYTIC_FEATURES, FEATURE_NAMES, feature_matrix
 from hybridsync.model.links import LinkConstants, mean_deviation, nominal_links, relative_links
 from hybridsync.strategy import Strategy
+from hybridsync.trials.revisions import outdated
 from hybridsync.trials.store import is_local
 
 Kind = Literal["both", "xgboost", "analytic"]
@@ -148,7 +149,8 @@ def samples_from_records(records: Iterable[Any], descriptions: Mapping[str, Mode
     """``Sample``s of trial records (``TrialRecord``) that have timed steps; ``ValueError`` for a
     record whose description is missing. Local-step rows (``LOCAL_KIND``) are left out: they
     synchronize nothing, so they are no strategy's step time (their null strategy would read as
-    plain Horovod's)."""
+    plain Horovod's). So are trials a later runtime revision outdates (``revisions.outdated``: they
+    measured what no longer runs); a trial's place in its job counts every trial it ran among."""
     kept = [record for record in records if record.status == "ok" and record.median_s and not is_local(record.kind)]
     for record in kept:
         if record.description_id not in descriptions:
@@ -159,7 +161,7 @@ def samples_from_records(records: Iterable[Any], descriptions: Mapping[str, Mode
                    strategy=None if record.strategy is None else Strategy.from_dict(record.strategy),
                    timed_steps=len(record.timed_steps), noise_s=median_standard_error(record.timed_steps),
                    job=record.job or "", kind=record.kind, job_position=position)
-            for record, position in zip(kept, _job_positions(kept))]
+            for record, position in zip(kept, _job_positions(kept)) if outdated(record) is None]
 
 
 def _job_positions(records: Sequence[Any]) -> list[float]:

@@ -135,7 +135,8 @@ class TrialRecord:
     step_times: list[float]
     """Seconds per step, warm-up included, slowest rank per step (partial or empty if failed)."""
     versions: dict
-    """``{"torch": ..., "horovod": ..., "hybridsync": ...}`` of the job."""
+    """``{"torch": ..., "horovod": ..., "hybridsync": ..., "runtime": ...}`` of the job (``runtime``:
+    ``version.RUNTIME_REVISION``, recorded since revision 2; ``hybridsync.trials.revisions``)."""
     started: str
     """ISO-8601 UTC."""
     finished: str
