@@ -51,7 +51,8 @@ import torch
 
 from hybridsync import envvars
 from hybridsync.hooks import end_run
-from hybridsync.tensorflow.horovod_ops import HorovodRing, agreed, eager_zeros, options_allow, plan_expressed
+from hybridsync.tensorflow.horovod_ops import (HorovodRing, PresenceVote, agreed, eager_zeros, options_allow,
+                                               plan_expressed, shared_gradients)
 from hybridsync.tensorflow.layout import Layout, backward_groups, numpy_parts, torch_gradient
 from hybridsync.tensorflow.names import variable_names
 from hybridsync.horovod_options import SyncOptions
@@ -129,6 +130,7 @@ class GradientBridge:
         self.overlapped_groups = 0
         """Groups of gradients handed to the runtime while a graph's backward pass ran, so far."""
         process_set = self.optimizer.process_set
+        self._presence = PresenceVote(f"hybridsync.tf.presence.{next(_BRIDGE_NUMBERS)}")
         self.passthrough = (options.backward_passes_per_step == 1 and self.optimizer.profiler is None
                             and not elastic_job() and not (process_set.included() and process_set.size() > 1))
         """Nothing to synchronize and nothing riding along: gradients pass as they are (Horovod's
@@ -161,8 +163,11 @@ class GradientBridge:
     # --- the two calls of a step -------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
     def synchronize(self, gradients: Sequence[Any]) -> list[Any]:
-        """Each variable's gradient averaged (or summed) across ranks by the strategy; ``None`` stays
-        ``None`` (the variable still takes part, with zeros, so no rank waits for it). With
+        """Each variable's gradient averaged (or summed) across ranks by the strategy. A ``None`` gradient
+        takes part with zeros (so no rank waits for it); a tape's ranks count those that have one: ``None``
+        where no rank has a gradient; where some have one, eagerly the reduced gradient on every rank (all
+        update the variable alike), in a graph through the torch runtime (``None`` fixed when traced) an
+        error on every rank. With
         ``backward_passes_per_step`` > 1 the gradients of the passes in between are accumulated
         locally and returned as they are, as Horovod's local aggregation does."""
         gradients = list(gradients)
@@ -174,7 +179,7 @@ class GradientBridge:
         if tf.executing_eagerly():
             if self.horovod_ring:  # Horovod's ops, as Horovod runs them eagerly: in a function of their own
                 gradients = _densified(gradients) if self._sparse_as_dense else gradients
-                return self._horovod_eager(gradients, eager_zeros(gradients, self.variables))[0]
+                return shared_gradients(*self._horovod_eager(gradients, eager_zeros(gradients, self.variables)))
             synced = self._synchronize_now(gradients)
             self._end_if_run_finished()
             return synced
@@ -277,7 +282,7 @@ class GradientBridge:
                             dtypes: Sequence[np.dtype]) -> list[np.ndarray]:
         """The body of the graph's one ``tf.numpy_function`` (not overlapped): NumPy in, NumPy out, as
         few conversions as possible (they run on every step, on a core the other ranks may be waiting for)."""
-        synced = self._synchronize_torch(layout.to_torch(arrays, self.mirrors))
+        synced = self._synchronize_torch(layout.to_torch(arrays, self.mirrors), in_graph=True)
         return layout.to_arrays(synced, dtypes, copy=bool(self._passes))
 
     def _hand_arrays(self, arrays: Sequence[np.ndarray], group: Sequence[int], layout: Layout) -> np.ndarray:
@@ -291,24 +296,24 @@ class GradientBridge:
     def _finish_arrays(self, layout: Layout, dtypes: Sequence[np.dtype]) -> list[np.ndarray]:
         """The body of the overlapped step's last ``tf.numpy_function``, after every group's: the pass
         ends (``_finish_pass``), its gradients return as NumPy."""
-        synced = self._finish_pass(layout.present)
+        synced = self._finish_pass(layout.present, in_graph=True)
         return layout.to_arrays(synced, dtypes, copy=bool(self._passes))
 
     def _synchronize_now(self, gradients: list[Any]) -> list[Any]:
         synced = self._synchronize_torch([None if g is None else _to_torch(g, m)
-                                          for m, g in zip(self.mirrors, gradients)])
+                                          for m, g in zip(self.mirrors, gradients)], in_graph=False)
         return [None if g is None else _to_tensorflow(g) for g in synced]
 
-    def _synchronize_torch(self, gradients: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def _synchronize_torch(self, gradients: list[torch.Tensor | None], in_graph: bool) -> list[torch.Tensor | None]:
         """The mirrors take ``gradients`` (one per variable, ``None`` for none), the strategy
-        synchronizes them; returns each mirror's gradient (``None`` where none was given)."""
+        synchronizes them; returns each mirror's gradient (``None`` where no rank gave one: ``_finish_pass``)."""
         profiler = self.optimizer.profiler
         if profiler is not None:
             profiler.record_backward(self._backward_start, profiler.now(), self.names)
             self._backward_start = None
         present = [(m, g) for m, g in zip(self.mirrors, gradients) if g is not None]
         self._hand([m for m, _ in present], [g for _, g in present])
-        return self._finish_pass([g is not None for g in gradients])
+        return self._finish_pass([g is not None for g in gradients], in_graph)
 
     @staticmethod
     def _hand(mirrors: list[torch.nn.Parameter], gradients: list[torch.Tensor]) -> None:
@@ -320,15 +325,24 @@ class GradientBridge:
         assert not any(not g.is_sparse and g.numel() and m.grad.data_ptr() == g.data_ptr()
                        for m, g in zip(mirrors, gradients)), "a mirror's gradient is TensorFlow's buffer"
 
-    def _finish_pass(self, present: Sequence[bool]) -> list[torch.Tensor | None]:
+    def _finish_pass(self, present: Sequence[bool], in_graph: bool) -> list[torch.Tensor | None]:
         """A backward pass whose gradients the mirrors hold ends: on the ``backward_passes_per_step``-th
-        the strategy synchronizes them. Returns each mirror's gradient (``None`` where not ``present``)."""
+        the strategy synchronizes them. Returns each mirror's gradient: on a synchronizing pass, the
+        reduced one wherever any rank gave one (``present``: this rank's; the runtime sent zeros for the
+        others), so every rank updates the same variables alike; else where ``present``.
+
+        ``in_graph``: inside a traced step, whose ``None`` gradients are fixed when traced: a gradient
+        some ranks have and others not is a ``ValueError`` on every rank instead."""
         self.bridged_passes += 1
         self._passes += 1
+        given = list(present)
         if self._passes >= self.optimizer.backward_passes_per_step:
             self._passes = 0
             self.optimizer.synchronize()
-        synced = [m.grad if given else None for m, given in zip(self.mirrors, present)]
+            if not self._allow_parameter_exchange:  # a tape (Keras' apply_gradients drops None gradients)
+                given = self._presence.everyone(self._presence.start(given, self.optimizer.process_set), self.names,
+                                                in_graph)
+        synced = [m.grad if any_rank else None for m, any_rank in zip(self.mirrors, given)]
         if not self._passes and not self._allow_parameter_exchange:
             self._end_step()  # a tape never sees the update: its step ends with its gradients
         return synced

@@ -21,6 +21,8 @@ from hybridsync.horovod_options import SyncOptions
 from hybridsync.tensorflow.horovod_core import horovod_tensorflow
 from hybridsync.world import elastic_job
 
+_ZERO: tf.Variable | None = None
+"""``_unfolded_zero``'s variable."""
 _DTYPES = frozenset({"float16", "float32", "float64"})
 """Element types Horovod's TensorFlow all-reduce takes on the CPU."""
 
@@ -59,6 +61,56 @@ def agreed(*local: bool, process_set: Any = None) -> tuple[bool, ...]:
     return tuple(int(count) == process_set.size() for count in votes.tolist())
 
 
+PARTIAL_GRADIENTS = ("hybridsync.tensorflow: inside tf.function, these variables have a gradient on some ranks "
+                     "and None on others (a traced step fixes None when traced, so their ranks would train apart); "
+                     "give every rank the same variables' gradients (e.g. add 0 * the unused branch's output to "
+                     "the loss) or compute the gradients eagerly, where hybridsync returns the reduced gradient on "
+                     "every rank:")
+"""The error of a traced tape step, through the torch runtime, whose gradient only some ranks have."""
+
+
+class PresenceVote:
+    """Per variable, how many ranks (of a ``horovod.torch`` process set) have a gradient: one small
+    all-reduce per synchronized step of a tape through the torch runtime, after the step's messages."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def start(self, present: Sequence[bool], process_set: Any) -> tuple[Any, Any]:
+        """Starts this rank's vote (every rank of ``process_set`` calls it once per synchronized step)."""
+        import torch
+        hvd = horovod_torch("hybridsync.tensorflow")
+        handle = hvd.allreduce_async(torch.tensor(present, dtype=torch.float32), op=hvd.Sum, name=self._name,
+                                     process_set=process_set)
+        return handle, process_set
+
+    def everyone(self, vote: tuple[Any, Any], names: Sequence[str], in_graph: bool) -> list[bool]:
+        """Per variable, whether any rank has a gradient (``vote``: what ``start`` returned). ``in_graph``
+        (whose ``None`` is fixed when traced): ``ValueError`` on every rank naming the variables some ranks
+        have a gradient for and others not."""
+        handle, process_set = vote
+        counts = horovod_torch("hybridsync.tensorflow").synchronize(handle).tolist()
+        if in_graph:
+            partial = [name for name, count in zip(names, counts) if 0 < count < process_set.size()]
+            if partial:
+                raise ValueError(f"{PARTIAL_GRADIENTS} {', '.join(partial)}")
+        return [count > 0 for count in counts]
+
+
+def shared_gradients(out: Sequence[Any], absent: Sequence[tf.Tensor], presence: tf.Tensor) -> list[Any]:
+    """``HorovodRing.allreduce_all``'s results, eagerly: a variable this rank has no gradient for takes the
+    reduced one (its zeros' all-reduce) if any rank has a gradient for it, as those ranks do, so every rank
+    updates it alike; ``None`` if no rank has one."""
+    reduced = iter(absent)
+    shared = []
+    for gradient, count in zip(out, presence.numpy()):
+        if gradient is None:
+            zeros_reduced = next(reduced)
+            gradient = zeros_reduced if count > 0 else None
+        shared.append(gradient)
+    return shared
+
+
 class HorovodRing:
     """Horovod's tape's all-reduce of one bridge's gradients, with the bridge's options, as graph ops."""
 
@@ -75,20 +127,23 @@ class HorovodRing:
 
     def allreduce(self, gradients: Sequence[Any], variables: Sequence[tf.Variable],
                   names: Sequence[str]) -> list[Any]:
-        """Each gradient all-reduced by its own op, named by its variable; a ``None`` gradient takes
-        part with zeros (so no rank waits for it) and stays ``None``. The bridge has already made
-        sparse gradients dense under ``sparse_as_dense``."""
+        """In a graph: each gradient all-reduced by its own op, named by its variable; a ``None`` gradient
+        takes part with zeros (so no rank waits for it) and stays ``None``. The bridge has already made
+        sparse gradients dense under ``sparse_as_dense``. (A gradient only some ranks have still hangs here,
+        as in Horovod: the zeros are a constant, which TensorFlow folds with their all-reduce.)"""
         return self.allreduce_all(gradients, variables, names)[0]
 
     def allreduce_all(self, gradients: Sequence[Any], variables: Sequence[tf.Variable], names: Sequence[str],
-                      zeros: Sequence[Any] | None = None) -> tuple[list[Any], list[tf.Tensor]]:
-        """``allreduce``, also returning the zeros' all-reduces, which an eager step's small function
-        must return (and drop): otherwise TensorFlow's optimizer prunes them (pure ops whose results
-        only a control dependency uses), and a rank with a ``None`` gradient took part at the first
-        step only; the other ranks then waited for it forever. Such a function also takes the zeros
-        as ``zeros`` (``eager_zeros``: one per ``None`` gradient, made outside it): zeros made inside are
-        a constant, which it folds with the all-reduce into one constant, run once (the same hang from
-        the second step)."""
+                      zeros: Sequence[Any] | None = None) -> tuple[list[Any], list[tf.Tensor], tf.Tensor | None]:
+        """``allreduce``, also returning the zeros' all-reduces and, given ``zeros`` (an eager step's small
+        function), ``presence``: per variable, how many ranks have a gradient for it (``None`` otherwise).
+
+        Such a function must return (and drop) the zeros' all-reduces: otherwise TensorFlow's optimizer
+        prunes them (pure ops whose results only a control dependency uses), and a rank with a ``None``
+        gradient took part at the first step only; the other ranks then waited for it forever. It also
+        takes the zeros as ``zeros`` (``eager_zeros``: one per ``None`` gradient, made outside it): zeros
+        made inside are a constant, which it folds with the all-reduce into one constant, run once (the
+        same hang from the second step); the presence count starts from a variable's value for that reason."""
         out: list[Any] = []
         absent = []
         given = iter(zeros or ())
@@ -102,10 +157,24 @@ class HorovodRing:
             if gradient is None:
                 absent.append(reduced)
             out.append(None if gradient is None else reduced)
+        presence = None
+        if zeros is not None:
+            mask = tf.constant([float(g is not None) for g in gradients]) + _unfolded_zero()
+            presence = self._hvd.allreduce(mask, op=self._hvd.Sum, name=f"{self._prefix}.presence")
         if absent:  # the zeros' all-reduces run before any result is used
             with tf.control_dependencies(absent):
                 out = [None if g is None else _identity(g) for g in out]
-        return out, absent
+        return out, absent, presence
+
+
+def _unfolded_zero() -> tf.Tensor:
+    """0.0 read from a variable (made once per process, outside any function: a traced step made anew on
+    its second trace would make another): what TensorFlow cannot fold."""
+    global _ZERO
+    if _ZERO is None:
+        with tf.init_scope():
+            _ZERO = tf.Variable(0.0, trainable=False, name="hybridsync_zero")
+    return _ZERO.read_value()
 
 
 def eager_zeros(gradients: Sequence[Any], variables: Sequence[tf.Variable]) -> list[tf.Tensor]:

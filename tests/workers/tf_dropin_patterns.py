@@ -297,7 +297,8 @@ def none_gradient(api: Api) -> list:
 
 def branch_on_rank0_only(api: Api) -> list:
     """Eager: a layer used only by rank 0's forward pass, so its gradient is ``None`` on rank 1 only
-    (Horovod's tape all-reduces only the gradients it has: rank 0 would wait for rank 1 forever)."""
+    (Horovod's tape all-reduces only the gradients it has: rank 0 would wait for rank 1 forever). hybridsync
+    returns the reduced gradient on both ranks: both update the layer alike."""
     if api.kind == "horovod":
         raise Skip("Horovod's tape leaves rank 0 waiting for the gradient rank 1 does not have")
     model, extra = mlp(), tf.keras.layers.Dense(OUTPUTS, name="extra")
