@@ -51,7 +51,7 @@ import torch
 
 from hybridsync import envvars
 from hybridsync.hooks import end_run
-from hybridsync.tensorflow.horovod_ops import (HorovodRing, PresenceVote, agreed, eager_zeros, options_allow,
+from hybridsync.tensorflow.horovod_ops import (HorovodRing, agreed, eager_zeros, options_allow, present_anywhere,
                                                plan_expressed, shared_gradients)
 from hybridsync.tensorflow.layout import Layout, backward_groups, numpy_parts, torch_gradient
 from hybridsync.tensorflow.names import variable_names
@@ -130,7 +130,8 @@ class GradientBridge:
         self.overlapped_groups = 0
         """Groups of gradients handed to the runtime while a graph's backward pass ran, so far."""
         process_set = self.optimizer.process_set
-        self._presence = PresenceVote(f"hybridsync.tf.presence.{next(_BRIDGE_NUMBERS)}")
+        self._presence_vote = f"hybridsync.tf.presence.{next(_BRIDGE_NUMBERS)}"
+        """The name of this bridge's per-step count of the ranks that have each gradient (a tape's)."""
         self.passthrough = (options.backward_passes_per_step == 1 and self.optimizer.profiler is None
                             and not elastic_job() and not (process_set.included() and process_set.size() > 1))
         """Nothing to synchronize and nothing riding along: gradients pass as they are (Horovod's
@@ -340,8 +341,8 @@ class GradientBridge:
             self._passes = 0
             self.optimizer.synchronize()
             if not self._allow_parameter_exchange:  # a tape (Keras' apply_gradients drops None gradients)
-                given = self._presence.everyone(self._presence.start(given, self.optimizer.process_set), self.names,
-                                                in_graph)
+                given = present_anywhere(given, self.names, in_graph=in_graph, vote_name=self._presence_vote,
+                                         process_set=self.optimizer.process_set)
         synced = [m.grad if any_rank else None for m, any_rank in zip(self.mirrors, given)]
         if not self._passes and not self._allow_parameter_exchange:
             self._end_step()  # a tape never sees the update: its step ends with its gradients

@@ -53,12 +53,19 @@ def plan_expressed(plan: Any, step_hooks: Sequence[Any] = ()) -> bool:
 def agreed(*local: bool, process_set: Any = None) -> tuple[bool, ...]:
     """Per question, whether ``local`` is true on every rank (of ``process_set``, a ``horovod.torch``
     process set; ``None``: the job), in one collective: e.g. all ranks sync by Horovod's ops, or none does."""
+    counts, size = _ranks_saying(local, "hybridsync.tf.agreed", process_set)
+    return tuple(count == size for count in counts)
+
+
+def _ranks_saying(local: Sequence[bool], name: str, process_set: Any = None) -> tuple[list[int], int]:
+    """Per question, how many ranks of ``process_set`` (``None``: the job) answer ``local`` true, in one
+    all-reduce named ``name``; and how many ranks the set has."""
     import torch
     hvd = horovod_torch("hybridsync.tensorflow")
     process_set = hvd.global_process_set if process_set is None else process_set
-    votes = hvd.allreduce(torch.tensor([int(answer) for answer in local]), op=hvd.Sum, name="hybridsync.tf.agreed",
+    votes = hvd.allreduce(torch.tensor([int(answer) for answer in local]), op=hvd.Sum, name=name,
                           process_set=process_set)
-    return tuple(int(count) == process_set.size() for count in votes.tolist())
+    return [int(count) for count in votes.tolist()], process_set.size()
 
 
 PARTIAL_GRADIENTS = ("hybridsync.tensorflow: inside tf.function, these variables have a gradient on some ranks "
@@ -69,32 +76,18 @@ PARTIAL_GRADIENTS = ("hybridsync.tensorflow: inside tf.function, these variables
 """The error of a traced tape step, through the torch runtime, whose gradient only some ranks have."""
 
 
-class PresenceVote:
-    """Per variable, how many ranks (of a ``horovod.torch`` process set) have a gradient: one small
-    all-reduce per synchronized step of a tape through the torch runtime, after the step's messages."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def start(self, present: Sequence[bool], process_set: Any) -> tuple[Any, Any]:
-        """Starts this rank's vote (every rank of ``process_set`` calls it once per synchronized step)."""
-        import torch
-        hvd = horovod_torch("hybridsync.tensorflow")
-        handle = hvd.allreduce_async(torch.tensor(present, dtype=torch.float32), op=hvd.Sum, name=self._name,
-                                     process_set=process_set)
-        return handle, process_set
-
-    def everyone(self, vote: tuple[Any, Any], names: Sequence[str], in_graph: bool) -> list[bool]:
-        """Per variable, whether any rank has a gradient (``vote``: what ``start`` returned). ``in_graph``
-        (whose ``None`` is fixed when traced): ``ValueError`` on every rank naming the variables some ranks
-        have a gradient for and others not."""
-        handle, process_set = vote
-        counts = horovod_torch("hybridsync.tensorflow").synchronize(handle).tolist()
-        if in_graph:
-            partial = [name for name, count in zip(names, counts) if 0 < count < process_set.size()]
-            if partial:
-                raise ValueError(f"{PARTIAL_GRADIENTS} {', '.join(partial)}")
-        return [count > 0 for count in counts]
+def present_anywhere(present: Sequence[bool], names: Sequence[str], *, in_graph: bool, vote_name: str,
+                     process_set: Any) -> list[bool]:
+    """Per variable, whether any rank (of ``process_set``, a ``horovod.torch`` process set) has a gradient
+    (``present``: this rank's): one small all-reduce, named ``vote_name``, per synchronized step of a tape
+    through the torch runtime, after the step's messages. ``in_graph`` (whose ``None`` is fixed when
+    traced): ``ValueError`` on every rank naming the variables some ranks have a gradient for and others not."""
+    counts, size = _ranks_saying(present, vote_name, process_set)
+    if in_graph:
+        partial = [name for name, count in zip(names, counts) if 0 < count < size]
+        if partial:
+            raise ValueError(f"{PARTIAL_GRADIENTS} {', '.join(partial)}")
+    return [count > 0 for count in counts]
 
 
 def shared_gradients(out: Sequence[Any], absent: Sequence[tf.Tensor], presence: tf.Tensor) -> list[Any]:
