@@ -303,6 +303,43 @@ def compiled_model(make) -> nn.Module:
     return run(torch.compile(Experts(), backend="eager"), make, plain_loop)
 
 
+def grad_scaler_clipping(make) -> nn.Module:
+    """Horovod's mixed-precision recipe: ``GradScaler``, ``synchronize()``, ``unscale_``, clipping, then
+    ``scaler.step`` inside ``skip_synchronize()``; the loss is scaled and the forward in bfloat16 autocast."""
+    def loop(model: nn.Module, opt, gen: torch.Generator, steps: int = STEPS) -> None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            scaler.scale(F.mse_loss(out.float(), y)).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+    return run(Experts(), make, loop)
+
+
+def lbfgs_closure(make) -> nn.Module:
+    """``torch.optim.LBFGS``: ``step(closure)`` evaluates the closure (a backward pass) several times."""
+    def loop(model: nn.Module, opt, gen: torch.Generator, steps: int = 3) -> None:
+        for step in range(steps):
+            x, y = batch(gen)
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+    model = Experts()
+    torch.manual_seed(0)
+    return run(model, lambda base, m, **o: make(torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=3), m, **o), loop)
+
+
 def run(model: nn.Module, make, loop, after_broadcast: Callable[[nn.Module], Any] | None = None,
         **options) -> nn.Module:
     """Train ``model`` from the same start on every rank (Horovod's broadcast needs contiguous
@@ -325,7 +362,7 @@ CASES = {f.__name__: f for f in (moe_by_rank, layer_on_rank0_only, freeze_unfree
                                  keep_zeroed_grads, autograd_grad,
                                  retain_graph_twice, checkpoint_resume, data_parallel_wrapped, channels_last,
                                  float64_model, bfloat16_model, half_model, mixed_dtypes, zero_element_parameter,
-                                 compiled_model)}
+                                 compiled_model, grad_scaler_clipping, lbfgs_closure)}
 
 
 def maker(kind: str):
