@@ -33,7 +33,7 @@ from hybridsync.horovod_options import (SyncOptions, called_from_horovod_state_i
                                         grouped_names, normalize_groups, strategy_with_groups, wrapped_step)
 from hybridsync.router.plan import RoutingPlan, build_plan
 from hybridsync.router.runtime import GradientKinds, Router, next_instance
-from hybridsync.strategy import Strategy, resolve_strategy
+from hybridsync.strategy import Strategy, resolve_strategy, unknown_variable_errors
 from hybridsync.variables import variables_from_parameters
 from hybridsync.world import current_world, elastic_job, fit_to_world
 
@@ -150,7 +150,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         process set it runs on. ``ValueError`` if the strategy names a variable that no optimizer of this
         process holds (checked by the first ``step()`` when planned before it)."""
         if self._all_built:
-            _check_held(_unheld_variables(strategy))
+            _check_held(strategy)
         if strategy is not None:
             strategy = strategy.restricted_to(name for name, _ in self._named)
         if self._groups is not None:
@@ -451,7 +451,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         if not self._all_built:
             self._all_built = True
-            _check_held(_unheld_variables(self._requested_strategy))
+            _check_held(self._requested_strategy)
             self._warn_of_dense_sparse_gradients()
         self._synchronized = False
         (self._router or self._built_router()).before_step()
@@ -495,26 +495,20 @@ def _megabytes(param: torch.Tensor) -> str:
     return f"{param.numel() * param.element_size() / 1e6:.1f} MB"
 
 
-def _unheld_variables(strategy: Strategy | None) -> list[str]:
-    """The variables ``strategy`` names that no optimizer of this process holds, nor will hold once
-    ``add_param_group`` adds the parameters its ``named_parameters`` named."""
-    return [] if strategy is None else sorted(set(strategy.variables) - _HELD_VARIABLES - _NAMED_FOR_LATER)
-
-
-def _check_held(unheld: list[str]) -> None:
-    """``ValueError`` naming the strategy's variables that no optimizer holds (a misspelt name, a
-    strategy for another model), as ``Strategy.validate_for`` names them."""
-    if unheld:
-        raise ValueError("strategy does not fit the model:\n  - " + "\n  - ".join(
-            _unheld_reason(name) for name in unheld))
-
-
-def _unheld_reason(name: str) -> str:
-    """Why a strategy's variable ``name`` is held by no optimizer: another name of a tied parameter, or absent."""
-    if name in _TIED_ALIASES:
-        return (f"variable {name!r} is the same parameter as {_TIED_ALIASES[name]!r} (tied weights are one "
-                f"variable, under their first name): configure it as {_TIED_ALIASES[name]!r}")
-    return f"variable {name!r} is not in the model (in no DistributedOptimizer of this process)"
+def _check_held(strategy: Strategy | None) -> None:
+    """``ValueError`` naming the variables ``strategy`` names that no optimizer of this process holds,
+    nor will hold once ``add_param_group`` adds the parameters its ``named_parameters`` named (a
+    misspelt name, a strategy for another model or another wrapper), as ``Strategy.validate_for``
+    names them; another name of a tied parameter is told the name to use."""
+    if strategy is None:
+        return
+    known = _HELD_VARIABLES | _NAMED_FOR_LATER
+    aliases = [name for name in strategy.variables if name in _TIED_ALIASES]
+    errors = [f"variable {name!r} is the same parameter as {_TIED_ALIASES[name]!r} (tied weights are one "
+              f"variable, under their first name): configure it as {_TIED_ALIASES[name]!r}" for name in sorted(aliases)]
+    errors += unknown_variable_errors((name for name in strategy.variables if name not in _TIED_ALIASES), known)
+    if errors:
+        raise ValueError("strategy does not fit the model:\n  - " + "\n  - ".join(errors))
 
 
 def _checked_named_parameters(named_parameters: Iterable | None, param_groups

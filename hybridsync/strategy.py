@@ -23,6 +23,7 @@ so a bad file fails before the first step instead of half-way through training.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -320,13 +321,39 @@ class Strategy:
     # --- validation against a model --------------------------------------------------
     def validate_for(self, variables: Mapping[str, VariableInfo]) -> None:
         """Check the strategy against a model's variables; ``ValueError`` naming every culprit."""
-        errors = [f"variable {name!r} is not in the model" for name in self.variables
-                  if name not in variables]
+        errors = unknown_variable_errors(self.variables, variables)
         for name, info in variables.items():
             errors += _fit_errors(name, info, self.config_for(name))
         errors += _group_errors(self, variables)
         if errors:
             raise ValueError("strategy does not fit the model:\n  - " + "\n  - ".join(errors))
+
+
+def unknown_variable_errors(named: Iterable[str], known: Iterable[str]) -> list[str]:
+    """One line per variable a strategy names (``named``) that the model lacks (``known`` are the
+    model's names), with the name it most likely meant: a wrapper's prefix (``torch.compile``'s
+    ``_orig_mod.``, ``DataParallel``'s ``module.``) or a near spelling. When the strategy names none of
+    the model's variables and no line found a match, one more line shows the model's own names: the
+    strategy was made for another model."""
+    known = sorted(known)
+    named = sorted(named)
+    unknown = [name for name in named if name not in known]
+    meant = {name: _meant(name, known) for name in unknown}
+    errors = [f"variable {name!r} is not in the model" + (f"; did you mean {meant[name]!r}?" if meant[name] else "")
+              for name in unknown]
+    if known and unknown and unknown == named and not any(meant.values()):
+        shown = ", ".join(known[:6]) + (f", ... ({len(known)} in all)" if len(known) > 6 else "")
+        errors.append(f"the strategy names none of the model's variables ({shown}): is it for another model?")
+    return errors
+
+
+def _meant(name: str, known: list[str]) -> str | None:
+    """The model's variable a strategy's unknown ``name`` most likely means, if any."""
+    for other in known:  # the same name under a wrapper's prefix, on either side
+        if other.endswith("." + name) or name.endswith("." + other):
+            return other
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+    return close[0] if close else None
 
 
 def _fit_errors(name: str, info: VariableInfo, config: VarConfig) -> list[str]:

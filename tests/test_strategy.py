@@ -7,7 +7,7 @@ import pytest
 
 from hybridsync import baselines
 from hybridsync.router.plan import build_plan, shard_bounds
-from hybridsync.strategy import Strategy, VarConfig, resolve_strategy
+from hybridsync.strategy import Strategy, VarConfig, resolve_strategy, unknown_variable_errors
 from hybridsync.description import parse_model_description
 from hybridsync.variables import VariableInfo
 
@@ -86,6 +86,24 @@ def test_validation_against_model_names_every_culprit():
     assert "'fc1.bias': partitions 65 exceeds its 64 rows" in message
     assert "'scale': partitions 2 exceeds its 1 rows" in message
     assert "group 1: its variables disagree" in message
+
+
+def test_an_unknown_name_is_told_the_models_name_it_means():
+    """A wrapper's prefix on either side (``torch.compile``, ``DataParallel``) or a near spelling names the
+    model's variable; a strategy sharing no name with the model lists the model's names instead."""
+    names = ["fc1.weight", "fc1.bias", "fc2.weight"]
+    assert unknown_variable_errors(["fc1.weight", "_orig_mod.fc2.weight", "fc1.bais"], ["_orig_mod." + n for n in names]
+                                   + ["fc1.bias"]) == [
+        "variable 'fc1.bais' is not in the model; did you mean 'fc1.bias'?",
+        "variable 'fc1.weight' is not in the model; did you mean '_orig_mod.fc1.weight'?"]
+    assert unknown_variable_errors(["module.fc2.weight"], names) == [
+        "variable 'module.fc2.weight' is not in the model; did you mean 'fc2.weight'?"]
+    assert unknown_variable_errors(["emb.weight", "head.bias"], names) == [
+        "variable 'emb.weight' is not in the model", "variable 'head.bias' is not in the model",
+        "the strategy names none of the model's variables (fc1.bias, fc1.weight, fc2.weight): is it for another "
+        "model?"]
+    assert unknown_variable_errors(["emb.weight", "fc1.bias"], names) == ["variable 'emb.weight' is not in the model"]
+    assert unknown_variable_errors([], names) == []
 
 
 def test_a_variable_without_rows_fits_whole_but_not_partitioned():

@@ -46,6 +46,8 @@ def error_results(launcher: str, tmp_path_factory) -> list[dict]:
 EXPECTED_ERRORS = {
     "fingerprint_mismatch": ("ValueError", "ranks disagree on the synchronization strategy"),
     "unknown_variable": ("ValueError", "'missing.weight' is not in the model"),
+    "strategy_for_the_unwrapped_model": ("ValueError", "variable 'encoder.weight' is not in the model; did "
+                                                       "you mean 'module.encoder.weight'?"),
     "two_optimizers_share_a_strategy": (None, "no error"),
     "bad_value": ("ValueError", "partitions must be an integer >= 1"),
     "too_many_partitions": ("ValueError", "partitions 5 exceeds its 2 rows"),

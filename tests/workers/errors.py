@@ -6,6 +6,7 @@ so the test can check that every rank failed, clearly and within seconds.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -39,6 +40,16 @@ def step_with(strategy) -> None:
     """A strategy names the whole model's variables (a script may split them among optimizers): one
     that no optimizer holds is refused at the first step, once the script built every optimizer."""
     m, opt = make(strategy)
+    backward(m)
+    opt.step()
+
+
+def strategy_for_the_unwrapped_model() -> None:
+    """A strategy made for the bare model, used with the model wrapped (``DataParallel`` prefixes every
+    name with ``module.``): each name is refused with the wrapped name it means."""
+    m = nn.DataParallel(nn.Sequential(collections.OrderedDict(encoder=nn.Linear(4, 2))))  # names no other case has
+    opt = hs.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                  strategy={"variables": {"encoder.weight": {"route": "allreduce", "partitions": 2}}})
     backward(m)
     opt.step()
 
@@ -179,6 +190,7 @@ CASES = {
     "fingerprint_mismatch": rank_dependent_strategy,
     "two_optimizers_share_a_strategy": two_optimizers_share_a_strategy,
     "unknown_variable": lambda: step_with({"variables": {"missing.weight": {"route": "allreduce"}}}),
+    "strategy_for_the_unwrapped_model": strategy_for_the_unwrapped_model,
     "bad_value": lambda: make({"variables": {"0.weight": {"route": "allreduce", "partitions": 0,
                                                           "compression": "int3"}}}),
     "too_many_partitions": lambda: make({"variables": {"2.bias": {"route": "allreduce", "partitions": 5}}}),
