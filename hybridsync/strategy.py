@@ -349,8 +349,8 @@ def unknown_variable_errors(named: Iterable[str], known: Iterable[str]) -> list[
 
 def _meant(name: str, known: list[str]) -> str | None:
     """The model's variable a strategy's unknown ``name`` most likely means, if any."""
-    for other in known:  # the same name under a wrapper's prefix, on either side
-        if other.endswith("." + name) or name.endswith("." + other):
+    for other in known:  # the same name under a wrapper's prefix (a module's ".", a TensorFlow scope's "/")
+        if any(other.endswith(sep + name) or name.endswith(sep + other) for sep in "./"):
             return other
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
     return close[0] if close else None

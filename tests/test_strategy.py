@@ -98,6 +98,8 @@ def test_an_unknown_name_is_told_the_models_name_it_means():
         "variable 'fc1.weight' is not in the model; did you mean '_orig_mod.fc1.weight'?"]
     assert unknown_variable_errors(["module.fc2.weight"], names) == [
         "variable 'module.fc2.weight' is not in the model; did you mean 'fc2.weight'?"]
+    assert unknown_variable_errors(["dense/kernel"], ["sequential/dense/kernel"]) == [
+        "variable 'dense/kernel' is not in the model; did you mean 'sequential/dense/kernel'?"]
     assert unknown_variable_errors(["emb.weight", "head.bias"], names) == [
         "variable 'emb.weight' is not in the model", "variable 'head.bias' is not in the model",
         "the strategy names none of the model's variables (fc1.bias, fc1.weight, fc2.weight): is it for another "
