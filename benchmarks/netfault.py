@@ -190,10 +190,11 @@ def table(results: list[dict]) -> str:
     for r in results:
         errors = "; ".join(f"{rank}: {e['type']} {e['after_s']:.1f}" for rank, e in r["errors"].items() if e)
         ends = (f">{r['first_exit_s']:.0f} (hang, killed)" if r.get("hang") else
-                f"trains on: next step after {r['resumed_s']:.1f}" if r.get("trained_on") else f"{r['first_exit_s']:.1f}")
+                f"trains on: next step after {r['resumed_s']:.1f}" if r.get("trained_on") else
+                f"{r['first_exit_s']:.1f}")
+        servers = f"{r['servers_ended_s']:.1f}" if "servers_ended_s" in r else "-"
         left = f"{len(r['processes_left'])} processes, {len(r['shm_left'])} shm files"
-        lines.append(f"| {r['route']} | {r['fault']} | {errors or 'none'} | {ends} | "
-                     f"{r.get('servers_ended_s', '-') if isinstance(r.get('servers_ended_s'), str) else format(r.get('servers_ended_s', float('nan')), '.1f')} | {left} |")
+        lines.append(f"| {r['route']} | {r['fault']} | {errors or 'none'} | {ends} | {servers} | {left} |")
     return "\n".join(lines)
 
 
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100000, help="steps per job (the fault ends it first)")
     parser.add_argument("--fault-at", type=int, default=20, help="strike once rank 0 has done N steps (default 20)")
     parser.add_argument("--flap-s", type=float, default=5.0, help="how long the link stays down in 'flap'")
-    parser.add_argument("--give-up", type=float, default=120.0, help="seconds after the fault before a hang is declared")
+    parser.add_argument("--give-up", type=float, default=120.0,
+                        help="seconds after the fault before a hang is declared")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for a job to reach --fault-at")
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args(argv)

@@ -66,3 +66,16 @@ def test_a_collective_gloo_failed_names_the_members_that_are_gone():
     assert str(error) == (f"{ROUTE}: rank 2 on node 1 (127.0.0.1) left the collective (its process is gone, or the "
                           f"network between the nodes broke); Gloo said: [../gloo/transport/tcp/pair.cc:537] Read "
                           f"error [10.77.0.2]:51329: Connection reset by peer. This is typically caused by ...")
+
+
+def test_an_outage_another_collective_rode_out_does_not_count_against_the_next(monkeypatch):
+    monkeypatch.setenv("HYBRIDSYNC_PEER_TIMEOUT", "1.5")
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as silent:
+        port = silent.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            watch = PeerWatch([Peer(3, 1, "127.0.0.1", port)], ROUTE)
+            first_wait = time.monotonic() - liveness.PROBE_AFTER_S
+            watch.check(first_wait, time.monotonic())  # unanswered; then that collective completed
+            time.sleep(2.0)  # longer than the peer timeout
+            next_wait = time.monotonic() - liveness.PROBE_AFTER_S
+            watch.check(next_wait, time.monotonic())  # one unanswered probe of a new wait: not yet an error

@@ -66,7 +66,8 @@ def _step(tmp_path: Path, rank: int = 0) -> int:
 
 
 def _wait_training(job, tmp_path: Path, log: Path, steps: int) -> None:
-    wait_for(lambda: all(_step(tmp_path, r) >= steps for r in range(4)) or any(p.poll() is not None for p in job.processes),
+    wait_for(lambda: all(_step(tmp_path, r) >= steps for r in range(4))
+             or any(p.poll() is not None for p in job.processes),
              START_TIMEOUT_S, f"every rank past step {steps}", poll_s=0.2)
     assert all(p.poll() is None for p in job.processes), log.read_text()[-4000:]
 

@@ -105,6 +105,8 @@ class PeerWatch:
         """``label``: the group, as errors name it (``hierarchical all-reduce across nodes``)."""
         self._peers, self._label = peers, label
         self._unanswered: dict[int, float] = {}
+        """Since when each peer has not answered, in the wait of ``self._wait``."""
+        self._wait = 0.0
         self._next = 0.0
 
     def check(self, started: float, now: float) -> None:
@@ -112,16 +114,20 @@ class PeerWatch:
         probes when due, raises ``PeerUnreachableError`` for a peer that is gone or cut off."""
         if now - started < PROBE_AFTER_S or now < self._next:
             return
+        if started != self._wait:  # an outage another collective rode out counts for nothing here
+            self._wait = started
+            self._unanswered.clear()
         for peer in self._peers:
             outcome = probe(peer)
             if outcome is None:
                 self._unanswered.pop(peer.rank, None)
                 continue
-            first = self._unanswered.setdefault(peer.rank, now)
             if outcome == "refused":
                 raise PeerUnreachableError(
-                    f"{self._label}: rank {peer.rank} on node {peer.node} ({peer.host}) refused a connection after this rank had "
-                    f"waited {now - started:.0f} s for it: its process is gone (see that rank's own error)")
+                    f"{self._label}: rank {peer.rank} on node {peer.node} ({peer.host}) refused a connection after "
+                    f"this rank had waited {now - started:.0f} s for it: its process is gone (see that rank's own "
+                    f"error)")
+            first = self._unanswered.setdefault(peer.rank, now)
             if time.monotonic() - first >= unreachable_seconds():
                 raise PeerUnreachableError(
                     f"{self._label}: rank {peer.rank} on node {peer.node} ({peer.host}) has not answered for "
