@@ -21,6 +21,9 @@ WAIT = "HYBRIDSYNC_WAIT"
 STALL_CHECK_S = "HYBRIDSYNC_STALL_CHECK_S"
 """Seconds every rank must have waited, each at an unchanged point, before ranks waiting at
 different points are an error (``hybridsync.backends.stalls``; default 3, 0 turns it off)."""
+PEER_TIMEOUT = "HYBRIDSYNC_PEER_TIMEOUT"
+"""Seconds a hierarchical all-reduce waits for a rank of its group that its host no longer answers
+for (the network between the nodes cut, or the host down) before it fails naming that rank (10)."""
 INTRA_NODE = "HYBRIDSYNC_INTRA_NODE"
 """Hierarchical route within a node: ``shm`` (shared memory) or ``horovod`` (Gloo collectives)."""
 PS_TRANSPORT = "HYBRIDSYNC_PS_TRANSPORT"

@@ -25,6 +25,19 @@ WORKERS = REPO / "tests" / "workers"
 BIN = Path(sys.executable).parent
 
 
+def emulated_marks(timeout_s: float) -> list:
+    """The marks of an emulated-cluster test module: the ``emulated`` tier, skipped without root,
+    ``ip`` and ``tc`` (network namespaces) or without Horovod, and a ``timeout_s`` backstop (every
+    process the tests start has its own, shorter, bound)."""
+    import importlib.util
+    import shutil
+    is_root = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+    return [pytest.mark.emulated,
+            pytest.mark.skipif(not is_root, reason="network namespaces and tc need root and iproute2"),
+            pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed"),
+            pytest.mark.timeout(timeout_s)]
+
+
 def reprofiled(desc: ModelDescription, factor: float) -> ModelDescription:
     """``desc`` profiled again (or on a loaded machine): every phase and ready time ``factor`` x, the
     variables the same."""

@@ -255,6 +255,12 @@ class EmulatedCluster:
         sh([*tc, "parent", "1:1", "handle", "10:", *rate])
 
     # -- running processes -----------------------------------------------------------------
+    def set_uplink(self, node_index: int, up: bool) -> None:
+        """Cuts (``up=False``) or restores host ``node_index``'s link to the switch, by setting its
+        switch port down or up: the fault of a cable or switch port between the nodes. Traffic within
+        the host (its loopback) goes on; open connections across the link stall, as on a real cut."""
+        sh(["ip", "-n", self.switch_namespace, "link", "set", f"n{node_index}", "up" if up else "down"])
+
     def namespace_of(self, node_index: int) -> str:
         """The namespace of host ``node_index``, validating the index."""
         if not 0 <= node_index < self.spec.nodes:

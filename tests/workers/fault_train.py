@@ -1,6 +1,6 @@
 """A training job whose parameter servers a test kills: ``hybridsync-run ... python fault_train.py PREFIX``.
 
-Trains a small model with a sparse embedding for ``--steps`` steps under the strategy in
+Trains a small model with a sparse (``--dense``: dense) embedding for ``--steps`` steps under the strategy in
 ``HYBRIDSYNC_STRATEGY``, each rank on its own data. Every rank writes ``PREFIX.rank<r>.step``
 after each step (so a test can strike mid-training), then ``PREFIX.rank<r>.pt`` (its final
 parameters) and ``PREFIX.rank<r>.json`` (the servers replaced under it).
@@ -21,6 +21,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("prefix")
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--sleep", type=float, default=0.2, help="seconds between steps (time for a test to strike)")
+parser.add_argument("--dense", action="store_true", help="a dense embedding: every gradient takes the strategy's route")
 args = parser.parse_args()
 
 hs.init()
@@ -31,7 +32,7 @@ torch.set_num_threads(1)
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(100, 8, sparse=True)
+        self.emb = torch.nn.Embedding(100, 8, sparse=not args.dense)
         self.fc1 = torch.nn.Linear(16, 64)
         self.fc2 = torch.nn.Linear(64, 1)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import time
 from collections import Counter
 from typing import Any, Protocol
 
@@ -34,11 +35,14 @@ import torch
 
 from hybridsync.backends import rendezvous
 from hybridsync.backends.base import RouteUnavailableError
+from hybridsync.backends.hierarchical.liveness import Peer, PeerWatch, beacon
 from hybridsync.backends.waiting import wait, wait_until
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=600)
-"""Gloo's bound on one collective: a 64 MiB slice at 100 Mbit/s takes ~6 s; a dead peer fails
-at once (its sockets close), so this only bounds a peer that hangs."""
+"""Gloo's bound on one collective: a 64 MiB slice at 100 Mbit/s takes ~6 s, and a peer may be busy
+elsewhere (a checkpoint) for minutes. A dead peer fails at once (its sockets close); one the
+network cut off is found by probing it (``liveness.PeerWatch``), so this only bounds a peer that
+hangs while its host still answers."""
 
 
 class Work(Protocol):
@@ -103,36 +107,49 @@ class HorovodGlobal:
 
 
 class _GlooWork:
-    def __init__(self, work: Any) -> None:
-        self._work = work
+    def __init__(self, work: Any, peers: PeerWatch) -> None:
+        self._work, self._peers, self._started = work, peers, time.monotonic()
 
     def wait(self) -> Any:
         # Polled, so that a long wait is watched (waiting.py); never spinning: Gloo's own threads
         # do the work, and its blocking wait held no core either.
-        wait_until(self._work.is_completed, spin=False)
-        return self._work.wait()
+        wait_until(self.done, spin=False)
+        try:
+            return self._work.wait()
+        except RuntimeError as e:  # Gloo's error names an address and port only
+            raise self._peers.explain(e) from e
 
     def done(self) -> bool:
-        return bool(self._work.is_completed())
+        """Whether it is done; while it is not, its peers are probed once it has waited a while
+        (``PeerUnreachableError`` for one that is gone or cut off)."""
+        if self._work.is_completed():
+            return True
+        self._peers.check(self._started, time.monotonic())
+        return False
 
 
 class GlooGroup:
     """A torch Gloo process group over ``ranks`` (this rank among them)."""
 
-    def __init__(self, store: Any, label: str, ranks: list[int], rank: int, device_address: str) -> None:
+    def __init__(self, store: Any, label: str, ranks: list[int], rank: int, device_address: str,
+                 route: str, nodes: list[int]) -> None:
+        """``route``: what errors call the group's collectives (``hierarchical all-reduce across nodes``);
+        ``nodes``: the node of each of ``ranks``."""
         import torch.distributed as dist
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=device_address)]
         options._timeout = GROUP_TIMEOUT
         self.size, self.ranks = len(ranks), ranks
-        self._group = dist.ProcessGroupGloo(dist.PrefixStore(label, store), ranks.index(rank), len(ranks), options)
+        group_store = dist.PrefixStore(label, store)
+        self._peers = PeerWatch(_beacons(group_store, dict(zip(ranks, nodes)), rank, device_address), route)
+        self._group = dist.ProcessGroupGloo(group_store, ranks.index(rank), len(ranks), options)
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Work:
-        return _GlooWork(self._group.allreduce([tensor]))
+        return _GlooWork(self._group.allreduce([tensor]), self._peers)
 
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype)
-        self._group.allgather([list(out.chunk(self.size))], [tensor]).wait()
+        _GlooWork(self._group.allgather([list(out.chunk(self.size))], [tensor]), self._peers).wait()
         return out
 
     def close(self) -> None:
@@ -140,6 +157,19 @@ class GlooGroup:
         once. (Gloo's ``abort()`` and ``shutdown()`` leave them open; only dropping the group
         closes them, so no reference elsewhere, say in a traceback, may keep it.)"""
         self._group = None
+
+
+def _beacons(store: Any, nodes: dict[int, int], rank: int, device_address: str) -> list[Peer]:
+    """The beacons (``liveness``) of the members of ``nodes`` (rank -> node) other than ``rank``,
+    this rank's own published in ``store`` first."""
+    own = beacon(device_address)
+    store.set(f"beacon/{rank}", f"{own.host}:{own.port}")
+    peers = []
+    for other, node in nodes.items():
+        if other != rank:
+            host, port = store.get(f"beacon/{other}").decode().rsplit(":", 1)
+            peers.append(Peer(other, node, host, int(port)))
+    return peers
 
 
 _groups: dict[str, Any] = {}
@@ -165,9 +195,12 @@ def hierarchical_groups(hvd: Any, layout: Any) -> HierarchicalGroups:
     one_node, one_per_node = layout.num_nodes == 1, local_size == 1
     store, address = (None, "") if one_node or one_per_node else _rendezvous(hvd)
     intra = (HorovodGlobal(hvd) if one_node else None if one_per_node else
-             GlooGroup(store, f"hybridsync/node{node}", layout.node_ranks()[node], rank, address))
+             GlooGroup(store, f"hybridsync/node{node}", layout.node_ranks()[node], rank, address,
+                       f"hierarchical all-reduce within node {node}", [node] * local_size))
     cross = (HorovodGlobal(hvd) if one_per_node else None if one_node else
-             GlooGroup(store, f"hybridsync/local{local_rank}", layout.local_rank_peers()[local_rank], rank, address))
+             GlooGroup(store, f"hybridsync/local{local_rank}", layout.local_rank_peers()[local_rank], rank, address,
+                       f"hierarchical all-reduce across nodes (rank {rank}, node {node})",
+                       list(range(layout.num_nodes))))
     _groups.update(groups=HierarchicalGroups(intra_node=intra, cross_node=cross, local_size=local_size,
                                              num_nodes=layout.num_nodes, local_rank=local_rank), store=store,
                    users=1)
