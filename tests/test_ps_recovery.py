@@ -250,5 +250,6 @@ def test_a_dead_worker_ends_the_whole_job_and_leaves_no_process(tmp_path, jobs):
     assert "worker1 stopped answering" in log and "starting replacement" not in log, log[-4000:]
     assert took < 90, took
     # Before, the launcher asked the rendezvous about servers still noticing the dead worker, then tore
-    # torch down at its exit: it returned 4.6-14 s after the ranks at load 8-15; now 0.2-0.6 s.
-    assert after_ranks < 2.0, f"hybridsync-run returned {after_ranks:.1f} s after the job's ranks were gone"
+    # torch down at its exit: it returned 3.3-5.1 s after the ranks at load 8-16 (3.8 and 4.0 s in this
+    # test); now 0.6-1.1 s, of which 0.7-0.9 s is the servers noticing the kill. Bound: 2.7x the worst now.
+    assert after_ranks < 3.0, f"hybridsync-run returned {after_ranks:.1f} s after the job's ranks were gone"
