@@ -625,17 +625,33 @@ def wait_watching_servers(job: subprocess.Popen, servers: Mapping[str, subproces
         return 1
 
 
+SERVERS_SETTLE_S = 3.0
+"""How long the servers of a finished job get to exit on their own before the launcher asks the
+rendezvous whether any worker joined them. Servers that served exit within a second or two of the
+job (under load); asking costs the launcher importing torch and a store connection, 3-9 s on a
+loaded host, so it is asked only of servers still running after this."""
+
+
 def _stop_servers(servers: list[subprocess.Popen], grace_s: float, env: dict[str, str]) -> None:
     """Servers leave on their own once every worker said goodbye; stop the ones that do not, and at
     once when no worker ever joined them (they would wait for workers that are gone). The first
     process hosts the rendezvous that knows who joined (server 0's supervisor, or the horovodrun
-    that started every server): asked only while it runs."""
-    if servers and servers[0].poll() is None and not any_worker_joined(env):
-        grace_s = 0.0
+    that started every server): asked only while it runs, and only once the servers had
+    ``SERVERS_SETTLE_S`` to exit."""
     deadline = time.monotonic() + grace_s
-    for server in servers:
+    settled = _wait_all(servers, time.monotonic() + min(grace_s, SERVERS_SETTLE_S))
+    if not settled and servers[0].poll() is None and not any_worker_joined(env):
+        deadline = 0.0
+    _wait_all(servers, deadline)
+    procs.stop_all(servers)
+
+
+def _wait_all(processes: Sequence[subprocess.Popen], deadline: float) -> bool:
+    """Wait until every one of ``processes`` has exited or ``time.monotonic()`` passes ``deadline``;
+    whether they all exited."""
+    for proc in processes:
         try:
-            server.wait(timeout=max(0.0, deadline - time.monotonic()))
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pass
-        procs.stop(server)
+            return False
+    return True

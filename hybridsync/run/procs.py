@@ -40,18 +40,30 @@ def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
     are gone (mpirun removes the ``/dev/shm`` segments of OpenMPI's shared-memory transport, which a
     killed rank cannot), and the leader is often a shell that dies at once. Killing the group as soon
     as the leader was gone left two 4 MB files in ``/dev/shm`` per interrupted job."""
-    _signal_group(proc.pid, signal.SIGTERM)
+    stop_all([proc], grace)
+
+
+def stop_all(processes: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
+    """``stop`` every one of ``processes`` at once: one grace for all of them, not one after another
+    (a launcher's K parameter servers that each lingered took K graces)."""
+    for proc in processes:
+        _signal_group(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        proc.poll()  # reaps the leader, so that it does not count as a member
-        if not _group_alive(proc.pid):
-            break
-        time.sleep(0.05)
-    _signal_group(proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
+    waiting = list(processes)
+    while waiting and time.monotonic() < deadline:
+        for proc in waiting:
+            proc.poll()  # reaps the leader, so that it does not count as a member
+        waiting = [proc for proc in waiting if _group_alive(proc.pid)]
+        if waiting:
+            time.sleep(0.05)
+    for proc in processes:
+        _signal_group(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:
