@@ -30,9 +30,9 @@ EXAMPLE_LINES = (
 )
 """``examples/train.py``'s own prints (rank 0): the plan, the loss, the speed and accuracy."""
 
-IMPORT_LINE = r"(\[\d+\]<stderr>:)?import time: +(self \[us\]|\d+) +\| +(cumulative|\d+) +\| +(?P<module>.+)"
+IMPORT_LINE = r"(\[\d+\]<stderr>:)?import time: +(self \[us\]|-?\d+) +\| +(cumulative|-?\d+) +\| +(?P<module>.+)"
 """What ``PYTHONPROFILEIMPORTTIME`` prints (on the C level's stderr) per module a process imports (a rank's
-line with horovodrun's prefix)."""
+line with horovodrun's prefix; a self time is negative where another thread imported meanwhile)."""
 HEAVY_MODULES = ("tensorflow", "keras", "tf_keras", "jax", "xgboost", "matplotlib", "pandas", "optuna",
                  "nevergrad", "sklearn", "scipy")
 """What a torch job must never import: seconds and hundreds of MB per process, for nothing."""
