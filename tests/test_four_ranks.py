@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import BIN, WORKERS, launcher_argv, run_job
+from conftest import BIN, WORKERS, horovodrun_args, launcher_argv, run_job
 from hybridsync.backends.hierarchical.layout import NodeLayout, layout_from_environment
 
 CASES = ["default", "merge_groups", "partitions", "sparse_embedding", "hierarchical",
@@ -28,7 +28,7 @@ def results(tmp_path_factory, intra_node: str = "shm") -> dict:
     if intra_node not in _cache:
         out = tmp_path_factory.mktemp("four") / "eq.json"
         argv = [str(BIN / "hybridsync-run"), "--num-servers", "2",
-                *launcher_argv("horovodrun", np=4, hosts="localhost:2,127.0.0.1:2")[1:]]
+                *horovodrun_args(np=4, hosts="localhost:2,127.0.0.1:2")]
         cases = CASES if intra_node == "shm" else GLOO_INTRA_NODE_CASES
         proc = run_job(argv + [sys.executable, str(WORKERS / "equivalence.py"), str(out), *cases], timeout=400,
                        env={"HYBRIDSYNC_INTRA_NODE": intra_node})

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from conftest import BIN, REPO, WORKERS, launcher_argv, run_job
+from conftest import BIN, REPO, WORKERS, horovodrun_args, launcher_argv, run_job
 from hybridsync.backends.hierarchical import groups as node_groups
 from hybridsync.backends.ps.store import KeyStore
 from hybridsync.run.procs import start, stop
@@ -174,7 +174,7 @@ def _under_hybridsync_run(tmp_path_factory, key: str, np: int, hosts: str, cases
     if key not in _cache:
         out = tmp_path_factory.mktemp("switching") / "out"
         argv = [str(BIN / "hybridsync-run"), "--num-servers", "2", "--partition-bytes", "256",
-                *launcher_argv("horovodrun", np=np, hosts=hosts)[1:],
+                *horovodrun_args(np=np, hosts=hosts),
                 sys.executable, str(WORKERS / "switching.py"), str(out), *cases]
         proc = run_job(argv, timeout=400, env=_clean_env())
         assert proc.returncode == 0, proc.stdout[-4000:]

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, WORKERS, launcher_argv, run_job
+from conftest import BIN, WORKERS, horovodrun_args, run_job
 
 NP = 4
 _cache: dict[str, list[dict]] = {}
@@ -26,7 +26,7 @@ def _ranks(tmp_path_factory) -> list[dict]:
         out = tmp_path_factory.mktemp("syncswitch") / "out"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
         argv = [str(BIN / "hybridsync-run"), "--num-servers", "2", "--partition-bytes", "256",
-                *launcher_argv("horovodrun", np=NP, hosts="localhost:2,127.0.0.1:2")[1:],
+                *horovodrun_args(np=NP, hosts="localhost:2,127.0.0.1:2"),
                 sys.executable, str(WORKERS / "syncswitch_worker.py"), str(out), "switch", "elastic"]
         proc = run_job(argv, timeout=240, env=env)
         assert proc.returncode == 0, proc.stdout[-5000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BIN, WORKERS, launcher_argv, run_job
+from conftest import BIN, WORKERS, horovodrun_args, launcher_argv, run_job
 
 pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (scripts/bootstrap.sh installs it)")
 
@@ -191,7 +191,7 @@ def test_asp_on_the_parameter_server_trains_and_ranks_agree_after_the_last_pull(
 def test_set_strategy_switches_a_keras_job_onto_asp_in_flight(tmp_path, tmp_path_factory):
     """Ring for 4 steps, then ASP on the servers for the rest, in one job: the switched-in variables
     join the servers with their trained values (not the mirrors' zeros), so the loss keeps falling."""
-    argv = [str(BIN / "hybridsync-run"), "--num-servers", "2", *launcher_argv("horovodrun")[1:]]
+    argv = [str(BIN / "hybridsync-run"), "--num-servers", "2", *horovodrun_args()]
     ranks = _train(argv, tmp_path / "hs", "hybridsync", "keras-fit", "--steps", "20",
                    "--switch-to", _strategy(tmp_path, ASP), "--switch-at", "4")
     assert "ps/asp:embedding/embeddings" in ranks[0]["_summary"]["messages"]
@@ -214,7 +214,7 @@ def test_set_strategy_moves_a_traced_step_between_horovods_ops_and_the_bridge(st
     step syncs (the bridge's passes count the steps that went through it), with every rank still
     ending where Horovod's Keras optimizer does."""
     argv = (_hybridsync_run(_strategy(tmp_path, start)) if start else
-            [str(BIN / "hybridsync-run"), *launcher_argv("horovodrun")[1:]])
+            [str(BIN / "hybridsync-run"), *horovodrun_args()])
     switch = tmp_path / "switch.json"
     switch.write_text(json.dumps({"version": 1, **switch_to}))
     ranks = _train(argv, tmp_path / "hs", "hybridsync", "keras-fit", "--steps", "8", "--switch-to", str(switch),

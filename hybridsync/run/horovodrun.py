@@ -1,20 +1,24 @@
-"""horovodrun as ``hybridsync-run`` starts it: the same program, without TensorFlow's start-up log.
+"""horovodrun as ``hybridsync-run`` starts it: the same program, without TensorFlow's import and start-up log.
 
 Before any rank starts, horovodrun asks whether Horovod was built with Gloo (or MPI) by
 importing ``horovod.tensorflow`` in a forked child (``horovod.common.util``). That imports
-TensorFlow, which prints absl's "All log messages before absl::InitializeLog()" notice,
-oneDNN's "custom operations are on" line (twice each) and ``cpu_feature_guard``'s, whether
-or not the job uses TensorFlow.
+TensorFlow, 9-26 s of a loaded 2-core machine (``horovod.torch`` alone: 6-7 s), and prints
+absl's "All log messages before absl::InitializeLog()" notice, oneDNN's "custom operations
+are on" line (twice each) and ``cpu_feature_guard``'s, whether or not the job uses TensorFlow.
 
-Here that check runs first, in a temporary environment: ``TF_CPP_MIN_LOG_LEVEL=1`` (INFO
-off, warnings and errors still shown) hides ``cpu_feature_guard``'s line and
-``TF_ENABLE_ONEDNN_OPTS=0`` the other two, which TensorFlow prints before it reads its log
-level (the check computes nothing, so oneDNN's numerics do not matter to it). Horovod caches
-the answer, so horovodrun's own call reuses it and forks nothing; the environment is back as
-it was before horovodrun starts the ranks, so a TensorFlow user's ranks log (and compute)
-exactly as under plain horovodrun. Nothing changes when the user set ``TF_CPP_MIN_LOG_LEVEL``
-(their level then applies to the launcher too), or asks horovodrun for ``--verbose`` or
-``--check-build`` output.
+Here that check runs first, answered by Horovod's PyTorch extension library, which every
+hybridsync job runs on (``hybridsync.tensorflow`` too): a forked child loads it with ctypes,
+as ``horovod.torch`` does, but imports neither torch nor TensorFlow, and asks it the build
+flag (one CMake configuration builds every extension: they share their flags). Horovod
+caches the answer, so horovodrun's own call reuses it and forks nothing. Only if that library
+does not load does Horovod's own check run, in a temporary environment:
+``TF_CPP_MIN_LOG_LEVEL=1`` (INFO off, warnings and errors still shown) hides
+``cpu_feature_guard``'s line and ``TF_ENABLE_ONEDNN_OPTS=0`` the other two, which TensorFlow
+prints before it reads its log level (the check computes nothing, so oneDNN's numerics do not
+matter to it). The environment is back as it was before horovodrun starts the ranks, so a
+TensorFlow user's ranks log (and compute) exactly as under plain horovodrun. A user's own
+``TF_CPP_MIN_LOG_LEVEL`` applies to that fallback as it is. Asked for ``--verbose`` or
+``--check-build`` output, horovodrun runs its own check, and prints what it prints.
 """
 from __future__ import annotations
 
@@ -35,17 +39,19 @@ def horovodrun_command() -> list[str]:
 
 
 def check_build_quietly(argv: Sequence[str]) -> None:
-    """Run now the build check horovodrun is about to run for ``argv``, TensorFlow's start-up log off.
+    """Run now the build check horovodrun is about to run for ``argv``, from the PyTorch extension's
+    library (TensorFlow's start-up log off if Horovod's own check has to run; a user's own
+    ``TF_CPP_MIN_LOG_LEVEL`` is left to apply).
 
     It mirrors horovodrun 0.28.1's choice (``launch.run_controller``; elastic jobs check Gloo):
     ``--gloo`` checks Gloo, ``--mpi``/``--jsrun`` MPI, neither MPI and then, if MPI is missing,
     Gloo, each with ``verbose=False``, the key under which Horovod caches the answer.
     """
-    if TF_LOG_LEVEL in os.environ or {"-cb", "--check-build"} & set(argv):
+    if {"-cb", "--check-build"} & set(argv):
         return
     from unittest import mock
 
-    from horovod.common.util import gloo_built, mpi_built
+    from horovod.common import util
     from horovod.runner import launch
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
             mock.patch.object(sys, "argv", ["horovodrun", *argv]):
@@ -56,11 +62,57 @@ def check_build_quietly(argv: Sequence[str]) -> None:
     if args.verbose:
         return
     elastic = args.host_discovery_script is not None or args.min_num_proc is not None
-    with _environment(CHECK_ENVIRONMENT):
+    with _environment({} if TF_LOG_LEVEL in os.environ else CHECK_ENVIRONMENT), mock.patch.object(
+            util, "_check_extension_lambda", _torch_library_first(util._check_extension_lambda)):
         if args.use_gloo or elastic:
-            gloo_built(verbose=False)
-        elif not mpi_built(verbose=False) and not (args.use_mpi or args.use_jsrun):
-            gloo_built(verbose=False)
+            util.gloo_built(verbose=False)
+        elif not util.mpi_built(verbose=False) and not (args.use_mpi or args.use_jsrun):
+            util.gloo_built(verbose=False)
+
+
+def _torch_library_first(horovods_check: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod 0.28.1's per-extension check (``util._check_extension_lambda(ext_base_name, fn,
+    fn_desc, verbose)``: ``fn`` of the imported extension, in a forked child), answered by
+    ``fn`` of the PyTorch extension's library instead, whichever extension Horovod asks about:
+    ``horovod_built(fn)``. ``horovods_check`` answers when that library does not load."""
+    def check(ext_base_name: str, fn: Callable[[Any], Any], fn_desc: str, verbose: bool) -> Any:
+        answer = horovod_built(fn)
+        return horovods_check(ext_base_name, fn, fn_desc, verbose) if answer is None else answer
+    return check
+
+
+def horovod_built(fn: Callable[[Any], Any]) -> Any:
+    """``fn(basics)`` (e.g. ``basics.gloo_built()``) of Horovod's PyTorch extension library, loaded in a
+    forked child (``horovod.common.basics.HorovodBasics``, as ``horovod.torch`` loads it) that imports
+    neither torch nor TensorFlow; ``None`` if the library is missing or the child fails."""
+    import importlib.util
+    import multiprocessing
+    import queue
+
+    spec = importlib.util.find_spec("horovod.torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    module_path = os.path.join(spec.submodule_search_locations[0], "mpi_ops.py")
+
+    def ask(answers: Any) -> None:
+        from horovod.common.basics import HorovodBasics
+        answers.put(fn(HorovodBasics(module_path, "mpi_lib_v2")))
+
+    context = multiprocessing.get_context("fork")  # fn is a lambda: a forked child needs no pickling
+    answers = context.Queue()
+    child = context.Process(target=ask, args=(answers,), daemon=True)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):  # a failed load's traceback
+        child.start()
+        child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    if child.exitcode != 0:
+        return None
+    try:
+        return answers.get(timeout=5)
+    except queue.Empty:
+        return None
 
 
 @contextlib.contextmanager
