@@ -678,3 +678,23 @@ def test_repair_clears_rows_wherever_it_cannot_hold():
     for i in range(n):  # every repaired candidate is a valid strategy of the model
         repaired.to_strategy(i, arrays.names).validate_for(variables)
 
+
+def test_the_variants_study_scores_the_shipped_learner_as_the_simulator_predicts():
+    """``benchmarks/simulator_variants.py``'s ``shipped`` row is ``Simulator(kind="both")`` held out
+    the same way, the training descriptions' compute factors included: it used to fit its trees on
+    rows priced at every description's profile (factor 1), a learner the shipped fit is not."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import simulator_variants as study
+
+    samples = [s for s in generated_like(per_model=8) if s.model in ("gen-mlp-0", "gen-recsys-0", "gen-cnn-0")]
+    args = argparse.Namespace(calibrations="", cores=2, seed=0, split="family")
+    row = study._score(samples, "shipped", "family", "mlp", study._Fold(samples, args).frame("mlp"),
+                       study._xgboost(0, rounds=20))
+    simulator = Simulator(kind="both", constants=CostConstants(cores=2), params=BoosterParams(rounds=20)).fit(
+        [s for s in samples if family_of(s.model) != "mlp"])
+    assert max(abs(np.log(f)) for f in simulator.compute_factors.values()) > 0.01  # the factors matter here
+    expected = predict_samples(simulator, [s for s in samples if family_of(s.model) == "mlp"])
+    np.testing.assert_allclose(row.predicted, expected, rtol=1e-4)
