@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", type=float, default=os.cpu_count(),
                         help="cores the emulated cluster's ranks shared when measured (default: this machine's)")
     parser.add_argument("--splits", help="held-out evaluations to run, of model,family,cluster (default: family "
-                                         "and cluster once the dataset has families, else model and cluster)")
+                                         "and cluster once the dataset has families, else model and cluster); "
+                                         "'none': no held-out evaluation (with --save: the refit alone)")
     parser.add_argument("--kinds", default="analytic,xgboost,both", help="simulator kinds to evaluate")
     parser.add_argument("--png", help="write the predicted-vs-measured plot (first split) here")
     parser.add_argument("--save", help="fit on every trial and save the simulator here")
@@ -89,7 +90,7 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
     from hybridsync.model.analytic import CostConstants
     from hybridsync.model.calibration import load_calibrations
     from hybridsync.model.evaluate import SPLITS, cross_validate, family_of, format_table, plot_predictions, summarize
-    from hybridsync.model.simulator import BoosterParams, Simulator
+    from hybridsync.model.simulator import BoosterParams
     from hybridsync.trials.store import cluster_label
 
     constants, params = CostConstants(cores=args.cores), BoosterParams(seed=args.seed)
@@ -101,7 +102,7 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
           f"{len({s.job for s in samples})} jobs; cores {args.cores:g}; calibrated: {sorted(links) or 'none'}")
     rows = []
     splits = args.splits or ("family,cluster" if len(families) < len(models) else "model,cluster")
-    for split in [s for s in splits.split(",") if s]:
+    for split in [s for s in splits.split(",") if s and splits != "none"]:
         if split not in SPLITS:
             raise SystemExit(f"--splits: {split!r} is not one of {', '.join(SPLITS)}")
         if split == "family" and len(families) == len(models):
@@ -112,6 +113,9 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
                                    params=params, links=links, workers=args.workers)
         except ValueError as error:
             print(f"leave-one-{split}-out skipped: {error}")
+    if not rows and splits == "none":
+        _refit(samples, constants, params, links, args)
+        return
     print(format_table(rows))
     pooled = summarize(rows)
     print("\npooled over held-out sets (metrics within each trial job):")
@@ -127,6 +131,13 @@ def evaluate(samples: list, args: argparse.Namespace) -> None:
         plot_predictions([r for r in pooled if r.split == pooled[0].split], args.png)
         print(f"\nplot: {args.png}")
     print()
+    _refit(samples, constants, params, links, args)
+
+
+def _refit(samples: list, constants: object, params: object, links: dict, args: argparse.Namespace) -> None:
+    """Fits the simulator on every trial, prints its scoring speed and, with ``--save``, writes it."""
+    from hybridsync.model.simulator import Simulator
+
     simulator = Simulator(constants=constants, params=params).fit(samples, calibrations=links)
     print(_scoring_speed(simulator, samples))
     if args.save:

@@ -1,21 +1,24 @@
-"""Which learned part transfers to model families the fit never saw? Variants scored on one family split.
+"""Which learned part transfers to model families (or models) the fit never saw? Variants scored on one split.
 
-    .venv/bin/python benchmarks/simulator_variants.py [--jsonl data/trials.jsonl.gz | --store URL] --workers 2
+    .venv/bin/python benchmarks/simulator_variants.py [--jsonl data/trials.jsonl.gz | --store URL] --workers 2 \
+        [--split family|model] [--select]
 
-For each held-out family (``evaluate.family_of``) the analytic constants are fit once on the
-other families (the costly part, ``--workers`` processes); then every variant of the learned
-part is fit on the same rows (``Simulator.training_frame``: features, log(measured / analytic)
-centered within each trial job) and scored on the held-out family's trials, within jobs, as
-``benchmarks/simulator.py`` scores them. The variants: the shipped regression, XGBoost's
-pairwise ranking objective with the trial job as the query group, a pseudo-Huber loss, trials
-weighted per job or by their noise, shallower and deeper trees, fewer and more rounds, and a
-ridge regression on the same features. The last line fits the shipped learner on every
-family and scores it on the same trials: what the features can express at all, as against
-what transfers.
+For each held-out family (``evaluate.family_of``; ``--split model``: each model) the analytic
+constants and the training descriptions' compute factors are fit once on the rest, as
+``evaluate.cross_validate`` fits them (the costly part, ``--workers`` processes); then every
+variant of the learned part is fit on the same rows (``Simulator.training_frame``: features,
+log(measured / analytic) centered within each trial job) and scored on the held-out trials,
+within jobs, as ``benchmarks/simulator.py`` scores them (``shipped`` is its ``both``). The
+variants shrink the trees' correction toward the analytic model in several ways
+(``_variants``). The ``in-sample`` line fits the shipped learner on every trial and scores it
+on the same trials: what the features can express at all, as against what transfers.
 
-Honest selection: the rows are printed for the generated families (where a choice may be
-made) and the zoo models apart (each a family of its own, a test no choice looked at).
-One xgboost thread per process.
+Honest selection: ``--select`` adds ``selected``, per held-out set the variant that an inner
+leave-one-family-out over the training families alone scores best (``selection_loss``); the
+held-out set's trials take no part in that choice. Rows are printed for the generated families
+and the zoo models apart. One xgboost thread per process. (Earlier learners, scored in
+benchmarks/RESULTS.md 2026-11-26: XGBoost's rank:pairwise, pseudo-Huber, noise weights, depth 6,
+500 rounds, ridge: none transferred better.)
 """
 from __future__ import annotations
 
@@ -50,9 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", help="held-out families to score, comma-separated (default: all; a fast subset "
                                            "to iterate on)")
+    parser.add_argument("--split", choices=("family", "model"), default="family",
+                        help="hold out one family (default) or one model at a time")
+    parser.add_argument("--frames", help="a directory keeping each fold's fitted rows (<split>-<held out>.npz): a "
+                                         "second run on the same data and code skips the constants' fits")
+    parser.add_argument("--select", action="store_true",
+                        help="also score 'selected': per held-out set, the variant an inner leave-one-family-out "
+                             "over the training families alone picks (selection_loss)")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
-    from hybridsync.model.evaluate import family_of, summarize
+    from hybridsync.model.evaluate import family_of, held_out_name, summarize
 
     print_header()
     started = time.perf_counter()
@@ -63,26 +73,31 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"--families: {unknown} are not families of the dataset ({families})")
         families = args.families.split(",")
-    print(f"{len(samples)} trials, families {families}")
+    held = sorted({held_out_name(s, args.split) for s in samples if family_of(s.model) in families})
+    print(f"{len(samples)} trials, families {families}; held out one {args.split} at a time: {len(held)}")
     fold = _Fold(samples, args)
+    rows = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.workers),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-        frames = dict(zip(families, pool.map(fold, families)))
-    print(f"constants fit per fold: {time.perf_counter() - started:.0f} s")
-    rows = []
-    for name, learner in _variants(args.seed).items():
-        rows += [_score(samples, name, family, frames[family], learner) for family in families]
-    rows += [_score(samples, "in-sample", family, frames[family], _xgboost(args.seed), in_sample=True)
-             for family in families]
+        for name_out, (mine, chosen) in zip(held, pool.map(fold, held)):
+            print(f"{name_out}: {time.perf_counter() - started:.0f} s" + (f"; selected {chosen}" if chosen else ""),
+                  flush=True)
+            rows += mine
     print(f"{'variant':<14} {'held out':<10} {'test':>5} {'pairwise':>9} {'pw>noise':>9} {'tau':>6} {'MAPE':>7} "
           f"{'MAPE/job':>9} {'regret':>7} {'top-5':>6}")
-    for part, keep in (("generated", lambda r: r.held_out in GENERATED), ("zoo", lambda r: r.held_out not in GENERATED),
+    for part, keep in (("generated", lambda r: family_of(r.held_out) in GENERATED),
+                       ("zoo", lambda r: family_of(r.held_out) not in GENERATED),
                        ("all", lambda r: True)):
         for row in summarize([r for r in rows if keep(r)], key=lambda r: r.kind):
             m = row.metrics
             print(f"{row.kind:<14} {part:<10} {m.trials:>5} {m.pairwise:>9.3f} {m.pairwise_resolved:>9.3f} "
                   f"{m.kendall_tau:>6.3f} {m.mape:>6.1%} {m.mape_job:>8.1%} {m.top1_regret:>6.1%} "
                   f"{m.top5_regret:>5.1%}")
+    for row in rows:
+        if row.kind in ("shipped", "selected", "analytic"):
+            m = row.metrics
+            print(f"{row.kind:<14} {row.held_out:<12} {m.trials:>5} {m.pairwise:>9.3f} {m.pairwise_resolved:>9.3f} "
+                  f"{m.mape_job:>8.1%} {m.top1_regret:>6.1%} {m.top5_regret:>5.1%}")
     print(f"took {time.perf_counter() - started:.0f} s")
     return 0
 
@@ -98,21 +113,49 @@ def _load(args: argparse.Namespace) -> list:
 
 
 class _Fold:
-    """One held-out family: constants fit on the others; every trial's features, target and log analytic time."""
+    """One held-out family or model: constants (and the training descriptions' compute factors) fit
+    on the others, as ``evaluate.cross_validate`` fits them, giving every trial's features, target
+    and log analytic time (``frame``); then each variant fit on the rest and scored on the held-out
+    trials (with ``--select``, the inner choice too)."""
 
     def __init__(self, samples: list, args: argparse.Namespace) -> None:
         self.samples, self.calibrations, self.cores, self.seed = samples, args.calibrations, args.cores, args.seed
+        self.split, self.frames, self.select = args.split, getattr(args, "frames", None), getattr(args, "select", False)
 
-    def __call__(self, family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def __call__(self, name: str) -> tuple[list, str | None]:
+        """``name``'s rows, one per variant, and the variant the inner validation chose (``None``: not asked)."""
+        frame = self.frame(name)
+        variants = _variants(self.seed)
+        rows = [_score(self.samples, variant, self.split, name, frame, learner) for variant, learner in variants.items()]
+        rows.append(_score(self.samples, "in-sample", self.split, name, frame, _xgboost(self.seed), in_sample=True))
+        chosen = _select(self.samples, self.split, name, frame, variants) if self.select else None
+        if chosen:
+            rows.append(_score(self.samples, "selected", self.split, name, frame, variants[chosen]))
+        return rows, chosen
+
+    def frame(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``name``'s fold: read from ``--frames`` if it is there, else fit (and kept there)."""
+        path = os.path.join(self.frames, f"{self.split}-{name}.npz") if self.frames else None
+        if path and os.path.exists(path):
+            with np.load(path) as kept:
+                return kept["features"], kept["target"], kept["log_analytic"]
+        frame = self.fit(name)
+        if path:
+            os.makedirs(self.frames, exist_ok=True)
+            np.savez(path, features=frame[0], target=frame[1], log_analytic=frame[2])
+        return frame
+
+    def fit(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         from hybridsync.model.analytic import CostConstants
         from hybridsync.model.calibration import load_calibrations
-        from hybridsync.model.evaluate import family_of, predict_samples
+        from hybridsync.model.evaluate import held_out_name, predict_samples
         from hybridsync.model.simulator import BoosterParams, Simulator
 
-        train = [s for s in self.samples if family_of(s.model) != family]
+        train = [s for s in self.samples if held_out_name(s, self.split) != name]
         analytic = Simulator(kind="analytic", constants=CostConstants(cores=self.cores)).fit(
             train, calibrations=load_calibrations(self.calibrations) if self.calibrations else {})
-        both = Simulator(kind="both", constants=analytic.constants, params=BoosterParams(seed=self.seed))
+        both = Simulator(kind="both", constants=analytic.constants, params=BoosterParams(seed=self.seed),
+                         compute_factors=analytic.compute_factors)
         features, target = both.training_frame(self.samples)
         return features, target, np.log(predict_samples(analytic, self.samples))
 
@@ -134,40 +177,45 @@ def _xgboost(seed: int, rounds: int = 200, weights: str = "", **overrides: objec
     return learn
 
 
-def _ranker(seed: int) -> Learner:
-    """XGBoost's ``rank:pairwise`` with the trial job as the query; its scores are put on the
-    scale of log step time by least squares on the training rows."""
-    from hybridsync.model.simulator import BoosterParams
+def _variants(seed: int) -> dict[str, Learner]:
+    """The shipped learner, and ways of shrinking its correction toward the analytic model (which
+    transfers as it is): none, half of it, a smaller step, stronger regularization, shallower
+    trees, fewer rounds, and trials weighted per job."""
+    shipped = _xgboost(seed)
+    return {"analytic": lambda x, y, jobs, noise, test: np.zeros(len(test)), "shipped": shipped,
+            "half": _scaled(shipped, 0.5), "eta 0.02": _xgboost(seed, eta=0.02),
+            "reg 20": _xgboost(seed, **{"lambda": 20.0, "min_child_weight": 20.0}), "depth 2": _xgboost(seed, max_depth=2),
+            "60 rounds": _xgboost(seed, rounds=60), "per-job wt": _xgboost(seed, weights="job")}
 
-    params = {**BoosterParams(seed=seed).xgboost(), "objective": "rank:pairwise"}
 
+def _scaled(learner: Learner, factor: float) -> Learner:
+    """``learner``'s correction times ``factor``: a prediction between the analytic model's and the learned one."""
     def learn(x: np.ndarray, y: np.ndarray, jobs: np.ndarray, noise: np.ndarray, test: np.ndarray) -> np.ndarray:
-        import xgboost
-        order = np.argsort(jobs, kind="stable")
-        booster = xgboost.train(params, xgboost.DMatrix(x[order], label=-y[order], qid=jobs[order]), 200)
-        fitted = _centered(-booster.predict(xgboost.DMatrix(x)), jobs)
-        scale = float(fitted @ y / max(fitted @ fitted, 1e-12))
-        return -scale * booster.predict(xgboost.DMatrix(test))
+        return factor * learner(x, y, jobs, noise, test)
     return learn
 
 
-def _ridge(x: np.ndarray, y: np.ndarray, jobs: np.ndarray, noise: np.ndarray, test: np.ndarray) -> np.ndarray:
-    """Least squares on the within-job centered, standardized features, a small ridge."""
-    centered = np.stack([_centered(column, jobs) for column in x.T.astype(float)], axis=1)
-    spread = centered.std(axis=0)
-    spread[spread < 1e-9] = np.inf
-    z = centered / spread
-    w = np.linalg.solve(z.T @ z + 1e-2 * len(z) * np.eye(z.shape[1]), z.T @ y) / spread
-    return test.astype(float) @ w
+def selection_loss(metrics: object) -> float:
+    """What the inner validation minimizes: the three targets' shortfalls added, each a fraction
+    (1 - pairwise accuracy, top-1 regret, MAPE within a job)."""
+    return (1.0 - metrics.pairwise) + metrics.top1_regret + metrics.mape_job
 
 
-def _variants(seed: int) -> dict[str, Learner]:
-    return {"analytic": lambda x, y, jobs, noise, test: np.zeros(len(test)),
-            "shipped": _xgboost(seed), "rank:pairwise": _ranker(seed),
-            "pseudo-Huber": _xgboost(seed, objective="reg:pseudohubererror", huber_slope=0.3),
-            "per-job wt": _xgboost(seed, weights="job"), "noise wt": _xgboost(seed, weights="noise"),
-            "depth 2": _xgboost(seed, max_depth=2), "depth 6": _xgboost(seed, max_depth=6),
-            "60 rounds": _xgboost(seed, rounds=60), "500 rounds": _xgboost(seed, rounds=500), "ridge": _ridge}
+
+def _select(samples: list, split: str, name_out: str, frame: tuple, variants: dict[str, Learner]) -> str:
+    """The variant with the least ``selection_loss`` over an inner leave-one-family-out of the
+    training families alone (``name_out``'s trials never seen: not in any inner fit or score)."""
+    from hybridsync.model.evaluate import family_of, held_out_name, summarize
+
+    outer = np.array([held_out_name(s, split) == name_out for s in samples])
+    inner = sorted({family_of(s.model) for s, o in zip(samples, outer) if not o})
+    rows = []
+    for name, learner in variants.items():
+        for family in inner:
+            test = np.array([family_of(s.model) == family for s in samples]) & ~outer
+            rows.append(_score_mask(samples, name, "inner", family, frame, learner, train=~outer & ~test, test=test))
+    pooled = {row.kind: selection_loss(row.metrics) for row in summarize(rows, key=lambda r: r.kind)}
+    return min(pooled, key=pooled.get)
 
 
 def _centered(values: np.ndarray, jobs: np.ndarray) -> np.ndarray:
@@ -183,17 +231,26 @@ def _jobs(samples: list) -> tuple[np.ndarray, np.ndarray]:
     return np.array([index[key] for key in keys]), noise
 
 
-def _score(samples: list, variant: str, family: str, frame: tuple, learner: Learner, *, in_sample: bool = False):
-    """``learner`` fit on the other families' trials (``in_sample``: on every trial), scored on ``family``'s."""
-    from hybridsync.model.evaluate import Row, family_of, group_key, is_control
+def _score(samples: list, variant: str, split: str, name_out: str, frame: tuple, learner: Learner, *,
+           in_sample: bool = False):
+    """``learner`` fit on the trials outside ``name_out`` (``in_sample``: on every trial), scored on ``name_out``'s."""
+    from hybridsync.model.evaluate import held_out_name
+
+    test = np.array([held_out_name(s, split) == name_out for s in samples])
+    train = np.ones(len(samples), bool) if in_sample else ~test
+    return _score_mask(samples, variant, split, name_out, frame, learner, train=train, test=test)
+
+
+def _score_mask(samples: list, variant: str, split: str, name_out: str, frame: tuple, learner: Learner, *,
+                train: np.ndarray, test: np.ndarray):
+    """``learner`` fit on the ``train`` trials, scored on the ``test`` trials (boolean masks), within jobs."""
+    from hybridsync.model.evaluate import Row, group_key, is_control
 
     features, target, log_analytic = frame
     jobs, noise = _jobs(samples)
-    test = np.array([family_of(s.model) == family for s in samples])
-    train = np.ones(len(samples), bool) if in_sample else ~test
     correction = learner(features[train], target[train], jobs[train], noise[train], features[test])
     held = [s for s, t in zip(samples, test) if t]
-    return Row.of(kind=variant, split="family", held_out=family, train_trials=int(train.sum()),
+    return Row.of(kind=variant, split=split, held_out=name_out, train_trials=int(train.sum()),
                   predicted=np.exp(log_analytic[test] + correction), measured=np.array([s.step_s for s in held]),
                   groups=[group_key(s) for s in held], timed_steps=[s.timed_steps for s in held],
                   noise=[s.noise_s for s in held], controls=[is_control(s.kind) for s in held])

@@ -16,7 +16,7 @@ import pytest
 from conftest import reprofiled
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync import baselines
-from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming, load_description
+from hybridsync.description import ComputeTiming, ModelDescription, VariableTiming, load_description, parse_description
 from hybridsync.model.analytic import (CostConstants, analytic_terms, fit_constants, job_residuals, message_costs,
                                        reference_terms)
 from hybridsync.model.encoding import PS, PS_ASYNC, StrategyBatch, from_strategies, model_arrays, units
@@ -435,6 +435,22 @@ def test_the_shipped_simulator_loads_and_predicts(tmp_path):
     assert score(predicted, np.array([s.step_s for s in samples]), [group_key(s) for s in samples]).pairwise > 0.75
 
 
+def test_the_shipped_simulator_is_fit_on_the_trials_the_runtime_still_runs(tmp_path):
+    """``benchmarks/simulator.py --save`` fits on every trial of the shipped dataset but those a later
+    runtime revision outdates (``trials.revisions``: the 4 x 1 hierarchical baselines measured on the
+    per-variable backend): the shipped fit must be that one, not one that learned costs no longer run."""
+    from hybridsync.model.simulator import samples_from_records
+    from hybridsync.trials.revisions import current
+
+    with TrialStore(str(tmp_path / "shipped.db")) as store:
+        store.import_jsonl(Path(__file__).parents[1] / "data" / "trials.jsonl.gz")
+        records = store.trials(status="ok")
+        descriptions = {did: parse_description(entry["doc"]) for did, entry in store.descriptions().items()}
+    kept, dropped = current(records)
+    assert dropped, "the shipped dataset holds outdated trials: this test checks they stay out of the fit"
+    assert shipped_simulator().meta["samples"] == len(samples_from_records(records, descriptions)) < len(records)
+
+
 def test_the_shipped_simulator_prices_a_fused_buffer_in_stages_below_one_message():
     """resnet on the 2 x 2 cluster at 250 Mbit/s: the fused fp16 hierarchical buffer cut into four
     messages by backward order measured 1.24x faster than the whole buffer (the fp16 twin of
@@ -661,3 +677,24 @@ def test_repair_clears_rows_wherever_it_cannot_hold():
     assert repaired.rows[5].tolist() == [False, False, False, False, False, False]
     for i in range(n):  # every repaired candidate is a valid strategy of the model
         repaired.to_strategy(i, arrays.names).validate_for(variables)
+
+
+def test_the_variants_study_scores_the_shipped_learner_as_the_simulator_predicts():
+    """``benchmarks/simulator_variants.py``'s ``shipped`` row is ``Simulator(kind="both")`` held out
+    the same way, the training descriptions' compute factors included: it used to fit its trees on
+    rows priced at every description's profile (factor 1), a learner the shipped fit is not."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import simulator_variants as study
+
+    samples = [s for s in generated_like(per_model=8) if s.model in ("gen-mlp-0", "gen-recsys-0", "gen-cnn-0")]
+    args = argparse.Namespace(calibrations="", cores=2, seed=0, split="family")
+    row = study._score(samples, "shipped", "family", "mlp", study._Fold(samples, args).frame("mlp"),
+                       study._xgboost(0, rounds=20))
+    simulator = Simulator(kind="both", constants=CostConstants(cores=2), params=BoosterParams(rounds=20)).fit(
+        [s for s in samples if family_of(s.model) != "mlp"])
+    assert max(abs(np.log(f)) for f in simulator.compute_factors.values()) > 0.01  # the factors matter here
+    expected = predict_samples(simulator, [s for s in samples if family_of(s.model) == "mlp"])
+    np.testing.assert_allclose(row.predicted, expected, rtol=1e-4)
