@@ -335,9 +335,9 @@ def unknown_variable_errors(named: Iterable[str], known: Iterable[str]) -> list[
     ``_orig_mod.``, ``DataParallel``'s ``module.``) or a near spelling. When the strategy names none of
     the model's variables and no line found a match, one more line shows the model's own names: the
     strategy was made for another model."""
-    known = sorted(known)
-    named = sorted(named)
-    unknown = [name for name in named if name not in known]
+    known, named = sorted(known), sorted(named)
+    known_set = set(known)
+    unknown = [name for name in named if name not in known_set]
     meant = {name: _meant(name, known) for name in unknown}
     errors = [f"variable {name!r} is not in the model" + (f"; did you mean {meant[name]!r}?" if meant[name] else "")
               for name in unknown]
