@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -26,15 +27,17 @@ WORKERS = REPO / "tests" / "workers"
 BIN = Path(sys.executable).parent
 
 
+IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+"""Whether this process can build the emulated cluster (network namespaces and tc: root and iproute2)."""
+
+
 def emulated_marks(timeout_s: float) -> list:
     """The marks of an emulated-cluster test module: the ``emulated`` tier, skipped without root,
     ``ip`` and ``tc`` (network namespaces) or without Horovod, and a ``timeout_s`` backstop (every
     process the tests start has its own, shorter, bound)."""
     import importlib.util
-    import shutil
-    is_root = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
     return [pytest.mark.emulated,
-            pytest.mark.skipif(not is_root, reason="network namespaces and tc need root and iproute2"),
+            pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2"),
             pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed"),
             pytest.mark.timeout(timeout_s)]
 

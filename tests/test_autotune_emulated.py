@@ -4,16 +4,13 @@ training with the winner. Needs root; skips cleanly without it. No namespace may
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import sys
 
 import pytest
 
-from conftest import REPO, cluster_tags, run_job, small_autotune
+from conftest import IS_ROOT, REPO, cluster_tags, run_job, small_autotune
 
-IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 pytestmark = [pytest.mark.emulated,
               pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")]
 

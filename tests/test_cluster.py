@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import IS_ROOT, wait_for
 from hybridsync.cluster.spec import ClusterSpec, parse_bandwidth
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "tests" / "workers" / "probe.py"
-IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")
 needs_horovod = pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed")
 

@@ -20,7 +20,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -32,7 +31,7 @@ from typing import Callable
 import pytest
 import torch
 
-from conftest import BIN, REPO, WORKERS, launcher_argv, run_job, wait_for
+from conftest import BIN, IS_ROOT, REPO, WORKERS, launcher_argv, run_job, wait_for
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.router.plan import build_plan
 from hybridsync.run import procs
@@ -276,7 +275,6 @@ def test_grows_into_a_world_where_the_hierarchical_route_runs(tmp_path):
 
 # --- emulated: two hosts behind a shaped link -----------------------------------------------------
 
-IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
 
 @pytest.mark.emulated

@@ -17,7 +17,6 @@ timeout and killed by pid (``Job.wait``, cluster teardown); each test checks
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -28,18 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SERVER_LINES, unexpected_lines, wait_for
+from conftest import SERVER_LINES, emulated_marks, unexpected_lines, wait_for
 from hybridsync.cluster.spec import ClusterSpec
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
-IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
-pytestmark = [
-    pytest.mark.emulated,
-    pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2"),
-    pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed"),
-    pytest.mark.timeout(180),  # a backstop; every process below has its own bound
-]
+pytestmark = emulated_marks(180)  # a backstop; every process below has its own bound
 
 SPEC = ClusterSpec(nodes=2, workers_per_node=2, inter_node_bandwidth="1gbit", servers_per_node=1)
 EQUIVALENCE_CASES = ["default", "hierarchical", "hierarchical_mixed_with_ring", "ps_hierarchical_ring_mixed"]

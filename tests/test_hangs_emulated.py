@@ -7,10 +7,8 @@ by pid-free prefix cleanup (``remove_leftovers``) whatever happens.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,17 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import BIN, REPO, WORKERS, wait_for
+from conftest import BIN, REPO, WORKERS, emulated_marks, wait_for
 from hybridsync.cluster.netns import NAMESPACE_PREFIX, namespace_pids, remove_leftovers
 from hybridsync.run import procs
 
-IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
-pytestmark = [
-    pytest.mark.emulated,
-    pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2"),
-    pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod not installed"),
-    pytest.mark.timeout(300),  # a backstop; every process below has its own bound
-]
+pytestmark = emulated_marks(300)  # a backstop; every process below has its own bound
 
 SPEC = REPO / "horovodrun_configs" / "cluster_2x2_1gbit.yaml"
 WORKER = WORKERS / "out_of_step.py"

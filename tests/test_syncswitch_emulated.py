@@ -11,16 +11,15 @@ Needs root (namespaces, tc, cgroups); skips cleanly without it.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
+from conftest import IS_ROOT
 from hybridsync.cluster.spec import ClusterSpec
 
-IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 pytestmark = [pytest.mark.emulated,
               pytest.mark.skipif(not IS_ROOT, reason="network namespaces, tc and cgroups need root"),
               pytest.mark.timeout(120)]

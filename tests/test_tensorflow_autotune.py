@@ -5,17 +5,14 @@ then trains with the winner. Needs root; skips cleanly without it."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import sys
 
 import pytest
 
-from conftest import run_job, small_autotune
+from conftest import IS_ROOT, run_job, small_autotune
 
 pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (scripts/bootstrap.sh installs it)")
-IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 pytestmark = [pytest.mark.emulated,
               pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")]
 

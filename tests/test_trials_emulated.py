@@ -6,15 +6,12 @@ bounded by a timeout; afterwards no namespace of ours may be left.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 
 import pytest
 
-from conftest import BIN, cluster_tags, run_job
+from conftest import BIN, IS_ROOT, cluster_tags, run_job
 
-IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 pytestmark = [pytest.mark.emulated,
               pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")]
 
