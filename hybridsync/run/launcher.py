@@ -639,19 +639,8 @@ def _stop_servers(servers: list[subprocess.Popen], grace_s: float, env: dict[str
     that started every server): asked only while it runs, and only once the servers had
     ``SERVERS_SETTLE_S`` to exit."""
     deadline = time.monotonic() + grace_s
-    settled = _wait_all(servers, time.monotonic() + min(grace_s, SERVERS_SETTLE_S))
+    settled = procs.wait_all(servers, time.monotonic() + min(grace_s, SERVERS_SETTLE_S))
     if not settled and servers[0].poll() is None and not any_worker_joined(env):
         deadline = 0.0
-    _wait_all(servers, deadline)
+    procs.wait_all(servers, deadline)
     procs.stop_all(servers)
-
-
-def _wait_all(processes: Sequence[subprocess.Popen], deadline: float) -> bool:
-    """Wait until every one of ``processes`` has exited or ``time.monotonic()`` passes ``deadline``;
-    whether they all exited."""
-    for proc in processes:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return False
-    return True

@@ -58,12 +58,19 @@ def stop_all(processes: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
             time.sleep(0.05)
     for proc in processes:
         _signal_group(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + grace
+    wait_all(processes, time.monotonic() + grace)
+
+
+def wait_all(processes: Sequence[subprocess.Popen], deadline: float) -> bool:
+    """Wait until every one of ``processes`` has exited or ``time.monotonic()`` passes ``deadline``
+    (past it, each is still polled, so that the exited ones are reaped); whether they all exited."""
+    exited = True
     for proc in processes:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pass
+            exited = False
+    return exited
 
 
 def _signal_group(pgid: int, sig: int) -> None:
