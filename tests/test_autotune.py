@@ -7,15 +7,17 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import BIN, REPO, launcher_argv, run_job
+from conftest import BIN, IS_ROOT, REPO, launcher_argv, run_job
 from hybridsync.autotune.loop import AutotuneResult, AutotuneSettings, TrialOutcome
 from hybridsync.autotune.report import markdown, to_dict, write_report
 from hybridsync.autotune.result import RESOLVED_P
 from hybridsync.cli import main
+from hybridsync.cluster.netns import NETEM_MISSING, leftovers, netem_available
 from hybridsync.cluster.spec import ClusterSpec
 from hybridsync.run.config import load_run_config
 from hybridsync.run.launcher import split_argv
@@ -694,6 +696,38 @@ def test_autotune_refuses_a_cluster_spec_it_cannot_use_before_profiling(tmp_path
     err = capsys.readouterr().err
     assert code == 2 and "profiling" not in err and "Traceback" not in err, err
     assert err.startswith("hybridsync-run: error: ") and message.format(spec=path) in err, err
+
+
+@pytest.mark.emulated
+@pytest.mark.skipif(not IS_ROOT, reason="network namespaces and tc need root and iproute2")
+@pytest.mark.parametrize("spec, message", [
+    ("nodes: 2\nworkers_per_node: 2\ninter_node_bandwidth: 1gbit\ninter_node_latency_ms: 5\n", NETEM_MISSING),
+    ("nodes: 40\nworkers_per_node: 2\ninter_node_bandwidth: 1gbit\n", "an emulated cluster of 80 processes"),
+])
+@pytest.mark.parametrize("command", ["hybridsync-run", "hybridsync search"])
+def test_a_spec_this_machine_cannot_emulate_is_refused_before_profiling(tmp_path, capsys, spec, message, command):
+    """Latency on a kernel without netem, or more ranks than this machine's cores can run as a cluster,
+    were refused only when the emulated cluster was built, after the profile (19 s); now in a second."""
+    from hybridsync.cli import run_main
+    if message == NETEM_MISSING and netem_available():
+        pytest.skip("this kernel has netem: such a spec is emulated")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(spec)
+    workers = str(ClusterSpec.from_yaml(path).num_workers)
+    started = time.monotonic()
+    if command == "hybridsync-run":
+        code = run_main(["--autotune", "--cluster", str(path), "--autotune-report", str(tmp_path / "report"),
+                         "--store", f"sqlite:///{tmp_path / 'trials.db'}", "-np", workers, "python",
+                         str(tmp_path / "never_run.py")])
+    else:
+        code = main(["search", "--model", str(tmp_path / "never_profiled.json"), "--cluster", str(path),
+                     "--trials", "10", "--output", str(tmp_path / "strategy.json"), "--", "python",
+                     str(tmp_path / "never_run.py")])
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 2 and "profiling" not in err and "Traceback" not in err, err
+    assert message in err and took < 10, (took, err)
+    assert leftovers("hs-netem-") == []
 
 
 @pytest.mark.unit

@@ -247,25 +247,13 @@ def test_shaped_link_delivers_its_rate_both_ways() -> None:
     assert leftovers(cluster.prefix) == []
 
 
-def kernel_has_netem() -> bool:
-    """Whether this kernel takes a netem qdisc, asked in a scratch namespace of our own."""
-    namespace = f"hsprobe-netem-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", namespace], check=True, timeout=30)
-    try:
-        probe = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
-                               capture_output=True, text=True, timeout=30)
-        return probe.returncode == 0
-    finally:
-        subprocess.run(["ip", "netns", "delete", namespace], check=True, timeout=30)
-
-
 @needs_root
 @pytest.mark.emulated
 def test_latency_is_shaped_where_the_kernel_has_netem_and_a_clear_error_where_not() -> None:
-    from hybridsync.cluster.netns import EmulatedCluster, leftovers, sh
+    from hybridsync.cluster.netns import EmulatedCluster, leftovers, netem_available, sh
 
     cluster = EmulatedCluster(small_spec(inter_node_latency_ms=1.0))
-    if kernel_has_netem():
+    if netem_available():
         with cluster:
             uplink = sh(["tc", "-n", cluster.namespaces[0], "qdisc", "show", "dev", "eth0"])
         assert "netem" in uplink and "delay" in uplink, uplink

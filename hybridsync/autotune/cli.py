@@ -17,8 +17,8 @@ import argparse
 import os
 from typing import Any
 
-from hybridsync.autotune.session import (autotune, load_cluster, load_or_profile, load_simulator, trial_target,
-                                         workload_for)
+from hybridsync.autotune.session import (autotune, check_emulated_target, load_cluster, load_or_profile,
+                                         load_simulator, trial_target, workload_for)
 from hybridsync.trials.store import DEFAULT_STORE
 
 DEFAULT_SEARCH_BUDGET = 20_000
@@ -81,6 +81,8 @@ def _seconds_or_none(text: str) -> float | None:
 def _search(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     command = [word for word in args.command if word != "--"] if args.command else []
+    if args.trials > 0 and not (args.hosts or args.hostfile):
+        check_emulated_target(cluster)
     description = load_or_profile(args.model)
     if args.trials <= 0:
         if command or args.hosts or args.hostfile:

@@ -85,7 +85,7 @@ def _run(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> int:
 def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
     """Flags over the config's ``hybridsync:`` section; ``ValueError`` for what cannot work."""
     from hybridsync.autotune.loop import AutotuneSettings, check_cluster
-    from hybridsync.autotune.session import load_cluster
+    from hybridsync.autotune.session import check_emulated_target, load_cluster
     from hybridsync.run.config import RunConfig, load_run_config
     from hybridsync.trials.store import DEFAULT_STORE
     job = horovodrun_job(horovodrun_argv)
@@ -104,6 +104,8 @@ def _plan(options: LaunchOptions, horovodrun_argv: Sequence[str]) -> _Plan:
     if job.hosts_arg is not None or job.hostfile is not None:
         from hybridsync.trials.jobs import check_hosts_fit
         check_hosts_fit(cluster, hosts=job.hosts_arg, hostfile=job.hostfile)
+    else:
+        check_emulated_target(cluster)
     settings = AutotuneSettings(trial_budget=options.trial_budget or tune.get("trial_budget", DEFAULT_TRIAL_BUDGET),
                                 per_round=tune.get("per_round", AutotuneSettings.per_round),
                                 search_budget=tune.get("search_budget", AutotuneSettings.search_budget),

@@ -62,10 +62,19 @@ def trial_target(cluster: Any, *, hosts: str | None = None, hostfile: str | None
     from hybridsync.trials.jobs import EmulatedTarget, HostsTarget
     if hosts or hostfile:
         return HostsTarget(cluster, hosts=hosts, hostfile=hostfile)
+    check_emulated_target(cluster)
+    return EmulatedTarget(cluster)
+
+
+def check_emulated_target(cluster: Any) -> None:
+    """``ValueError`` if the trials cannot run on ``cluster`` emulated here (not root, too large for
+    this machine, latency without the kernel's netem): asked before the profile, so the user hears it
+    in a second, not after it."""
     if os.geteuid() != 0:
         raise ValueError("trials on the emulated cluster need root (network namespaces); run as root, or measure "
                          "on real hosts with -H/--hostfile")
-    return EmulatedTarget(cluster)
+    from hybridsync.cluster.netns import check_can_emulate
+    check_can_emulate(cluster)
 
 
 def workload_for(model: str | None, command: Sequence[str]) -> Any:

@@ -46,7 +46,7 @@ from hybridsync.cluster.hostops import (  # re-exported: the cluster API in one 
 )
 from hybridsync.cluster.spec import SUBNET_MASK_BITS, ClusterSpec
 
-__all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "check_fits_machine", "host_cpus", "kill_pids",
+__all__ = ["EmulatedCluster", "NODE_IFACE", "NAMESPACE_PREFIX", "check_can_emulate", "check_fits_machine", "host_cpus", "kill_pids",
            "leftovers", "list_namespaces", "namespace_pids", "remove_leftovers", "require_root", "sh", "tbf_args"]
 
 NODE_IFACE = "eth0"
@@ -90,6 +90,51 @@ def check_fits_machine(spec: ClusterSpec, cores: int) -> None:
             f"+ {spec.servers_per_node} servers)) on {cores} cores is over {per_core} per core: its step times "
             f"would measure the cores, not the links. Emulate a smaller cluster (the search and the simulator "
             f"take the full spec), or set {envvars.EMULATED_PROCESSES_PER_CORE} higher (0: no bound)")
+
+
+NETEM_MISSING = ("inter_node_latency_ms > 0 needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this "
+                 "kernel lacks; set inter_node_latency_ms: 0")
+
+
+def check_can_emulate(spec: ClusterSpec) -> None:
+    """``ValueError`` naming what would stop ``spec`` from being emulated on this machine, checked in
+    well under a second, before anything slow (a profile, minutes of trials) runs: root and iproute2,
+    the spec's size against this machine's cores (``check_fits_machine``), and, when the spec adds
+    latency, the kernel's netem qdisc. Before, a spec with latency on a kernel without netem was
+    refused only when the cluster was built, after the profile (19 s)."""
+    try:
+        require_root()
+    except (PermissionError, RuntimeError) as error:
+        raise ValueError(str(error)) from error
+    check_fits_machine(spec, len(os.sched_getaffinity(0)))
+    if spec.inter_node_latency_ms > 0 and not netem_available():
+        raise ValueError(NETEM_MISSING)
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc: tried on the loopback of a namespace of our own (its
+    name has ``NAMESPACE_PREFIX``, so ``remove_leftovers`` finds it should this process die in between)."""
+    probe = f"{NAMESPACE_PREFIX}netem-{os.getpid()}"
+    sh(["ip", "netns", "add", probe])
+    try:
+        _add_netem(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "handle", "1:"], 1.0)
+        return True
+    except RuntimeError as error:
+        if str(error) == NETEM_MISSING:
+            return False
+        raise
+    finally:
+        delete_namespace(probe)
+
+
+def _add_netem(tc_add: Sequence[str], delay_ms: float) -> None:
+    """``tc_add`` a netem qdisc of ``delay_ms``; ``NETEM_MISSING`` where the kernel has none."""
+    try:
+        sh([*tc_add, "netem", "delay", f"{delay_ms}ms", "limit", "100000"])
+    except RuntimeError as error:
+        if "unknown" in str(error).lower():
+            raise RuntimeError(NETEM_MISSING) from error
+        raise
 
 
 class EmulatedCluster:
@@ -243,15 +288,7 @@ class EmulatedCluster:
         if delay_ms <= 0:
             sh([*tc, "root", "handle", "1:", *rate])
             return
-        try:  # netem delays, then tbf (its child) paces: the recipe from tc-netem(8)
-            sh([*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms", "limit", "100000"])
-        except RuntimeError as error:
-            if "unknown" in str(error).lower():
-                raise RuntimeError(
-                    "inter_node_latency_ms > 0 needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), "
-                    "which this kernel lacks; set inter_node_latency_ms: 0"
-                ) from error
-            raise
+        _add_netem([*tc, "root", "handle", "1:"], delay_ms)  # netem delays, then tbf (its child) paces: tc-netem(8)
         sh([*tc, "parent", "1:1", "handle", "10:", *rate])
 
     # -- running processes -----------------------------------------------------------------
