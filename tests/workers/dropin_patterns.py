@@ -340,6 +340,35 @@ def lbfgs_closure(make) -> nn.Module:
     return run(model, lambda base, m, **o: make(torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=3), m, **o), loop)
 
 
+def weight_norm_parametrized(make) -> nn.Module:
+    """``torch.nn.utils.parametrizations.weight_norm`` on two layers: their weights are
+    ``parametrizations.weight.original0``/``original1`` (magnitude and direction), recomputed each forward."""
+    model = Experts()
+    for layer in (model.fc1, model.experts[1]):
+        nn.utils.parametrizations.weight_norm(layer)
+    return run(model, make, plain_loop)
+
+
+class Recurrent(nn.Module):
+    """An LSTM over a short sequence, multi-head self-attention on its outputs, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.attention = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(x.view(x.shape[0], 2, 4).repeat(1, 1, 2))
+        h, _ = self.attention(h, h, h)
+        return self.head(h.mean(dim=1))
+
+
+def lstm_attention(make) -> nn.Module:
+    """``nn.LSTM`` (weights ``weight_ih_l0`` ...) and ``nn.MultiheadAttention`` (``in_proj_weight``)."""
+    return run(Recurrent(), make, plain_loop)
+
+
 def run(model: nn.Module, make, loop, after_broadcast: Callable[[nn.Module], Any] | None = None,
         **options) -> nn.Module:
     """Train ``model`` from the same start on every rank (Horovod's broadcast needs contiguous
@@ -362,7 +391,8 @@ CASES = {f.__name__: f for f in (moe_by_rank, layer_on_rank0_only, freeze_unfree
                                  keep_zeroed_grads, autograd_grad,
                                  retain_graph_twice, checkpoint_resume, data_parallel_wrapped, channels_last,
                                  float64_model, bfloat16_model, half_model, mixed_dtypes, zero_element_parameter,
-                                 compiled_model, grad_scaler_clipping, lbfgs_closure)}
+                                 compiled_model, grad_scaler_clipping, lbfgs_closure, weight_norm_parametrized,
+                                 lstm_attention)}
 
 
 def maker(kind: str):
