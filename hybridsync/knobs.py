@@ -20,6 +20,7 @@ Pure data: no numpy, no torch.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Callable, Literal, Mapping
 
 ROUTE_NAMES: tuple[str, ...] = ("allreduce", "ps")
@@ -147,6 +148,16 @@ def keys_for(route: str) -> tuple[str, ...]:
     return tuple(knob.name for knob in KNOBS if route in knob.routes)
 
 
+def _key_hint(key: str, route: str) -> str:
+    """What a key the route does not take most likely meant: another route's key (``algorithm`` on the
+    PS route), or a near spelling of one of the route's own (``partitons``)."""
+    knob = BY_NAME.get(key)
+    if knob is not None:
+        return f"; {key!r} is a key of route {' and '.join(knob.routes)}"
+    close = difflib.get_close_matches(str(key), sorted(keys_for(route)), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def config_errors(given: Mapping[str, Any]) -> list[str]:
     """Every problem with one variable's config, one message each.
 
@@ -162,7 +173,8 @@ def config_errors(given: Mapping[str, Any]) -> list[str]:
     for key, value in given.items():
         knob = BY_NAME.get(key)
         if knob is None or route not in knob.routes:
-            errors.append(f"unknown key {key!r} for route {route!r} (allowed: {', '.join(sorted(keys_for(route)))})")
+            errors.append(f"unknown key {key!r} for route {route!r} (allowed: {', '.join(sorted(keys_for(route)))})"
+                          + _key_hint(key, route))
         elif key != "route":
             errors += knob.value_errors(value, values["partitions"])
     for knob in KNOBS:

@@ -75,6 +75,19 @@ def test_every_culprit_is_named():
         assert needle in message
 
 
+def test_a_key_the_route_does_not_take_is_told_what_it_meant():
+    """A near spelling of the route's own key, or another route's key: the line says which."""
+    doc = {"default": {"route": "ps", "algorithm": "ring"},
+           "variables": {"a": {"route": "allreduce", "partitons": 2}, "b": {"route": "ps", "xyz": 1}}}
+    with pytest.raises(ValueError) as info:
+        Strategy.from_dict(doc)
+    lines = str(info.value).splitlines()
+    assert any(line.endswith("'algorithm' is a key of route allreduce") for line in lines), lines
+    assert any("'a': unknown key 'partitons'" in line and line.endswith("did you mean 'partitions'?")
+               for line in lines), lines
+    assert any("'b': unknown key 'xyz'" in line and line.endswith("staleness)") for line in lines), lines
+
+
 def test_validation_against_model_names_every_culprit():
     doc = {"variables": {"ghost": {"route": "allreduce"}, "fc1.bias": {"route": "allreduce", "partitions": 65},
                          "scale": {"route": "allreduce", "partitions": 2},
