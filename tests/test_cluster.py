@@ -75,7 +75,7 @@ def test_spec_reports_every_bad_field_at_once(tmp_path: Path) -> None:
         ClusterSpec.from_yaml(path)
     message = str(info.value)
     for culprit in ("bad.yaml", "nodes", "workers_per_node", "inter_node_bandwidth",
-                    "inter_node_latency_ms", "servers_per_node", "unknown key 'bandwith'"):
+                    "inter_node_latency_ms", "servers_per_node", "unknown key 'bandwith' (known: nodes, workers_per_node, inter_node_bandwidth"):
         assert culprit in message
 
 

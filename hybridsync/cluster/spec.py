@@ -81,7 +81,8 @@ class ClusterSpec:
             raise ValueError(f"cluster spec must be a mapping, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
-        errors = [f"unknown key {key!r}" for key in sorted(set(data) - known, key=str)]
+        errors = [f"unknown key {key!r} (known: {', '.join(f.name for f in dataclasses.fields(cls))})"
+                  for key in sorted(set(data) - known, key=str)]
         errors += [f"missing required key {key!r}" for key in sorted(required - set(data))]
         errors += _field_errors({k: v for k, v in data.items() if k in known})
         if errors:
