@@ -14,10 +14,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from hybridsync import failure_notes
 from hybridsync.frameworks import HOROVOD_PROCESS_FUNCTIONS, HOROVOD_TORCH_FUNCTIONS, Average, Sum, horovod_torch
 from hybridsync.strategy import Strategy, VarConfig
 from hybridsync.version import __version__
 
+failure_notes.install()  # under hybridsync-run: an uncaught exception is noted, to name the rank that failed
 _HOROVOD_FUNCTIONS = HOROVOD_PROCESS_FUNCTIONS | HOROVOD_TORCH_FUNCTIONS
 _LAZY = {
     "DistributedOptimizer": "hybridsync.optimizer",

@@ -47,6 +47,9 @@ TF_OVERLAP_BYTES = "HYBRIDSYNC_TF_OVERLAP_BYTES"
 """TensorFlow graphs on the bridge: bytes of gradients per group handed to the runtime while the
 backward pass runs (default ``TF_OVERLAP_BYTES_DEFAULT``); 0 hands them all over after it, at once."""
 TF_OVERLAP_BYTES_DEFAULT = 1 << 20
+FAILURE_NOTES = "HYBRIDSYNC_FAILURE_NOTES"
+"""Folder where each rank notes its uncaught exception, so that ``hybridsync-run`` names the rank whose
+error ended a failed job (``hybridsync.failure_notes``); ``hybridsync-run`` sets it, for this host's ranks."""
 PROFILE = "HYBRIDSYNC_PROFILE"
 """Path: profile this single-process job's first ``DistributedOptimizer``, write the model description, exit 0."""
 PROFILE_STEPS = "HYBRIDSYNC_PROFILE_STEPS"

@@ -25,8 +25,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import sys
+import tempfile
 from typing import Any, Callable, Iterator, Sequence
+
+from hybridsync import envvars
+from hybridsync.failure_notes import FailureNote, first_failure
 
 TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
 CHECK_ENVIRONMENT = {TF_LOG_LEVEL: "1", "TF_ENABLE_ONEDNN_OPTS": "0"}
@@ -130,7 +135,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def exec_mpirun_in_place(execve: Callable[..., Any] = os.execve) -> Callable[..., Any]:
+def exec_mpirun_in_place(execve: Callable[..., Any] = os.execve, *,
+                         before: Callable[[], None] | None = None) -> Callable[..., Any]:
     """``os.execve`` for horovodrun's last act on the MPI path, ``/bin/sh -c "<mpirun ...>"``, as
     ``/bin/sh -c "exec <mpirun ...>"``: the shell replaces itself with mpirun.
 
@@ -138,8 +144,11 @@ def exec_mpirun_in_place(execve: Callable[..., Any] = os.execve) -> Callable[...
     killed with SIGKILL took the shell with it (``procs.start`` arms the signal) and left mpirun and
     its ranks training on, orphaned. In place, mpirun keeps this process's pid, session and that
     signal, and on SIGTERM stops its ranks and removes their ``/dev/shm`` segments. A command that
-    starts with a variable assignment (``exec`` would take it for the program) is left as it is."""
+    starts with a variable assignment (``exec`` would take it for the program) is left as it is.
+    ``before`` runs first: this process's clean-up, since nothing of it runs after the exec."""
     def in_place(path: str, argv: Sequence[str], env: Any) -> Any:
+        if before is not None:
+            before()
         argv = list(argv)
         if (path == "/bin/sh" and len(argv) == 3 and argv[1] == "-c" and argv[2].split()
                 and "=" not in argv[2].split()[0]):
@@ -154,31 +163,40 @@ _RANK_FAILED = re.compile(r"^Horovod detected that one or more processes exited 
 process name is the rank's index in its host plan, that is its rank)."""
 
 
-def rank_failure(error: BaseException) -> str | None:
+def rank_failure(error: BaseException, cause: FailureNote | None = None) -> str | None:
     """One line for horovodrun's verdict on a failed rank, or ``None`` for any other error. Raised
     out of ``run_commandline``, that verdict printed a 20-line traceback of horovodrun's internals
-    after the ranks' own output, which already says what went wrong."""
+    after the ranks' own output, which already says what went wrong. ``cause``, the error a rank
+    noted (``hybridsync.failure_notes``), is named instead of the first rank to exit, which is
+    usually one that only followed it."""
     match = _RANK_FAILED.match(str(error)) if isinstance(error, RuntimeError) else None
     if match is None:
         return None
+    if cause is not None:
+        return (f"hybridsync-run: error: rank {cause.rank} failed: {cause.error}; horovodrun stopped the others "
+                "(the ranks' output above has the traceback)")
     return (f"hybridsync-run: error: rank {match['rank']} exited with status {match['code']}, the first to fail; "
             "horovodrun stopped the others (the ranks' output above says why)")
 
 
 def main() -> None:
-    """horovodrun's own entry point, after its build check ran quietly."""
+    """horovodrun's own entry point, after its build check ran quietly; its ranks note their errors."""
     check_build_quietly(sys.argv[1:])
     from horovod.runner.launch import run_commandline
     sys.argv[0] = "horovodrun"  # argparse's usage and error lines name the program
-    os.execve = exec_mpirun_in_place()  # horovodrun's last call on the MPI path; this process ends in it
+    notes = tempfile.mkdtemp(prefix="hybridsync-failures-")
+    os.environ[envvars.FAILURE_NOTES] = notes
+    os.execve = exec_mpirun_in_place(before=lambda: shutil.rmtree(notes, ignore_errors=True))
     try:
         status = run_commandline()
     except RuntimeError as error:
-        line = rank_failure(error)
+        line = rank_failure(error, first_failure(notes))
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)
         sys.exit(1)  # the status the traceback gave
+    finally:
+        shutil.rmtree(notes, ignore_errors=True)
     sys.exit(status)
 
 
