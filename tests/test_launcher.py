@@ -315,15 +315,17 @@ def test_servers_no_worker_joined_are_stopped_when_the_job_ends(tmp_path):
     proc = run_job(argv, timeout=120, env={"HYBRIDSYNC_TEST_TAG": tag})
     took = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert took < 45, f"the launcher waited its servers' grace: {took:.0f} s"
+    assert took < 45, f"the launcher waited its servers' grace: {took:.0f} s; its output:\n{proc.stdout[-4000:]}"
     assert "Traceback" not in proc.stdout, proc.stdout[-4000:]
 
-    def tagged(p: psutil.Process) -> bool:
+    def tagged(p: psutil.Process) -> list[str] | None:
+        """The command line of a process of this job (not one that exits meanwhile)."""
         try:
-            return p.environ().get("HYBRIDSYNC_TEST_TAG") == tag
+            return p.cmdline() if p.environ().get("HYBRIDSYNC_TEST_TAG") == tag else None
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return False
-    assert [p.cmdline() for p in psutil.process_iter() if tagged(p)] == []
+            return None
+    left = [command for command in map(tagged, psutil.process_iter()) if command is not None]
+    assert left == [], f"processes outlived the job: {left}; its output:\n{proc.stdout[-4000:]}"
 
 
 @pytest.mark.multiprocess
