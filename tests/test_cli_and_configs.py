@@ -300,3 +300,22 @@ def test_hybridsync_run_places_servers_with_the_workers_or_where_told():
     assert (options.server_hosts, options.num_servers) == (("a", "b"), 2)
     with pytest.raises(ValueError, match="--num-servers 3 but --server-hosts names 2"):
         split_argv(["--num-servers", "3", "--server-hosts", "a,b", "-np", "2", "python"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_trials_settle_is_a_flag_and_defaults_to_the_protocols(command):
+    """``trials run`` and ``trials sweep`` waited ``TrialProtocol.settle_s`` (6 s) in every job, with no
+    way to ask for less (a quick check, a test); ``--settle-s`` sets it, and unset leaves the
+    protocol's default. A negative wait is refused, as the protocol refuses it."""
+    from hybridsync.cli import build_parser
+    from hybridsync.trials.cli import trial_protocol
+    from hybridsync.trials.runner import TrialProtocol
+    inputs = (["--model", "ncf", "--cluster", "c.yaml"] if command == "run"
+              else ["--models", "ncf", "--clusters", "c.yaml"])
+    parse = build_parser().parse_args
+    assert trial_protocol(parse(["trials", command, *inputs])).settle_s == TrialProtocol().settle_s == 6.0
+    assert trial_protocol(parse(["trials", command, *inputs, "--settle-s", "0.5", "--steps", "3"])) == \
+        TrialProtocol(warmup_steps=10, timed_steps=3, trial_timeout_s=180.0, settle_s=0.5)
+    with pytest.raises(ValueError, match="settle_s >= 0"):
+        trial_protocol(parse(["trials", command, *inputs, "--settle-s", "-1"]))

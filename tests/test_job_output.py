@@ -123,15 +123,65 @@ def test_a_failed_rank_ends_in_one_line_not_horovodruns_traceback(tmp_path):
     """A training script that fails: its ranks' lines, Horovod's lines about the processes (the
     other rank stopped with SIGTERM if it was still running), then one line saying which rank
     failed first, exit status 1 (as before); no traceback of horovodrun's internals (it was 20
-    lines, ending in ``RuntimeError: Horovod detected...``)."""
-    script = "import os, sys; print('rank', os.environ['HOROVOD_RANK'], 'fails'); sys.exit(3)"
+    lines, ending in ``RuntimeError: Horovod detected...``). The rank's line is one ``print``
+    argument: ``print('rank', r, 'fails')`` writes it in five pieces (unbuffered, as horovodrun runs
+    ranks), and a rank stopped between two of them leaves a piece of it."""
+    script = "import os, sys; print(f\"rank {os.environ['HOROVOD_RANK']} fails\"); sys.exit(3)"
     proc = run_job([str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-c",
                     script], timeout=120)
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
-    assert unexpected_lines(proc.stdout, [r"rank \d fails", r"Process \d exit with status code (3|143)\.",
-                                          r"Terminating remaining workers after failure of Process \d\.",
-                                          r"Terminated",  # the other rank, if still running, is stopped (143)
-                                          r"hybridsync-run: error: rank \d exited with status 3, the first to fail; "
-                                          r"horovodrun stopped the others \(the ranks' output above says why\)"]) == [], \
+    unexpected = unexpected_lines(proc.stdout, [
+        r"rank \d fails", r"Process \d exit with status code (3|143)\.",
+        r"Terminating remaining workers after failure of Process \d\.",
+        r"Terminated",  # the other rank, if still running, is stopped (143)
+        r"hybridsync-run: error: rank \d exited with status 3, the first to fail; "
+        r"horovodrun stopped the others \(the ranks' output above says why\)"])
+    assert unexpected == [], f"unexpected lines {unexpected} in:\n{proc.stdout[-3000:]}"
+
+
+@pytest.mark.multiprocess
+def test_a_rank_stopped_inside_a_line_leaves_it_on_its_own_line(tmp_path):
+    """Rank 1 wrote part of a line when rank 0 failed and horovodrun stopped it: Horovod forwarded the
+    piece without a newline, and its own next line was glued to it (``[1]<stdout>:rankProcess 1 exit
+    with status code 143.``, seen under load with a rank stopped inside a ``print``)."""
+    written = tmp_path / "rank1-wrote"
+    script = ("import os, pathlib, sys, time\n"
+              "written = pathlib.Path(sys.argv[1])\n"
+              "if os.environ['HOROVOD_RANK'] == '1':\n"
+              "    sys.stdout.write('half a line'); sys.stdout.flush(); written.touch(); time.sleep(100)\n"
+              "deadline = time.monotonic() + 60\n"
+              "while not written.exists() and time.monotonic() < deadline:\n"
+              "    time.sleep(0.05)\n"
+              "sys.exit(3)\n")
+    proc = run_job([str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-c",
+                    script, str(written)], timeout=120)
+    assert proc.returncode == 1 and written.exists(), proc.stdout[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "[1]<stdout>:half a line" in lines and "Process 1 exit with status code 143." in lines, \
         proc.stdout[-3000:]
+
+
+@pytest.mark.unit
+def test_forwarded_output_ends_inside_no_line():
+    """Horovod's own forwarder of a rank's output (a pipe read to its end) writes the last piece of a
+    line as it is; ``lines_ended`` ends it, and adds nothing to output that ends with its line."""
+    import io
+    import multiprocessing
+
+    from horovod.runner.common.util.safe_shell_exec import prefix_connection
+
+    from hybridsync.run.horovodrun import lines_ended
+
+    def forwarded(data: bytes) -> str:
+        receiver, sender = multiprocessing.Pipe(duplex=False)
+        os.write(sender.fileno(), data)
+        sender.close()
+        out = io.StringIO()
+        lines_ended(prefix_connection)(receiver, out, "stdout", 1, False)
+        return out.getvalue()
+
+    assert forwarded(b"a line\nhalf a") == "[1]<stdout>:a line\n[1]<stdout>:half a\n"
+    assert forwarded(b"a line\n") == "[1]<stdout>:a line\n"
+    assert forwarded(b"50%\r") == "[1]<stdout>:50%\r"
+    assert forwarded(b"") == ""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -313,15 +315,43 @@ def test_servers_no_worker_joined_are_stopped_when_the_job_ends(tmp_path):
     proc = run_job(argv, timeout=120, env={"HYBRIDSYNC_TEST_TAG": tag})
     took = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert took < 45, f"the launcher waited its servers' grace: {took:.0f} s"
+    assert took < 45, f"the launcher waited its servers' grace: {took:.0f} s; its output:\n{proc.stdout[-4000:]}"
     assert "Traceback" not in proc.stdout, proc.stdout[-4000:]
 
-    def tagged(p: psutil.Process) -> bool:
+    def tagged(p: psutil.Process) -> list[str] | None:
+        """The command line of a process of this job (not one that exits meanwhile)."""
         try:
-            return p.environ().get("HYBRIDSYNC_TEST_TAG") == tag
+            return p.cmdline() if p.environ().get("HYBRIDSYNC_TEST_TAG") == tag else None
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return False
-    assert [p.cmdline() for p in psutil.process_iter() if tagged(p)] == []
+            return None
+    left = [command for command in map(tagged, psutil.process_iter()) if command is not None]
+    assert left == [], f"processes outlived the job: {left}; its output:\n{proc.stdout[-4000:]}"
+
+
+@pytest.mark.multiprocess
+def test_servers_still_starting_when_the_job_ends_are_stopped_at_once():
+    """A short job on a loaded host can end before server 0 hosts the rendezvous store (it imports
+    torch first: tens of seconds there). Asked then, the store refused the connection, which counted
+    as "cannot tell": the launcher waited out its servers' grace (60 s). Nothing listening means no
+    worker joined: it stops them at once. The server here is stopped (SIGSTOP) before it could listen,
+    as a starved one would be."""
+    from hybridsync.run import launcher, procs
+    from hybridsync.run.launcher import _free_port, _stop_servers, start_servers
+    from hybridsync.run.ps_servers import ps_environment
+    env = {**os.environ, **ps_environment(num_workers=1, num_servers=1, root_uri="127.0.0.1", root_port=_free_port())}
+    servers = start_servers(1, env)
+    os.kill(servers[0].pid, signal.SIGSTOP)  # it has not imported torch yet, let alone listened
+    grace_s = 60.0  # the launcher's
+    started = time.monotonic()
+    try:
+        _stop_servers(servers, grace_s, env)
+    finally:
+        procs.stop_all(servers)
+    took = time.monotonic() - started
+    assert servers[0].poll() is not None
+    # The settle, asking (the launcher imports the PS client: 3 s, more under load) and the stop's own
+    # grace (5 s: SIGTERM waits for SIGCONT, SIGKILL does not).
+    assert took < launcher.SERVERS_SETTLE_S + 25 < grace_s, f"the launcher waited its servers' grace: {took:.0f} s"
 
 
 @pytest.mark.unit

@@ -140,7 +140,8 @@ def test_remeasure_runs_a_stored_jobs_lineup_again_and_replaces_its_trials(tmp_p
     store = f"sqlite:///{tmp_path / 'trials.db'}"
     first = run_job([str(BIN / "hybridsync"), "trials", "run", "--model", "ncf", "--cluster", str(spec), "-H",
                      "localhost:2", "--strategies", str(strategies), "--store", store, "--warmup", "1", "--steps", "3",
-                     "--controls", "1", "--trial-timeout", "60", "--workdir", str(tmp_path / "first")], timeout=300)
+                     "--controls", "1", "--trial-timeout", "60", "--settle-s", "0", "--workdir", str(tmp_path / "first")],
+                    timeout=300)
     assert first.returncode == 0, first.stdout[-4000:]
     with TrialStore(store) as trials:
         old = trials.trials()

@@ -33,7 +33,8 @@ def measure_lever_rivals(tmp_path, model: str, rows: frozenset[str] = frozenset(
     if all(c.kind != HOROVOD_FP16_KIND for c in schedule):
         schedule.append(Candidate(kind=HOROVOD_FP16_KIND, strategy=None))
     schedule += [Candidate(kind=LOCAL_KIND, strategy=None), Candidate(kind=HOROVOD_KIND, strategy=None)]
-    protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=90, start_timeout_s=180)
+    # settle_s=0: the rivals must run and keep the ranks equal; no step time is compared
+    protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=90, start_timeout_s=180, settle_s=0.0)
     with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
         runner = TrialRunner(model=model, description_id=f"{model}-0", target=target, store=store,
                              protocol=protocol, workdir=str(tmp_path),

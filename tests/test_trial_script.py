@@ -31,7 +31,8 @@ def run_script_trials(tmp_path, steps_per_run: int, controls: tuple[str, ...] = 
                       script_args: tuple[str, ...] = (), script: tuple[str, ...] = (SCRIPT,)) -> tuple[dict, object]:
     candidates = [Candidate(kind="drop-in", strategy=None)] + [
         Candidate(kind=kind, strategy=Strategy.from_dict(doc)) for kind, doc in strategies.items()]
-    protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120)
+    # settle_s=0: these tests compare no step time (the settle has its own test below)
+    protocol = TrialProtocol(warmup_steps=1, timed_steps=3, trial_timeout_s=60, start_timeout_s=120, settle_s=0.0)
     with TrialStore(tmp_path / "trials.db") as store, HostsTarget(SPEC, hosts="localhost:2") as target:
         runner = TrialRunner(model="tiny", description_id="tiny-0", target=target, store=store, protocol=protocol,
                              workdir=str(tmp_path), workload=ScriptWorkload((sys.executable, *script, "--steps",

@@ -19,6 +19,11 @@ matter to it). The environment is back as it was before horovodrun starts the ra
 TensorFlow user's ranks log (and compute) exactly as under plain horovodrun. A user's own
 ``TF_CPP_MIN_LOG_LEVEL`` applies to that fallback as it is. Asked for ``--verbose`` or
 ``--check-build`` output, horovodrun runs its own check, and prints what it prints.
+
+A rank that horovodrun stops (another rank failed) can die in the middle of a line: Horovod's Gloo
+launcher forwards that piece without a newline, so its own next line was glued to it
+(``[1]<stdout>:rankProcess 1 exit with status code 143.``). Here a forwarded output that ends
+inside a line is ended with a newline (``lines_ended``).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TextIO
 
 from hybridsync import envvars
 from hybridsync.failure_notes import FailureNote, first_failure
@@ -179,10 +184,42 @@ def rank_failure(error: BaseException, cause: FailureNote | None = None) -> str 
             "horovodrun stopped the others (the ranks' output above says why)")
 
 
+def lines_ended(forward: Callable[..., None]) -> Callable[..., None]:
+    """Horovod 0.28.1's ``safe_shell_exec.prefix_connection(src_connection, dst_stream, ...)``, which
+    forwards one rank's output to ``dst_stream`` with each line prefixed, ending with a newline what
+    it forwarded last if that ended inside a line (a rank killed mid-line, or one whose last write had
+    none): the next line written to the stream, often Horovod's verdict on that rank, starts a line."""
+    def forward_ending_lines(src_connection: Any, dst_stream: TextIO, *args: Any, **kwargs: Any) -> None:
+        watched = _LastCharacter(dst_stream)
+        forward(src_connection, watched, *args, **kwargs)
+        if watched.inside_line:
+            dst_stream.write("\n")
+            dst_stream.flush()
+    return forward_ending_lines
+
+
+class _LastCharacter:
+    """A text stream that writes through to another, noting whether its last write ended inside a line."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.inside_line = False
+
+    def write(self, text: str) -> int:
+        if text:
+            self.inside_line = not text.endswith(("\n", "\r"))
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
 def main() -> None:
     """horovodrun's own entry point, after its build check ran quietly; its ranks note their errors."""
     check_build_quietly(sys.argv[1:])
+    from horovod.runner.common.util import safe_shell_exec
     from horovod.runner.launch import run_commandline
+    safe_shell_exec.prefix_connection = lines_ended(safe_shell_exec.prefix_connection)  # one thread per rank's stream
     sys.argv[0] = "horovodrun"  # argparse's usage and error lines name the program
     notes = tempfile.mkdtemp(prefix="hybridsync-failures-")
     os.environ[envvars.FAILURE_NOTES] = notes

@@ -52,6 +52,10 @@ def any_worker_joined(env: Mapping[str, str], *, timeout_s: float = 5.0) -> bool
     """Whether any worker of the job ``env`` describes (``ps_environment``) joined its servers, as the
     rendezvous store (server 0's supervisor hosts it) says. ``True`` when the store cannot be asked
     within ``timeout_s``: a launcher then keeps its servers' grace, as it would without asking.
+    ``False`` when nothing listens at the store's address (refused): asked of a job's live servers, their
+    store is not up yet (server 0 still starting, tens of seconds on a loaded host, after a short job
+    ended), so no worker can have joined; or it closed as every member left, and the servers are
+    leaving on their own.
 
     A job whose strategy never routes to the PS starts servers only when asked to (``--num-servers``,
     a config's ``num_servers``), and its workers never join them: those servers would wait out their
@@ -61,9 +65,12 @@ def any_worker_joined(env: Mapping[str, str], *, timeout_s: float = 5.0) -> bool
     from hybridsync.backends.ps.config import PSConfig
     try:
         config = PSConfig.from_env(env, role="worker", index=0)
-        # A store that is gone (servers that served close it as they leave) is answered at once, where
-        # torch's client would retry for timeout_s and print a C++ trace per try.
-        socket.create_connection((config.root_uri, config.root_port), timeout=1.0).close()
+        # A store that is not (or no longer) there is answered at once, where torch's client would retry
+        # for timeout_s and print a C++ trace per try.
+        try:
+            socket.create_connection((config.root_uri, config.root_port), timeout=1.0).close()
+        except ConnectionRefusedError:
+            return False
         with _quiet_stderr():  # the store may still close in between
             store = group.open_store(config, timeout_s=timeout_s)
         return group.any_worker_joined(store, config.num_workers)

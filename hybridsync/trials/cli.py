@@ -19,6 +19,7 @@ from hybridsync.trials.store import DEFAULT_STORE, cluster_label
 
 if TYPE_CHECKING:  # candidates need numpy, which `hybridsync --help` must not
     from hybridsync.trials.candidates import Candidate
+    from hybridsync.trials.runner import TrialProtocol
 
 
 def add_parser(commands: Any) -> None:
@@ -63,6 +64,10 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=40, help="timed steps per trial (default 40)")
     p.add_argument("--trial-timeout", type=float, default=180.0,
                    help="seconds before a trial counts as hung (default 180)")
+    p.add_argument("--settle-s", type=float,
+                   help="seconds every job waits, once its ranks are ready, before its first trial: a job's first "
+                        "seconds run slow while its parameter servers finish starting (default 6; 0 for a "
+                        "quick check whose first trials need not be comparable)")
     p.add_argument("--controls", type=int, default=0,
                    help="re-measure the first N candidates (the reference rows, then the baselines) as controls "
                         "between blocks of --block-size candidates in every job, so that jobs can be put on one "
@@ -133,15 +138,24 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def trial_protocol(args: argparse.Namespace) -> "TrialProtocol":
+    """How ``trials run`` and ``trials sweep`` measure each trial: their flags, and ``TrialProtocol``'s own
+    default where a flag is not given (``--settle-s``)."""
+    from hybridsync.trials.runner import TrialProtocol
+    settle = {} if args.settle_s is None else {"settle_s": args.settle_s}
+    return TrialProtocol(warmup_steps=args.warmup, timed_steps=args.steps, trial_timeout_s=args.trial_timeout,
+                         **settle)
+
+
 def run_with_progress(runs: Sequence[tuple[str, str, Any, list[Candidate]]], store: Any,
                       args: argparse.Namespace) -> None:
     """Runs each (model, description id, target, candidates) in turn under one progress bar
     (trials done / left, ETA, best so far), printing a summary line per run."""
     from hybridsync.progress import progress_bar
-    from hybridsync.trials.runner import DEFAULT_BLOCK_SIZE, TrialProtocol, TrialRunner
+    from hybridsync.trials.runner import DEFAULT_BLOCK_SIZE, TrialRunner
     if args.controls < 0:
         raise ValueError(f"--controls must be >= 0, got {args.controls}")
-    protocol = TrialProtocol(warmup_steps=args.warmup, timed_steps=args.steps, trial_timeout_s=args.trial_timeout)
+    protocol = trial_protocol(args)
     runners = [TrialRunner(model=model, description_id=desc_id, target=target, store=store, protocol=protocol,
                            workdir=args.workdir) for model, desc_id, target, _ in runs]
     pending = [len(runner.pending(candidates)) for runner, (_, _, _, candidates) in zip(runners, runs)]
