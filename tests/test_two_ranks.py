@@ -49,6 +49,7 @@ EXPECTED_ERRORS = {
     "strategy_for_the_unwrapped_model": ("ValueError", "variable 'encoder.weight' is not in the model; did "
                                                        "you mean 'module.encoder.weight'?"),
     "two_optimizers_share_a_strategy": (None, "no error"),
+    "strategy_names_an_earlier_models_variable": ("ValueError", "variable 'earlier_only.weight' is not in the model"),
     "bad_value": ("ValueError", "partitions must be an integer >= 1"),
     "too_many_partitions": ("ValueError", "partitions 5 exceeds its 2 rows"),
     "missing_file": ("ValueError", "cannot read strategy file '/nonexistent/strategy.json'"),

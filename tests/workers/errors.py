@@ -7,11 +7,13 @@ so the test can check that every rank failed, clearly and within seconds.
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+import weakref
 
 import horovod.torch as hvd
 import torch
@@ -90,6 +92,24 @@ def strategy_names_a_group_added_later():
     sent = {piece.var_name: message.config.partitions for message in opt.plan.messages for piece in message.pieces}
     if sent.get("late_head.weight") != 2:
         raise AssertionError(f"the head should go in 2 partitions once added, got {sent}")
+
+
+def strategy_names_an_earlier_models_variable():
+    """A process that trained another model first (a notebook, a sweep, these cases): a strategy naming
+    a variable only that model had is refused, once its optimizer is gone. Every optimizer built so
+    far lent its names to every later check, so the misspelt name passed in silence; and a dropped
+    model lived on with its optimizer (each held by the other's gradient hooks) to the end of the process."""
+    earlier = nn.ModuleDict({"earlier_only": nn.Linear(4, 2)})
+    opt = hs.DistributedOptimizer(torch.optim.SGD(earlier.parameters(), lr=0.1),
+                                  named_parameters=earlier.named_parameters())
+    earlier["earlier_only"](torch.randn(3, 4)).sum().backward()
+    opt.step()
+    gone = weakref.ref(earlier["earlier_only"].weight)
+    del earlier, opt
+    gc.collect()
+    if gone() is not None:  # its gradient hook held the optimizer, which held the model: kept for good
+        raise AssertionError("the earlier model outlived its optimizer and every reference of the script")
+    step_with({"variables": {"earlier_only.weight": {"route": "allreduce", "partitions": 2}}})
 
 
 def rank_dependent_strategy():
@@ -189,6 +209,7 @@ def model_differs_on_one_rank():
 CASES = {
     "fingerprint_mismatch": rank_dependent_strategy,
     "two_optimizers_share_a_strategy": two_optimizers_share_a_strategy,
+    "strategy_names_an_earlier_models_variable": strategy_names_an_earlier_models_variable,
     "unknown_variable": lambda: step_with({"variables": {"missing.weight": {"route": "allreduce"}}}),
     "strategy_for_the_unwrapped_model": strategy_for_the_unwrapped_model,
     "bad_value": lambda: make({"variables": {"0.weight": {"route": "allreduce", "partitions": 0,
