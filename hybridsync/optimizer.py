@@ -160,7 +160,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             strategy = strategy_with_groups(strategy, self._groups)
         plan = build_plan(variables_from_parameters(self._named), strategy,
                           compression=compression_name(self._compression))
-        return strategy, plan, check_process_set(self._hvd, self._process_set_option, plan)
+        process_set = check_process_set(self._hvd, self._process_set_option, plan)
+        if process_set.included() and (self._hvd.size() > 1 or self._elastic):  # it synchronizes
+            _refuse_complex_on_the_ring(plan, self._params)
+        return strategy, plan, process_set
 
     def _check_held(self, strategy: Strategy | None) -> None:
         """``ValueError`` naming the variables ``strategy`` names that neither this optimizer nor another
@@ -551,6 +554,23 @@ def _held_errors(strategy: Strategy, known: set[str], aliases: Mapping[str, str]
     errors = [f"variable {name!r} is the same parameter as {aliases[name]!r} (tied weights are one "
               f"variable, under their first name): configure it as {aliases[name]!r}" for name in sorted(named_aliases)]
     return errors + unknown_variable_errors((name for name in strategy.variables if name not in aliases), known)
+
+
+def _refuse_complex_on_the_ring(plan: RoutingPlan, params: list[torch.nn.Parameter]) -> None:
+    """``ValueError`` naming the trainable complex parameters (an FFT layer's) that ``plan`` sends by
+    Horovod's ring all-reduce, which refuses complex tensors (``Tensor type torch.ComplexFloatTensor is
+    not supported``, from inside the first backward pass, naming none). The hierarchical route and the
+    parameter server sum them (torch's Gloo and the servers add complex tensors); a frozen one sends
+    nothing, as under Horovod, whose optimizer works with one only while it gets no gradient."""
+    ring = {piece.var_index for message in plan.messages
+            if message.config.route == "allreduce" and message.config.algorithm == "ring" for piece in message.pieces}
+    refused = [f"{plan.var_names[i]!r} ({str(params[i].dtype).removeprefix('torch.')})" for i in sorted(ring)
+               if params[i].is_complex() and params[i].requires_grad]
+    if refused:
+        listed = ", ".join(refused)
+        raise ValueError(f"complex parameters cannot be ring all-reduced (Horovod refuses complex tensors): {listed}; "
+                         f"route them \"algorithm\": \"hierarchical\" or \"route\": \"ps\" in the strategy (both sum "
+                         f"complex gradients), or hold them as real tensors (torch.view_as_real)")
 
 
 def _checked_named_parameters(named_parameters: Iterable | None, param_groups

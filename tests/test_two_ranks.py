@@ -71,6 +71,9 @@ EXPECTED_ERRORS = {
     "sparse_on_one_rank": ("ValueError", "ranks disagree on which gradients are sparse: 0.weight (sparse on "
                                          "ranks [0], dense on ranks [1])"),
     "too_many_backward_passes": ("AssertionError", "more than backward_passes_per_step"),
+    "complex_on_the_ring": ("ValueError", "complex parameters cannot be ring all-reduced (Horovod refuses complex "
+                                          "tensors): 'spectral' (complex64); route them"),
+    "complex_routed_hierarchical_or_frozen": (None, "no error"),
     "model_differs_on_one_rank": ("ValueError", "the same strategy gives the ranks different routing plans, so "
                                                 "their models differ (parameter names, shapes or dtypes)"),
 }

@@ -112,6 +112,42 @@ def strategy_names_an_earlier_models_variable():
     step_with({"variables": {"earlier_only.weight": {"route": "allreduce", "partitions": 2}}})
 
 
+class FourierLayer(nn.Module):
+    """A layer with a complex weight (as FFT layers have), then a real read-out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.spectral = nn.Parameter(torch.randn(6, 4, dtype=torch.complex64))
+        self.readout = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.readout((torch.fft.fft(x.to(torch.complex64)) @ self.spectral).abs()).sum()
+
+
+def train_fourier(strategy=None, frozen: bool = False) -> None:
+    m = FourierLayer()
+    m.spectral.requires_grad_(not frozen)
+    opt = hs.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                  strategy=strategy)
+    for _ in range(2):
+        opt.zero_grad()
+        m(torch.randn(5, 6)).backward()
+        opt.step()
+
+
+def complex_on_the_ring():
+    """Horovod's ring refuses complex tensors from inside the backward pass, naming no variable (as
+    Horovod's own optimizer does): refused when the optimizer is built, naming the variable."""
+    train_fourier()
+
+
+def complex_routed_hierarchical_or_frozen():
+    """The routes that sum complex gradients carry them; a frozen complex parameter sends nothing."""
+    train_fourier({"variables": {"spectral": {"route": "allreduce", "algorithm": "hierarchical"}}})
+    train_fourier(frozen=True)
+
+
 def rank_dependent_strategy():
     if hvd.rank() == 0:
         return make({"variables": {"0.weight": {"route": "allreduce", "partitions": 2}}})
@@ -234,6 +270,8 @@ CASES = {
     "sparse_on_one_rank": sparse_on_one_rank,
     "model_differs_on_one_rank": model_differs_on_one_rank,
     "too_many_backward_passes": too_many_backward_passes,
+    "complex_on_the_ring": complex_on_the_ring,
+    "complex_routed_hierarchical_or_frozen": complex_routed_hierarchical_or_frozen,
 }
 
 
