@@ -50,7 +50,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         import horovod.torch as hvd
         self._hvd = hvd
         named, aliases, spare = _checked_named_parameters(named_parameters, self.param_groups)
-        self._spare_names = spare
+        self._spare_names = {id(p): name for name, p in spare}
         """Names given for parameters the optimizer did not hold: theirs if ``add_param_group`` adds them."""
         self._named = named
         self._aliases = aliases
@@ -106,7 +106,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.run_finished = False
         """A step hook ended the run at the last ``step()``: the front end ends the process (``end_run``)."""
         # hybridsync.tensorflow reports its backward pass to the profiler itself: no torch hook sees it.
-        self._profiler = BUILDER.profiler_from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
+        # The parameters named for later are profiled too: a fine-tuning script adds its head (add_param_group)
+        # after the profile's few steps or during them, and a description without it would leave it unrouted.
+        self._profiler = BUILDER.profiler_from_environment(named + spare, hvd.size(), torch_hooks=frontend == "torch")
         self._profile_hook = BUILDER.profile_hook()
         self._sync_controller = None if self._router is None else self._controller_for(options.strategy)
         self._trials = None
@@ -574,17 +576,17 @@ def _refuse_complex_on_the_ring(plan: RoutingPlan, params: list[torch.nn.Paramet
 
 
 def _checked_named_parameters(named_parameters: Iterable | None, param_groups
-                              ) -> tuple[list[tuple[str, Any]], dict[str, str], dict[int, str]]:
+                              ) -> tuple[list[tuple[str, Any]], dict[str, str], list[tuple[str, Any]]]:
     """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise; the
-    names dropped as another name of a parameter already named, each to the name kept; and the names
-    of parameters the optimizer does not hold (yet: ``add_param_group``), by ``id``.
+    names dropped as another name of a parameter already named, each to the name kept; and the named
+    parameters the optimizer does not hold (yet: ``add_param_group``), each under its first name.
 
     A parameter listed under several names (tied weights, from ``named_parameters(remove_duplicate=False)``
     or two submodules' lists joined) is one variable, under its first name as ``model.named_parameters()``
     gives it: Horovod synchronizes it once too, where two variables would reduce its gradient twice."""
     if named_parameters is None:
         return [(_unnamed(i, j), p) for i, group in enumerate(param_groups)
-                for j, p in enumerate(group["params"])], {}, {}
+                for j, p in enumerate(group["params"])], {}, []
     named = list(named_parameters)
     if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
         raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
@@ -602,15 +604,15 @@ def _checked_named_parameters(named_parameters: Iterable | None, param_groups
     optimized = {id(p) for group in param_groups for p in group["params"]}
     unique: dict[int, tuple[str, Any]] = {}
     aliases: dict[str, str] = {}
-    spare: dict[int, str] = {}
+    spare: dict[int, tuple[str, Any]] = {}
     for name, p in named:
         if id(p) in optimized:
             kept = unique.setdefault(id(p), (name, p))[0]
             if kept != name:
                 aliases[name] = kept
         else:
-            spare.setdefault(id(p), name)
-    return list(unique.values()), aliases, spare
+            spare.setdefault(id(p), (name, p))
+    return list(unique.values()), aliases, list(spare.values())
 
 
 def _unnamed(group: int, position: int) -> str:
