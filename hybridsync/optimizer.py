@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import warnings
+import weakref
 from typing import Any, Iterable, Literal, Mapping
 
 import torch
@@ -48,12 +50,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         import horovod.torch as hvd
         self._hvd = hvd
         named, aliases, spare = _checked_named_parameters(named_parameters, self.param_groups)
-        self._spare_names = spare
+        self._spare_names = {id(p): name for name, p in spare}
         """Names given for parameters the optimizer did not hold: theirs if ``add_param_group`` adds them."""
         self._named = named
-        _HELD_VARIABLES.update(name for name, _ in named)
-        _NAMED_FOR_LATER.update(spare.values())
-        _TIED_ALIASES.update(aliases)
+        self._aliases = aliases
+        """A tied parameter's later names (``named_parameters(remove_duplicate=False)``), each to the name its
+        variable has: a strategy that names one is told which name to use."""
+        _register_live(self)
         self._groups = None if options.groups is None else grouped_names(options.groups, self.param_groups,
                                                                          {p: name for name, p in named})
         """``groups`` as variable names: applied to every strategy this optimizer is given."""
@@ -103,7 +106,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.run_finished = False
         """A step hook ended the run at the last ``step()``: the front end ends the process (``end_run``)."""
         # hybridsync.tensorflow reports its backward pass to the profiler itself: no torch hook sees it.
-        self._profiler = BUILDER.profiler_from_environment(named, hvd.size(), torch_hooks=frontend == "torch")
+        # The parameters named for later are profiled too: a fine-tuning script adds its head (add_param_group)
+        # after the profile's few steps or during them, and a description without it would leave it unrouted.
+        self._profiler = BUILDER.profiler_from_environment(named + spare, hvd.size(), torch_hooks=frontend == "torch")
         self._profile_hook = BUILDER.profile_hook()
         self._sync_controller = None if self._router is None else self._controller_for(options.strategy)
         self._trials = None
@@ -150,14 +155,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         process set it runs on. ``ValueError`` if the strategy names a variable that no optimizer of this
         process holds (checked by the first ``step()`` when planned before it)."""
         if self._all_built:
-            _check_held(strategy)
+            self._check_held(strategy)
         if strategy is not None:
             strategy = strategy.restricted_to(name for name, _ in self._named)
         if self._groups is not None:
             strategy = strategy_with_groups(strategy, self._groups)
         plan = build_plan(variables_from_parameters(self._named), strategy,
                           compression=compression_name(self._compression))
-        return strategy, plan, check_process_set(self._hvd, self._process_set_option, plan)
+        process_set = check_process_set(self._hvd, self._process_set_option, plan)
+        if process_set.included() and (self._hvd.size() > 1 or self._elastic):  # it synchronizes
+            _refuse_complex_on_the_ring(plan, self._params)
+        return strategy, plan, process_set
+
+    def _check_held(self, strategy: Strategy | None) -> None:
+        """``ValueError`` naming the variables ``strategy`` names that neither this optimizer nor another
+        live one of this process holds, nor will hold once ``add_param_group`` adds the parameters its
+        ``named_parameters`` named (a misspelt name, a strategy for another model or another wrapper), as
+        ``Strategy.validate_for`` names them; another name of a tied parameter is told the name to use.
+        Optimizers already gone (an earlier model's) count for nothing."""
+        if strategy is None:
+            return
+        known, aliases = _known_names([self])
+        if not _held_errors(strategy, known, aliases):
+            return  # the common case: one optimizer holds the whole model; no garbage collection
+        errors = _held_errors(strategy, *_known_names([self, *_live_optimizers()]))
+        if errors:
+            raise ValueError("strategy does not fit the model:\n  - " + "\n  - ".join(errors))
 
     def set_strategy(self, strategy: Strategy | Mapping[str, Any] | str | os.PathLike | None) -> None:
         """Route gradients by ``strategy`` from the next step on (``None``: ``HYBRIDSYNC_STRATEGY``,
@@ -361,7 +384,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         new = [(self._spare_names.get(id(p), _unnamed(group, j)), p)
                for j, p in enumerate(self.param_groups[group]["params"])]
         self._named = self._named + new
-        _HELD_VARIABLES.update(name for name, _ in new)
         self._parameter_names.update((p, name) for name, p in new)
         for _, p in new:
             self._index[p] = len(self._params)
@@ -389,18 +411,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Runs for every parameter of every step, inside the backward pass: two lookups keyed by
         # the parameter (each a call of Tensor.__hash__), the rest by its index. A delay at 0 or
         # below means the parameter fired already (only this hook lowers it; every reset sets it
-        # back to backward_passes_per_step).
+        # back to backward_passes_per_step). The hook lives as long as the parameter, in torch's
+        # C++ autograd state, where the garbage collector cannot see it: it holds the optimizer
+        # weakly and takes the parameter as its argument, or the two would keep each other alive
+        # for the life of the process (an earlier model's optimizer, in a notebook or a sweep).
         index = self._index[p]
+        optimizer = weakref.ref(self)
 
-        def hook(_):
+        def hook(param):
+            self = optimizer()
+            if self is None:
+                return  # the optimizer is gone: nothing synchronizes this parameter any more
             delays = self._allreduce_delay
-            delay = delays[p]
+            delay = delays[param]
             if delay <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before call "
                     "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
-            assert not p.grad.requires_grad
-            delays[p] = delay - 1
+            assert not param.grad.requires_grad
+            delays[param] = delay - 1
             self._fired.add(index)
             if delay == 1:
                 try:
@@ -451,7 +480,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         if not self._all_built:
             self._all_built = True
-            _check_held(self._requested_strategy)
+            self._check_held(self._requested_strategy)
             self._warn_of_dense_sparse_gradients()
         self._synchronized = False
         (self._router or self._built_router()).before_step()
@@ -476,53 +505,88 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
-_HELD_VARIABLES: set[str] = set()
-"""The variable names of every DistributedOptimizer built in this process: a strategy names the whole
-model's variables, and each optimizer routes its own part of them."""
+_LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+"""Every DistributedOptimizer of this process still alive: a strategy names the whole model's variables,
+which a script may split among optimizers (a GAN's generator and discriminator, a sparse and a dense
+one), and each optimizer routes its own part. Weak, so that an optimizer of an earlier model (a notebook
+cell, a sweep's last run, an earlier test) lends its names to no later check once it is gone."""
+
+_built_since_collect = False
+"""An optimizer was built since ``_live_optimizers`` last collected garbage."""
 
 
-_NAMED_FOR_LATER: set[str] = set()
-"""Names ``named_parameters`` gave for parameters no optimizer holds yet: a fine-tuning script adds
-them later (``add_param_group``), and a strategy that configures them is not a misspelt one."""
+def _register_live(optimizer: "_DistributedOptimizer") -> None:
+    global _built_since_collect
+    _LIVE_OPTIMIZERS.add(optimizer)
+    _built_since_collect = True
 
 
-_TIED_ALIASES: dict[str, str] = {}
-"""A tied parameter's later names (``named_parameters(remove_duplicate=False)``), each to the name its
-variable has: a strategy that names one is told which name to use."""
+def _live_optimizers() -> list["_DistributedOptimizer"]:
+    """The DistributedOptimizers of this process still alive. An optimizer and its parameters hold each
+    other (their gradient hooks call it), so one the script dropped lives on until the garbage collector
+    runs: it is run once after optimizers were built (0.4 s with torch and Horovod loaded, 2 cores), only
+    by a check that needs another optimizer's names, never at every plan."""
+    global _built_since_collect
+    if _built_since_collect:
+        _built_since_collect = False
+        gc.collect()
+    return list(_LIVE_OPTIMIZERS)
 
 
 def _megabytes(param: torch.Tensor) -> str:
     return f"{param.numel() * param.element_size() / 1e6:.1f} MB"
 
 
-def _check_held(strategy: Strategy | None) -> None:
-    """``ValueError`` naming the variables ``strategy`` names that no optimizer of this process holds,
-    nor will hold once ``add_param_group`` adds the parameters its ``named_parameters`` named (a
-    misspelt name, a strategy for another model or another wrapper), as ``Strategy.validate_for``
-    names them; another name of a tied parameter is told the name to use."""
-    if strategy is None:
-        return
-    known = _HELD_VARIABLES | _NAMED_FOR_LATER
-    aliases = [name for name in strategy.variables if name in _TIED_ALIASES]
-    errors = [f"variable {name!r} is the same parameter as {_TIED_ALIASES[name]!r} (tied weights are one "
-              f"variable, under their first name): configure it as {_TIED_ALIASES[name]!r}" for name in sorted(aliases)]
-    errors += unknown_variable_errors((name for name in strategy.variables if name not in _TIED_ALIASES), known)
-    if errors:
-        raise ValueError("strategy does not fit the model:\n  - " + "\n  - ".join(errors))
+def _known_names(optimizers: Iterable["_DistributedOptimizer"]) -> tuple[set[str], dict[str, str]]:
+    """The variable names ``optimizers`` hold, or will once ``add_param_group`` adds the parameters their
+    ``named_parameters`` named (a fine-tuning script's later head); and their tied parameters' aliases."""
+    known: set[str] = set()
+    aliases: dict[str, str] = {}
+    for optimizer in optimizers:
+        known.update(name for name, _ in optimizer._named)
+        known.update(optimizer._spare_names.values())
+        aliases.update(optimizer._aliases)
+    return known, aliases
+
+
+def _held_errors(strategy: Strategy, known: set[str], aliases: Mapping[str, str]) -> list[str]:
+    """The strategy's variables outside ``known`` (``unknown_variable_errors``), and the tied aliases it
+    names, each told the name to use."""
+    named_aliases = [name for name in strategy.variables if name in aliases]
+    errors = [f"variable {name!r} is the same parameter as {aliases[name]!r} (tied weights are one "
+              f"variable, under their first name): configure it as {aliases[name]!r}" for name in sorted(named_aliases)]
+    return errors + unknown_variable_errors((name for name in strategy.variables if name not in aliases), known)
+
+
+def _refuse_complex_on_the_ring(plan: RoutingPlan, params: list[torch.nn.Parameter]) -> None:
+    """``ValueError`` naming the trainable complex parameters (an FFT layer's) that ``plan`` sends by
+    Horovod's ring all-reduce, which refuses complex tensors (``Tensor type torch.ComplexFloatTensor is
+    not supported``, from inside the first backward pass, naming none). The hierarchical route and the
+    parameter server sum them (torch's Gloo and the servers add complex tensors); a frozen one sends
+    nothing, as under Horovod, whose optimizer works with one only while it gets no gradient."""
+    ring = {piece.var_index for message in plan.messages
+            if message.config.route == "allreduce" and message.config.algorithm == "ring" for piece in message.pieces}
+    refused = [f"{plan.var_names[i]!r} ({str(params[i].dtype).removeprefix('torch.')})" for i in sorted(ring)
+               if params[i].is_complex() and params[i].requires_grad]
+    if refused:
+        listed = ", ".join(refused)
+        raise ValueError(f"complex parameters cannot be ring all-reduced (Horovod refuses complex tensors): {listed}; "
+                         f"route them \"algorithm\": \"hierarchical\" or \"route\": \"ps\" in the strategy (both sum "
+                         f"complex gradients), or hold them as real tensors (torch.view_as_real)")
 
 
 def _checked_named_parameters(named_parameters: Iterable | None, param_groups
-                              ) -> tuple[list[tuple[str, Any]], dict[str, str], dict[int, str]]:
+                              ) -> tuple[list[tuple[str, Any]], dict[str, str], list[tuple[str, Any]]]:
     """Horovod's naming rules: unique names, every optimized parameter named, defaults otherwise; the
-    names dropped as another name of a parameter already named, each to the name kept; and the names
-    of parameters the optimizer does not hold (yet: ``add_param_group``), by ``id``.
+    names dropped as another name of a parameter already named, each to the name kept; and the named
+    parameters the optimizer does not hold (yet: ``add_param_group``), each under its first name.
 
     A parameter listed under several names (tied weights, from ``named_parameters(remove_duplicate=False)``
     or two submodules' lists joined) is one variable, under its first name as ``model.named_parameters()``
     gives it: Horovod synchronizes it once too, where two variables would reduce its gradient twice."""
     if named_parameters is None:
         return [(_unnamed(i, j), p) for i, group in enumerate(param_groups)
-                for j, p in enumerate(group["params"])], {}, {}
+                for j, p in enumerate(group["params"])], {}, []
     named = list(named_parameters)
     if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
         raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
@@ -540,15 +604,15 @@ def _checked_named_parameters(named_parameters: Iterable | None, param_groups
     optimized = {id(p) for group in param_groups for p in group["params"]}
     unique: dict[int, tuple[str, Any]] = {}
     aliases: dict[str, str] = {}
-    spare: dict[int, str] = {}
+    spare: dict[int, tuple[str, Any]] = {}
     for name, p in named:
         if id(p) in optimized:
             kept = unique.setdefault(id(p), (name, p))[0]
             if kept != name:
                 aliases[name] = kept
         else:
-            spare.setdefault(id(p), name)
-    return list(unique.values()), aliases, spare
+            spare.setdefault(id(p), (name, p))
+    return list(unique.values()), aliases, list(spare.values())
 
 
 def _unnamed(group: int, position: int) -> str:

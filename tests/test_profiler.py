@@ -311,12 +311,14 @@ def _train_command(*args: str) -> list[str]:
     return [sys.executable, str(WORKERS / "profile_train.py"), *args]
 
 
-@pytest.mark.parametrize("optimizers", [[], ["--two-optimizers"], ["--rebuild"]],
-                         ids=["one-optimizer", "two-optimizers", "rebuilt"])
+@pytest.mark.parametrize("optimizers", [[], ["--two-optimizers"], ["--rebuild"], ["--late-head"]],
+                         ids=["one-optimizer", "two-optimizers", "rebuilt", "head-added-later"])
 @pytest.mark.multiprocess
 def test_hybridsync_profile_writes_a_valid_description(tmp_path, optimizers):
     """With two optimizers (the embedding's, the dense layers'), the one model is described whole; with
-    one rebuilt over the same parameters (the first never steps), the new one times the steps."""
+    one rebuilt over the same parameters (the first never steps), the new one times the steps; with a
+    head that ``add_param_group`` adds after a step (fine-tuning), the head is described too (it was
+    left out: the search never routed it)."""
     out = tmp_path / "profiles" / "desc.json"  # a folder not made yet: made before the script runs
     proc = _hybridsync("profile", "--steps", str(STEPS), "--warmup", str(WARMUP), "--timeout", "120",
                        "--name", "tiny", "--batch-size", "64", "-o", str(out), "--",

@@ -49,6 +49,7 @@ EXPECTED_ERRORS = {
     "strategy_for_the_unwrapped_model": ("ValueError", "variable 'encoder.weight' is not in the model; did "
                                                        "you mean 'module.encoder.weight'?"),
     "two_optimizers_share_a_strategy": (None, "no error"),
+    "strategy_names_an_earlier_models_variable": ("ValueError", "variable 'earlier_only.weight' is not in the model"),
     "bad_value": ("ValueError", "partitions must be an integer >= 1"),
     "too_many_partitions": ("ValueError", "partitions 5 exceeds its 2 rows"),
     "missing_file": ("ValueError", "cannot read strategy file '/nonexistent/strategy.json'"),
@@ -70,6 +71,9 @@ EXPECTED_ERRORS = {
     "sparse_on_one_rank": ("ValueError", "ranks disagree on which gradients are sparse: 0.weight (sparse on "
                                          "ranks [0], dense on ranks [1])"),
     "too_many_backward_passes": ("AssertionError", "more than backward_passes_per_step"),
+    "complex_on_the_ring": ("ValueError", "complex parameters cannot be ring all-reduced (Horovod refuses complex "
+                                          "tensors): 'spectral' (complex64); route them"),
+    "complex_routed_hierarchical_or_frozen": (None, "no error"),
     "model_differs_on_one_rank": ("ValueError", "the same strategy gives the ranks different routing plans, so "
                                                 "their models differ (parameter names, shapes or dtypes)"),
 }

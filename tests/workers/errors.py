@@ -7,11 +7,13 @@ so the test can check that every rank failed, clearly and within seconds.
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+import weakref
 
 import horovod.torch as hvd
 import torch
@@ -90,6 +92,60 @@ def strategy_names_a_group_added_later():
     sent = {piece.var_name: message.config.partitions for message in opt.plan.messages for piece in message.pieces}
     if sent.get("late_head.weight") != 2:
         raise AssertionError(f"the head should go in 2 partitions once added, got {sent}")
+
+
+def strategy_names_an_earlier_models_variable():
+    """A process that trained another model first (a notebook, a sweep, these cases): a strategy naming
+    a variable only that model had is refused, once its optimizer is gone. Every optimizer built so
+    far lent its names to every later check, so the misspelt name passed in silence; and a dropped
+    model lived on with its optimizer (each held by the other's gradient hooks) to the end of the process."""
+    earlier = nn.ModuleDict({"earlier_only": nn.Linear(4, 2)})
+    opt = hs.DistributedOptimizer(torch.optim.SGD(earlier.parameters(), lr=0.1),
+                                  named_parameters=earlier.named_parameters())
+    earlier["earlier_only"](torch.randn(3, 4)).sum().backward()
+    opt.step()
+    gone = weakref.ref(earlier["earlier_only"].weight)
+    del earlier, opt
+    gc.collect()
+    if gone() is not None:  # its gradient hook held the optimizer, which held the model: kept for good
+        raise AssertionError("the earlier model outlived its optimizer and every reference of the script")
+    step_with({"variables": {"earlier_only.weight": {"route": "allreduce", "partitions": 2}}})
+
+
+class FourierLayer(nn.Module):
+    """A layer with a complex weight (as FFT layers have), then a real read-out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.spectral = nn.Parameter(torch.randn(6, 4, dtype=torch.complex64))
+        self.readout = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.readout((torch.fft.fft(x.to(torch.complex64)) @ self.spectral).abs()).sum()
+
+
+def train_fourier(strategy=None, frozen: bool = False) -> None:
+    m = FourierLayer()
+    m.spectral.requires_grad_(not frozen)
+    opt = hs.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                  strategy=strategy)
+    for _ in range(2):
+        opt.zero_grad()
+        m(torch.randn(5, 6)).backward()
+        opt.step()
+
+
+def complex_on_the_ring():
+    """Horovod's ring refuses complex tensors from inside the backward pass, naming no variable (as
+    Horovod's own optimizer does): refused when the optimizer is built, naming the variable."""
+    train_fourier()
+
+
+def complex_routed_hierarchical_or_frozen():
+    """The routes that sum complex gradients carry them; a frozen complex parameter sends nothing."""
+    train_fourier({"variables": {"spectral": {"route": "allreduce", "algorithm": "hierarchical"}}})
+    train_fourier(frozen=True)
 
 
 def rank_dependent_strategy():
@@ -189,6 +245,7 @@ def model_differs_on_one_rank():
 CASES = {
     "fingerprint_mismatch": rank_dependent_strategy,
     "two_optimizers_share_a_strategy": two_optimizers_share_a_strategy,
+    "strategy_names_an_earlier_models_variable": strategy_names_an_earlier_models_variable,
     "unknown_variable": lambda: step_with({"variables": {"missing.weight": {"route": "allreduce"}}}),
     "strategy_for_the_unwrapped_model": strategy_for_the_unwrapped_model,
     "bad_value": lambda: make({"variables": {"0.weight": {"route": "allreduce", "partitions": 0,
@@ -213,6 +270,8 @@ CASES = {
     "sparse_on_one_rank": sparse_on_one_rank,
     "model_differs_on_one_rank": model_differs_on_one_rank,
     "too_many_backward_passes": too_many_backward_passes,
+    "complex_on_the_ring": complex_on_the_ring,
+    "complex_routed_hierarchical_or_frozen": complex_routed_hierarchical_or_frozen,
 }
 
 

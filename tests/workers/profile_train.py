@@ -1,6 +1,6 @@
 """A small deterministic training script for the profiler: a sparse embedding and a few Linear layers.
 
-Usage: python profile_train.py --steps N [--params OUT.pt] [--two-optimizers] [--rebuild]
+Usage: python profile_train.py --steps N [--params OUT.pt] [--two-optimizers] [--rebuild] [--late-head]
 
 Step k looks up ids ``(arange(BATCH) % UNIQUE_IDS) + (k % 10) * 50``: exactly UNIQUE_IDS
 distinct rows of the embedding per step. Prints ``step k`` after each step and
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--params", help="save the parameters here when the process ends")
     parser.add_argument("--two-optimizers", action="store_true", help="the embedding's own optimizer")
     parser.add_argument("--rebuild", action="store_true", help="build the optimizer again, step the new one only")
+    parser.add_argument("--late-head", action="store_true", help="fine-tuning: the head joins after a step")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -52,6 +53,9 @@ def main() -> None:
         dense = [(n, p) for n, p in named if not n.startswith("emb.")]
         opts = [hs.DistributedOptimizer(torch.optim.SGD([p for _, p in part], lr=0.01), named_parameters=part)
                 for part in (dense, sparse)]
+    elif args.late_head:  # named whole, the head added by add_param_group after the first step
+        opts = [hs.DistributedOptimizer(torch.optim.SGD([p for n, p in named if not n.startswith("head.")], lr=0.01),
+                                        named_parameters=named)]
     else:
         opts = [hs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=named)]
     if args.rebuild:  # built again over the same parameters (as after loading a checkpoint): the new one steps
@@ -59,6 +63,8 @@ def main() -> None:
     target = torch.randn(BATCH, 1)
     try:
         for step in range(args.steps):
+            if args.late_head and step == 1:
+                opts[0].add_param_group({"params": list(model.head.parameters())})
             ids = (torch.arange(BATCH) % UNIQUE_IDS) + (step % 10) * 50
             for opt in opts:
                 opt.zero_grad()
