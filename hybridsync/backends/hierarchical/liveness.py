@@ -29,6 +29,7 @@ import threading
 import time
 
 from hybridsync import envvars
+from hybridsync.backends.peer_lost import PeerLostError
 
 PROBE_AFTER_S = 2.0
 """A collective that has waited this long starts probing its peers (a healthy one ends sooner)."""
@@ -40,7 +41,7 @@ DEFAULT_UNREACHABLE_S = 10.0
 timeout, and a third of Horovod's own Gloo timeout (30 s)."""
 
 
-class PeerUnreachableError(RuntimeError):
+class PeerUnreachableError(PeerLostError):
     """A member of a hierarchical group cannot be reached: its process is gone or the network is cut."""
 
 

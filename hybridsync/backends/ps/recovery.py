@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from hybridsync import envvars
 from hybridsync.backends import stalls
+from hybridsync.backends.peer_lost import PeerLostError
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.store import Pulled, RestoreState
 from hybridsync.backends.ps.watchdog import SERVER_QUITS, PeerFailure
@@ -41,7 +42,7 @@ _CONNECTION_LOST = ("eof", "econnrefused", "econnreset", "epipe", "pipe closed",
 """Signs, in an RPC error's text, that the connection to the server broke (it died or was cut off)."""
 
 
-class PSServerError(RuntimeError):
+class PSServerError(PeerLostError):
     """A parameter server died, hung, or refused a push; the message names the server."""
 
 
