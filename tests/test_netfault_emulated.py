@@ -8,7 +8,10 @@
 - cut for 5 s, then restored: the job trains on (an outage shorter than ``HYBRIDSYNC_PEER_TIMEOUT``
   is ridden out, as Horovod's ring rides it out);
 - host 1's processes killed: host 0's ranks fail at once naming the ranks that are gone and the
-  route (before: Gloo's ``Read error [10.77.0.2]:51329: Connection reset by peer``, no rank, no route).
+  route (before: Gloo's ``Read error [10.77.0.2]:51329: Connection reset by peer``, no rank, no route);
+- host 1's processes stopped (SIGSTOP: hung, while their host still answers): host 0's ranks fail
+  naming the rank that hangs after ``HYBRIDSYNC_PEER_HUNG_TIMEOUT`` (before: a wait of up to 600 s,
+  the beacon's connection being accepted by the stopped process's kernel).
 
 benchmarks/netfault.py measures every route under these faults and a host killed. Needs root;
 skips cleanly without it. Every job is bounded and killed by pid; the link is restored and the
@@ -20,6 +23,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -156,6 +160,34 @@ def test_a_link_down_for_5_s_is_ridden_out(cluster, tmp_path):
         cluster.set_uplink(1, up=True)
         job.kill()
         job.stop_helpers()
+
+
+def test_a_hung_node_is_named_after_the_hung_timeout(cluster, tmp_path):
+    from hybridsync.cluster.netns import namespace_pids
+    job, log = _train(cluster, tmp_path, {"HYBRIDSYNC_PEER_HUNG_TIMEOUT": "4"})
+    stopped: list[int] = []
+    try:
+        _wait_training(job, tmp_path, log, 5)
+        stopped = namespace_pids(cluster.namespaces[1])
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        at = time.monotonic()
+        pattern = re.compile(r"PeerUnreachableError: hierarchical all-reduce across nodes \(rank (\d), node 0\): "
+                             r"rank (\d) on node 1 \(10\.77\.0\.2\) hangs: its host answers but its process has not")
+        wait_for(lambda: pattern.search(log.read_text()) is not None, ERROR_WITHIN_S, "a rank naming the hung peer")
+        named = time.monotonic() - at
+        codes = job.wait(timeout=ENDS_WITHIN_S)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        job.kill()
+        job.stop_helpers()
+    assert any(codes), codes
+    assert all(int(m[2]) == int(m[1]) + 2 for m in pattern.finditer(log.read_text())), log.read_text()[-3000:]
+    print(f"named {named:.1f} s after host 1's processes were stopped")
 
 
 def test_a_killed_node_is_named_at_once(cluster, tmp_path):
