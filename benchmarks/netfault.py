@@ -10,7 +10,9 @@ PS server per host for the ``ps`` route) and trains a small MLP, one job per rou
   (hybridsync without a strategy), ``hierarchical`` and ``ps`` (every variable on that route);
 - faults, once rank 0 has done ``--fault-at`` steps: ``down`` (host 1's switch port set down and
   left down: the link between the nodes is cut), ``flap`` (the same for ``--flap-s`` seconds,
-  then up again), ``node`` (every process of host 1, its ranks and its server, SIGKILLed).
+  then up again), ``node`` (every process of host 1, its ranks and its server, SIGKILLed),
+  ``stop`` (every process of host 1 SIGSTOPped: hung processes whose host still answers; SIGCONT
+  once the job is over).
 
 The job runs the way ``hybridsync cluster run`` runs it (``launch_gloo``: the first rank to fail
 stops the others, as horovodrun does). Per job: each rank's first error (type, first line,
@@ -24,6 +26,7 @@ import argparse
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from provenance import print_header, uptime  # noqa: E402
 
 ROUTES = ("horovod", "ring", "hierarchical", "ps")
-FAULTS = ("down", "flap", "node")
+FAULTS = ("down", "flap", "node", "stop")
 
 
 # -- worker side (every rank, inside the emulated hosts) ----------------------------------------
@@ -83,10 +86,17 @@ def _read(path: str) -> dict | None:
 
 # -- controller (root, outside the namespaces) --------------------------------------------------
 def strike(cluster, fault: str, up: bool = False) -> None:
-    """Cut (or, ``up``, restore) host 1's link to the switch, or kill every process of host 1."""
+    """Cut (or, ``up``, restore) host 1's link to the switch, kill every process of host 1, or stop
+    (``up``: continue) every process of host 1."""
     from hybridsync.cluster.netns import kill_pids, namespace_pids
     if fault == "node":
         kill_pids(namespace_pids(cluster.namespaces[1]), grace_s=0.0)
+    elif fault == "stop":
+        for pid in namespace_pids(cluster.namespaces[1]):
+            try:
+                os.kill(pid, signal.SIGCONT if up else signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
     else:
         cluster.set_uplink(1, up)
 
@@ -144,6 +154,8 @@ def run_job(cluster, route: str, fault: str, args: argparse.Namespace, logs: str
         result["first_exit_s"] = time.monotonic() - struck_mono
         job.kill()
         result["ended_s"] = time.monotonic() - struck_mono
+        if fault == "stop":
+            strike(cluster, fault, up=True)  # host 1's server may now see its workers gone, and exit
         if fault == "flap" and not restored:
             strike(cluster, fault, up=True)
         result["codes"] = [p.returncode for p in job.processes]
@@ -164,6 +176,8 @@ def run_job(cluster, route: str, fault: str, args: argparse.Namespace, logs: str
         if servers is not None:
             servers.kill()
         log.close()
+        if fault == "stop":
+            strike(cluster, fault, up=True)  # before the kill: a stopped process's SIGTERM waits for SIGCONT
         if fault != "node":
             strike(cluster, "down", up=True)
     return result

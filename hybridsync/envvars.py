@@ -24,6 +24,10 @@ different points are an error (``hybridsync.backends.stalls``; default 3, 0 turn
 PEER_TIMEOUT = "HYBRIDSYNC_PEER_TIMEOUT"
 """Seconds a hierarchical all-reduce waits for a rank of its group that its host no longer answers
 for (the network between the nodes cut, or the host down) before it fails naming that rank (10)."""
+PEER_HUNG_TIMEOUT = "HYBRIDSYNC_PEER_HUNG_TIMEOUT"
+"""Seconds a hierarchical all-reduce waits for a rank of its group whose host answers but whose
+process does not (stopped or deadlocked) before it fails naming that rank (default:
+``HOROVOD_GLOO_TIMEOUT_SECONDS``, else 30, when plain Horovod gives up on such a rank too)."""
 INTRA_NODE = "HYBRIDSYNC_INTRA_NODE"
 """Hierarchical route within a node: ``shm`` (shared memory) or ``horovod`` (Gloo collectives)."""
 PS_TRANSPORT = "HYBRIDSYNC_PS_TRANSPORT"
@@ -87,6 +91,8 @@ LAUNCHER_RANKS = (HOROVOD_RANK, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 """A process's rank as horovodrun, Open MPI's and PMI launchers set it (a PS worker id fallback)."""
 HOROVOD_ELASTIC = "HOROVOD_ELASTIC"
 """``1`` in every rank of an elastic Horovod job (``horovodrun --min-np/--max-np/--host-discovery-script``)."""
+HOROVOD_GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+"""Horovod's bound on one Gloo operation (horovodrun's ``--gloo-timeout-seconds``; Horovod's default 30)."""
 INTERFACE = ("HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
 """The network interface Gloo uses, as horovodrun and torch spell it (first one set wins)."""
 

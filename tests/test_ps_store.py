@@ -288,5 +288,7 @@ def test_a_server_that_quit_over_a_worker_is_named_only_if_no_server_died(monkey
     servers[0].fail("worker0", "EOF: end of file")
     message, took = _raised_by(on_server0.wait)
     assert message.startswith("parameter server server0 quit: ") and (
-        "hybridsync PS server0: worker0 stopped answering (EOF: end of file); exiting" in message), message
+        "hybridsync PS server0: worker0 stopped answering (EOF: end of file); exiting" in message) and (
+        message.endswith("cannot be reached from it: their processes are gone or hang, or the network between "
+                         "their node and the server's is cut; their own errors, if any, say which)")), message
     assert 2.9 < took < 4.5, took

@@ -41,8 +41,8 @@ from hybridsync.backends.waiting import wait, wait_until
 GROUP_TIMEOUT = datetime.timedelta(seconds=600)
 """Gloo's bound on one collective: a 64 MiB slice at 100 Mbit/s takes ~6 s, and a peer may be busy
 elsewhere (a checkpoint) for minutes. A dead peer fails at once (its sockets close); one the
-network cut off is found by probing it (``liveness.PeerWatch``), so this only bounds a peer that
-hangs while its host still answers."""
+network cut off, or one that hangs while its host answers, is found by probing it
+(``liveness.PeerWatch``), so this bounds only the groups' set-up."""
 
 
 class Work(Protocol):

@@ -8,17 +8,22 @@ between the nodes cut mid-training (benchmarks/netfault.py): every rank of a hie
 waited past 90 s without a word, where Horovod's ring failed after its 30 s Gloo timeout.
 
 So every process that builds groups opens a *beacon*: a listening socket that a daemon thread
-accepts on and closes at once. The kernel answers a connection to it whether the process is
-computing, waiting or stopped, so a probe that connects tells reachability apart from
-busyness: it connects to a busy peer; it is refused by a host whose process is gone; it gets
-no answer when the network between the hosts is cut (or the host is dead). A step that has
-waited ``PROBE_AFTER_S`` for a group's collective probes the group's other members every
+accepts on, answering one byte. The kernel completes a connection to it whether the process is
+computing, waiting or stopped, so a probe that connects tells reachability apart: it connects to
+a live peer; it is refused by a host whose process is gone; it gets no answer when the network
+between the hosts is cut (or the host is dead). The byte tells a live peer from a hung one (its
+process stopped, SIGSTOP, or deadlocked: its host answers, it does not): the beacon's thread
+answers while the peer computes, waits or writes a checkpoint (Python hands it the GIL every few
+milliseconds, and torch's kernels and file writes release it). A step that has waited
+``PROBE_AFTER_S`` for a group's collective probes the group's other members every
 ``PROBE_EVERY_S``, and raises ``PeerUnreachableError`` naming the rank, its address and the
-route once a peer refused, or stayed unanswering for ``HYBRIDSYNC_PEER_TIMEOUT`` seconds
-(default ``DEFAULT_UNREACHABLE_S``: an outage shorter than that, a link that flaps, is ridden out
-as TCP rides it out). When Gloo itself fails a collective (a peer's connection reset: its node
-was killed), the error names the members whose beacons no longer answer, where Gloo's names
-only an address and port.
+route once a peer refused, stayed unreachable for ``HYBRIDSYNC_PEER_TIMEOUT`` seconds (default
+``DEFAULT_UNREACHABLE_S``: an outage shorter than that, a link that flaps, is ridden out as TCP
+rides it out), or connected without its byte for ``HYBRIDSYNC_PEER_HUNG_TIMEOUT`` seconds
+(default: Horovod's own Gloo timeout, ``HOROVOD_GLOO_TIMEOUT_SECONDS``, 30 s, after which plain
+Horovod gives up on a stopped rank too). When Gloo itself fails a collective (a peer's
+connection reset: its node was killed), the error names the members whose beacons no longer
+answer, where Gloo's names only an address and port.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import threading
 import time
 
 from hybridsync import envvars
+from hybridsync.backends.peer_lost import PeerLostError
 
 PROBE_AFTER_S = 2.0
 """A collective that has waited this long starts probing its peers (a healthy one ends sooner)."""
@@ -38,9 +44,13 @@ CONNECT_TIMEOUT_S = 1.0
 DEFAULT_UNREACHABLE_S = 10.0
 """A peer unanswering this long is given up (``HYBRIDSYNC_PEER_TIMEOUT``): the PS watchdog's ping
 timeout, and a third of Horovod's own Gloo timeout (30 s)."""
+HOROVOD_GLOO_TIMEOUT_S = 30.0
+"""Horovod's own bound on a Gloo operation when ``HOROVOD_GLOO_TIMEOUT_SECONDS`` is unset."""
+ANSWER = b"!"
+"""What a beacon's thread sends on every connection it accepts."""
 
 
-class PeerUnreachableError(RuntimeError):
+class PeerUnreachableError(PeerLostError):
     """A member of a hierarchical group cannot be reached: its process is gone or the network is cut."""
 
 
@@ -55,10 +65,12 @@ class Peer:
 
 
 class Beacon:
-    """This process's listening socket, answered by a daemon thread (one per process)."""
+    """This process's listening socket, whose daemon thread answers ``ANSWER`` to every connection (one per process)."""
 
     def __init__(self, address: str) -> None:
-        self._socket = socket.create_server((address, 0), backlog=64)
+        # A hung process accepts nothing: its kernel queues every probe's connection, and a full
+        # queue would make a hung peer look cut off. SOMAXCONN lasts over an hour of probes.
+        self._socket = socket.create_server((address, 0), backlog=socket.SOMAXCONN)
         self.host, self.port = self._socket.getsockname()[:2]
         threading.Thread(target=self._answer, name="hybridsync-beacon", daemon=True).start()
 
@@ -68,7 +80,11 @@ class Beacon:
                 connection, _ = self._socket.accept()
             except OSError:
                 return
-            connection.close()
+            with connection:
+                try:
+                    connection.sendall(ANSWER)
+                except OSError:
+                    pass  # the prober gave up already
 
 
 _beacon: Beacon | None = None
@@ -87,15 +103,29 @@ def unreachable_seconds() -> float:
     return envvars.seconds_from_env(envvars.PEER_TIMEOUT, DEFAULT_UNREACHABLE_S)
 
 
+def hung_seconds() -> float:
+    """``HYBRIDSYNC_PEER_HUNG_TIMEOUT`` (default ``HOROVOD_GLOO_TIMEOUT_SECONDS``, else 30 s)."""
+    return envvars.seconds_from_env(envvars.PEER_HUNG_TIMEOUT,
+                                    envvars.seconds_from_env(envvars.HOROVOD_GLOO_TIMEOUT, HOROVOD_GLOO_TIMEOUT_S))
+
+
 def probe(peer: Peer) -> str | None:
-    """``None`` if ``peer``'s beacon accepts a connection; ``"refused"`` or ``"no answer"`` if not."""
+    """``None`` if ``peer``'s beacon answers its byte; ``"refused"`` if its host refuses (the process
+    is gone), ``"no answer"`` if the connection gets no answer (the network is cut or the host is
+    down), ``"silent"`` if it connects but the byte does not come (the process hangs)."""
     try:
-        with socket.create_connection((peer.host, peer.port), timeout=CONNECT_TIMEOUT_S):
-            return None
+        connection = socket.create_connection((peer.host, peer.port), timeout=CONNECT_TIMEOUT_S)
     except ConnectionRefusedError:
         return "refused"
     except OSError as e:
         return "refused" if e.errno == errno.ECONNREFUSED else "no answer"
+    with connection:
+        try:
+            return None if connection.recv(1) == ANSWER else "silent"
+        except ConnectionResetError:
+            return "refused"
+        except OSError:  # the byte did not come within CONNECT_TIMEOUT_S
+            return "silent"
 
 
 class PeerWatch:
@@ -104,8 +134,9 @@ class PeerWatch:
     def __init__(self, peers: list[Peer], label: str) -> None:
         """``label``: the group, as errors name it (``hierarchical all-reduce across nodes``)."""
         self._peers, self._label = peers, label
-        self._unanswered: dict[int, float] = {}
-        """Since when each peer has not answered, in the wait of ``self._wait``."""
+        self._unanswered: dict[tuple[int, str], float] = {}
+        """Since when each (peer, outcome) has been the case, in the wait of ``self._wait``: an
+        unreachable peer and a silent one are given up after different times."""
         self._wait = 0.0
         self._next = 0.0
 
@@ -119,21 +150,28 @@ class PeerWatch:
             self._unanswered.clear()
         for peer in self._peers:
             outcome = probe(peer)
+            for other in ("no answer", "silent"):
+                if other != outcome:
+                    self._unanswered.pop((peer.rank, other), None)
             if outcome is None:
-                self._unanswered.pop(peer.rank, None)
                 continue
+            who = f"{self._label}: rank {peer.rank} on node {peer.node}"
             if outcome == "refused":
                 raise PeerUnreachableError(
-                    f"{self._label}: rank {peer.rank} on node {peer.node} ({peer.host}) refused a connection after "
-                    f"this rank had waited {now - started:.0f} s for it: its process is gone (see that rank's own "
-                    f"error)")
-            first = self._unanswered.setdefault(peer.rank, now)
-            if time.monotonic() - first >= unreachable_seconds():
+                    f"{who} ({peer.host}) refused a connection after this rank had waited {now - started:.0f} s for it: its process "
+                    f"is gone (see that rank's own error)")
+            waited = time.monotonic() - self._unanswered.setdefault((peer.rank, outcome), now)
+            if outcome == "no answer" and waited >= unreachable_seconds():
                 raise PeerUnreachableError(
-                    f"{self._label}: rank {peer.rank} on node {peer.node} ({peer.host}) has not answered for "
-                    f"{time.monotonic() - first:.0f} s (this rank waited {time.monotonic() - started:.0f} s for it): "
-                    f"the network between the nodes is cut or its host is down. The job cannot continue "
+                    f"{who} ({peer.host}) has not answered for {waited:.0f} s (this rank waited {time.monotonic() - started:.0f} s "
+                    f"for it): the network between the nodes is cut or its host is down. The job cannot continue "
                     f"({envvars.PEER_TIMEOUT} sets how long an unanswering peer is waited for).")
+            if outcome == "silent" and waited >= hung_seconds():
+                raise PeerUnreachableError(
+                    f"{who} ({peer.host}) hangs: its host answers but its process has not for {waited:.0f} s (this rank waited "
+                    f"{time.monotonic() - started:.0f} s for it): it is stopped (SIGSTOP, a debugger) or deadlocked. "
+                    f"The job cannot continue ({envvars.PEER_HUNG_TIMEOUT} sets how long a hung peer is waited "
+                    f"for; a peer busy computing or writing a checkpoint answers and is waited for).")
         self._next = time.monotonic() + PROBE_EVERY_S
 
     def explain(self, error: BaseException) -> PeerUnreachableError:

@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 from hybridsync.backends import stalls, waiting
+from hybridsync.backends.peer_lost import PeerLostError
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
@@ -64,7 +65,7 @@ def segment_path(job_token: str, node: int, name: str) -> str:
     return os.path.join(SHM_DIR, f"hybridsync-{job_token}-n{node}-{digest}")
 
 
-class PeerExitedError(RuntimeError):
+class PeerExitedError(PeerLostError):
     """A rank of this node exited while the others waited for it in shared memory."""
 
 

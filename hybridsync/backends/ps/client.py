@@ -20,6 +20,7 @@ import torch
 from torch.futures import Future
 
 from hybridsync import envvars
+from hybridsync.backends import peer_lost
 from hybridsync.backends.base import KeyedBackend, Reduction, SparseBackend, wire_of
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
@@ -426,7 +427,12 @@ def _payload(chunk: torch.Tensor, prescale: float) -> torch.Tensor:
 
 
 def _close_quietly() -> None:
-    """Non-graceful RPC shutdown after a failure, bounded in time (a dead peer cannot take part)."""
+    """Non-graceful RPC shutdown after a failure, bounded in time (a dead peer cannot take part).
+
+    Skipped when a lost peer is ending the process (``peer_lost.exiting``): its exit closes every
+    connection at once, where the shutdown waited its whole bound on a cut link (5 s)."""
+    if peer_lost.exiting():
+        return
     def close() -> None:
         from torch.distributed import rpc
         try:

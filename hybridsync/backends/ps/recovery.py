@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from hybridsync import envvars
 from hybridsync.backends import stalls
+from hybridsync.backends.peer_lost import PeerLostError
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.store import Pulled, RestoreState
 from hybridsync.backends.ps.watchdog import SERVER_QUITS, PeerFailure
@@ -41,7 +42,14 @@ _CONNECTION_LOST = ("eof", "econnrefused", "econnreset", "epipe", "pipe closed",
 """Signs, in an RPC error's text, that the connection to the server broke (it died or was cut off)."""
 
 
-class PSServerError(RuntimeError):
+QUIT_CAUSE = (" (the workers it names cannot be reached from it: their processes are gone or hang, or the "
+              "network between their node and the server's is cut; their own errors, if any, say which)")
+"""Ends a worker's error for a server that quit over workers that stopped answering it: on a cut
+link, the workers on the server's side of the cut see only that quit, and must learn it means the
+others are unreachable."""
+
+
+class PSServerError(PeerLostError):
     """A parameter server died, hung, or refused a push; the message names the server."""
 
 
@@ -176,7 +184,7 @@ class Links:
                 self._inflight.discard(call)
             elif _quits(error):  # final: no supervisor replaces a server that quit over a worker
                 self._fail(call.server, f"parameter server {group.server_name(call.server)} quit: "
-                                        f"{_first_line(error)}", secondary=True)
+                                        f"{_first_line(error)}{QUIT_CAUSE}", secondary=True)
             elif _connection_lost(error):
                 self._lost(call.server, call.incarnation, _first_line(error), hung=False)
             else:

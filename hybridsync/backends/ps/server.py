@@ -27,6 +27,7 @@ from torch.distributed import rpc
 from torch.futures import Future
 
 from hybridsync import envvars
+from hybridsync.backends import peer_lost
 from hybridsync.backends.ps import group
 from hybridsync.backends.ps.config import PSConfig
 from hybridsync.backends.ps.coordinator import Schedule, SwitchCoordinator
@@ -364,12 +365,7 @@ def exit_now(code: int) -> None:
     modules and objects, which took 1-3.5 s of a loaded host's CPU per process, while the job's
     ranks end on the same cores and the launcher waits for every server (benchmarks/ps_exit.py)."""
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said
-            pass
-    os._exit(code)
+    peer_lost.flush_and_exit(code)
 
 
 if __name__ == "__main__":
