@@ -157,8 +157,8 @@ def test_a_rank_stopped_inside_a_line_leaves_it_on_its_own_line(tmp_path):
     proc = run_job([str(BIN / "hybridsync-run"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-c",
                     script, str(written)], timeout=120)
     assert proc.returncode == 1 and written.exists(), proc.stdout[-3000:]
-    lines = proc.stdout.splitlines()
-    assert "[1]<stdout>:half a line" in lines and "Process 1 exit with status code 143." in lines, \
+    # The next line is Horovod's "Process 1 exit with status code 143." or, when horovodrun ends first, ours.
+    assert [line for line in proc.stdout.splitlines() if "half a line" in line] == ["[1]<stdout>:half a line"], \
         proc.stdout[-3000:]
 
 
