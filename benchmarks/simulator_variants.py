@@ -11,7 +11,9 @@ log(measured / analytic) centered within each trial job) and scored on the held-
 within jobs, as ``benchmarks/simulator.py`` scores them (``shipped`` is its ``both``). The
 variants shrink the trees' correction toward the analytic model in several ways
 (``_variants``). The ``in-sample`` line fits the shipped learner on every trial and scores it
-on the same trials: what the features can express at all, as against what transfers.
+on the same trials (with 200 trees it underfits them: 1000 reach far closer, benchmarks/RESULTS.md
+s27; so it is what these trees learn at all, not what the features can express). ``--frames`` keeps
+each fold's analytic constants, so an attempt at other features costs minutes, not a fit per fold.
 
 Honest selection: ``--select`` adds ``selected``, per held-out set the variant that an inner
 leave-one-family-out over the training families alone scores best (``selection_loss``); the
@@ -29,7 +31,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -38,6 +40,8 @@ from provenance import print_header  # noqa: E402
 
 GENERATED = ("cnn", "mlp", "recsys", "transformer", "widedeep")
 """The generator's families (``zoo/generator``): the ones a choice of variant may look at."""
+if TYPE_CHECKING:
+    from hybridsync.model.simulator import Simulator
 Learner = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 """(train features, train target, train job ids, train relative noise, test features) -> test correction."""
 
@@ -55,12 +59,17 @@ def main(argv: list[str] | None = None) -> int:
                                            "to iterate on)")
     parser.add_argument("--split", choices=("family", "model"), default="family",
                         help="hold out one family (default) or one model at a time")
-    parser.add_argument("--frames", help="a directory keeping each fold's fitted rows (<split>-<held out>.npz): a "
-                                         "second run on the same data and code skips the constants' fits")
+    parser.add_argument("--frames", help="a directory keeping each fold's fitted analytic constants and compute "
+                                         "factors (<split>-<held out>.json): a second run on the same data skips "
+                                         "their fits, even after the features changed")
     parser.add_argument("--select", action="store_true",
                         help="also score 'selected': per held-out set, the variant an inner leave-one-family-out "
                              "over the training families alone picks (selection_loss)")
+    parser.add_argument("--variants", help="the variants to fit, comma-separated (default: all of _variants)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.variants.split(",")) - set(_variants(args.seed))) if args.variants else []
+    if unknown:
+        parser.error(f"--variants: {unknown} are not variants (known: {', '.join(_variants(args.seed))})")
     sys.path.insert(0, REPO)
     from hybridsync.model.evaluate import family_of, held_out_name, summarize
 
@@ -121,11 +130,14 @@ class _Fold:
     def __init__(self, samples: list, args: argparse.Namespace) -> None:
         self.samples, self.calibrations, self.cores, self.seed = samples, args.calibrations, args.cores, args.seed
         self.split, self.frames, self.select = args.split, getattr(args, "frames", None), getattr(args, "select", False)
+        self.variants = args.variants.split(",") if getattr(args, "variants", None) else None
 
     def __call__(self, name: str) -> tuple[list, str | None]:
         """``name``'s rows, one per variant, and the variant the inner validation chose (``None``: not asked)."""
         frame = self.frame(name)
         variants = _variants(self.seed)
+        if self.variants:
+            variants = {name: variants[name] for name in self.variants}
         rows = [_score(self.samples, variant, self.split, name, frame, learner) for variant, learner in variants.items()]
         rows.append(_score(self.samples, "in-sample", self.split, name, frame, _xgboost(self.seed), in_sample=True))
         chosen = _select(self.samples, self.split, name, frame, variants) if self.select else None
@@ -134,30 +146,43 @@ class _Fold:
         return rows, chosen
 
     def frame(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``name``'s fold: read from ``--frames`` if it is there, else fit (and kept there)."""
-        path = os.path.join(self.frames, f"{self.split}-{name}.npz") if self.frames else None
-        if path and os.path.exists(path):
-            with np.load(path) as kept:
-                return kept["features"], kept["target"], kept["log_analytic"]
-        frame = self.fit(name)
-        if path:
-            os.makedirs(self.frames, exist_ok=True)
-            np.savez(path, features=frame[0], target=frame[1], log_analytic=frame[2])
-        return frame
+        """``name``'s fold: its analytic constants and compute factors read from ``--frames`` if they are
+        there, else fit (and kept there); the features computed from them with the current code, so a
+        change of the features needs no new fit of the constants (the costly part)."""
+        import json
 
-    def fit(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         from hybridsync.model.analytic import CostConstants
-        from hybridsync.model.calibration import load_calibrations
-        from hybridsync.model.evaluate import held_out_name, predict_samples
+        from hybridsync.model.evaluate import predict_samples
         from hybridsync.model.simulator import BoosterParams, Simulator
 
-        train = [s for s in self.samples if held_out_name(s, self.split) != name]
-        analytic = Simulator(kind="analytic", constants=CostConstants(cores=self.cores)).fit(
-            train, calibrations=load_calibrations(self.calibrations) if self.calibrations else {})
+        path = os.path.join(self.frames, f"{self.split}-{name}.json") if self.frames else None
+        if path and os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                kept = json.load(handle)
+            analytic = Simulator(kind="analytic", constants=CostConstants.from_dict(kept["constants"]),
+                                 compute_factors=kept["compute_factors"])
+        else:
+            analytic = self.fit(name)
+            if path:
+                os.makedirs(self.frames, exist_ok=True)
+                with open(path, "w", encoding="utf-8") as handle:
+                    json.dump({"constants": analytic.constants.to_dict(),
+                               "compute_factors": analytic.compute_factors}, handle)
         both = Simulator(kind="both", constants=analytic.constants, params=BoosterParams(seed=self.seed),
                          compute_factors=analytic.compute_factors)
         features, target = both.training_frame(self.samples)
         return features, target, np.log(predict_samples(analytic, self.samples))
+
+    def fit(self, name: str) -> "Simulator":
+        """The analytic simulator fit on every trial outside ``name`` (constants and compute factors)."""
+        from hybridsync.model.analytic import CostConstants
+        from hybridsync.model.calibration import load_calibrations
+        from hybridsync.model.evaluate import held_out_name
+        from hybridsync.model.simulator import Simulator
+
+        train = [s for s in self.samples if held_out_name(s, self.split) != name]
+        return Simulator(kind="analytic", constants=CostConstants(cores=self.cores)).fit(
+            train, calibrations=load_calibrations(self.calibrations) if self.calibrations else {})
 
 
 def _xgboost(seed: int, rounds: int = 200, weights: str = "", **overrides: object) -> Learner:
@@ -178,14 +203,16 @@ def _xgboost(seed: int, rounds: int = 200, weights: str = "", **overrides: objec
 
 
 def _variants(seed: int) -> dict[str, Learner]:
-    """The shipped learner, and ways of shrinking its correction toward the analytic model (which
+    """The shipped learner; ways of shrinking its correction toward the analytic model (which
     transfers as it is): none, half of it, a smaller step, stronger regularization, shallower
-    trees, fewer rounds, and trials weighted per job."""
+    trees, fewer rounds, and trials weighted per job; and more trees (in sample, 200 underfit:
+    benchmarks/RESULTS.md s27)."""
     shipped = _xgboost(seed)
     return {"analytic": lambda x, y, jobs, noise, test: np.zeros(len(test)), "shipped": shipped,
             "half": _scaled(shipped, 0.5), "eta 0.02": _xgboost(seed, eta=0.02),
             "reg 20": _xgboost(seed, **{"lambda": 20.0, "min_child_weight": 20.0}), "depth 2": _xgboost(seed, max_depth=2),
-            "60 rounds": _xgboost(seed, rounds=60), "per-job wt": _xgboost(seed, weights="job")}
+            "60 rounds": _xgboost(seed, rounds=60), "per-job wt": _xgboost(seed, weights="job"),
+            "400 rounds": _xgboost(seed, rounds=400), "1000 rounds": _xgboost(seed, rounds=1000)}
 
 
 def _scaled(learner: Learner, factor: float) -> Learner:

@@ -698,3 +698,26 @@ def test_the_variants_study_scores_the_shipped_learner_as_the_simulator_predicts
     assert max(abs(np.log(f)) for f in simulator.compute_factors.values()) > 0.01  # the factors matter here
     expected = predict_samples(simulator, [s for s in samples if family_of(s.model) == "mlp"])
     np.testing.assert_allclose(row.predicted, expected, rtol=1e-4)
+
+
+def test_the_variants_study_keeps_a_folds_constants_not_its_features(tmp_path):
+    """``simulator_variants.py --frames`` keeps each fold's analytic constants and compute factors (the
+    costly fit), and computes the features from them with the code of the run: an attempt at other
+    features reuses the fits (it kept the features themselves, which a change of the features made stale)."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import simulator_variants as study
+
+    samples = [s for s in generated_like(per_model=6) if s.model in ("gen-mlp-0", "gen-recsys-0")]
+    args = argparse.Namespace(calibrations="", cores=2, seed=0, split="family", frames=str(tmp_path))
+    first = study._Fold(samples, args).frame("mlp")
+    kept = json.loads((tmp_path / "family-mlp.json").read_text())
+    assert set(kept) == {"constants", "compute_factors"} and set(kept["compute_factors"]) == {"gen-recsys-0"}
+    again = study._Fold(samples, args)
+    again.fit = lambda name: pytest.fail("the kept constants were fit again")
+    second = again.frame("mlp")
+    assert first[0].shape == (len(samples), len(FEATURE_NAMES))
+    for a, b in zip(first, second):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
