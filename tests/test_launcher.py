@@ -434,3 +434,20 @@ def test_horovodrun_runs_mpirun_in_place_of_its_shell():
     assert calls == [("/bin/sh", ["/bin/sh", "-c", "exec mpirun --allow-run-as-root -np 2 python x.py"]),
                      ("/bin/sh", ["/bin/sh", "-c", "A=1 mpirun -np 2 python x.py"]),
                      ("/usr/bin/jsrun", ["jsrun", "-n", "2"])]
+
+
+@pytest.mark.multiprocess
+def test_a_store_nobody_listens_at_is_answered_without_importing_torch():
+    """The launcher asks whether a worker joined servers whose store is not up (a short job, server 0
+    still starting): refused means no, answered before torch's import (3 s on a loaded host), not after."""
+    import socket
+    import subprocess
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = ("import sys\n"
+            "from hybridsync.run.ps_servers import any_worker_joined, ps_environment\n"
+            f"env = ps_environment(num_workers=2, num_servers=1, root_uri='127.0.0.1', root_port={port})\n"
+            "print(any_worker_joined(env), 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr

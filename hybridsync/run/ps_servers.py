@@ -61,16 +61,19 @@ def any_worker_joined(env: Mapping[str, str], *, timeout_s: float = 5.0) -> bool
     a config's ``num_servers``), and its workers never join them: those servers would wait out their
     join timeout, and the launcher its grace, for nothing.
     """
+    try:
+        # A store that is not (or no longer) there is answered at once, where torch's client would retry
+        # for timeout_s and print a C++ trace per try; and before torch is imported (3 s on a loaded host).
+        address = (env[envvars.DMLC_PS_ROOT_URI], int(env[envvars.DMLC_PS_ROOT_PORT]))
+        socket.create_connection(address, timeout=1.0).close()
+    except ConnectionRefusedError:
+        return False
+    except (KeyError, ValueError, OSError):  # settings not those of a PS job, or no answer: not "no"
+        return True
     from hybridsync.backends.ps import group
     from hybridsync.backends.ps.config import PSConfig
     try:
         config = PSConfig.from_env(env, role="worker", index=0)
-        # A store that is not (or no longer) there is answered at once, where torch's client would retry
-        # for timeout_s and print a C++ trace per try.
-        try:
-            socket.create_connection((config.root_uri, config.root_port), timeout=1.0).close()
-        except ConnectionRefusedError:
-            return False
         with _quiet_stderr():  # the store may still close in between
             store = group.open_store(config, timeout_s=timeout_s)
         return group.any_worker_joined(store, config.num_workers)
