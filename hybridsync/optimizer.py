@@ -45,13 +45,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     _is_hybridsync = True
 
-    def __init__(self, params, named_parameters, options: SyncOptions, frontend):
+    def __init__(self, params, named_parameters, options: SyncOptions, frontend, known_elsewhere=()):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
         self._hvd = hvd
         named, aliases, spare = _checked_named_parameters(named_parameters, self.param_groups)
         self._spare_names = {id(p): name for name, p in spare}
         """Names given for parameters the optimizer did not hold: theirs if ``add_param_group`` adds them."""
+        self._known_elsewhere = frozenset(known_elsewhere)
+        """Variables of the script that another optimizer holds or will (``wrap``): not misspelt names."""
         self._named = named
         self._aliases = aliases
         """A tied parameter's later names (``named_parameters(remove_duplicate=False)``), each to the name its
@@ -545,6 +547,7 @@ def _known_names(optimizers: Iterable["_DistributedOptimizer"]) -> tuple[set[str
     for optimizer in optimizers:
         known.update(name for name, _ in optimizer._named)
         known.update(optimizer._spare_names.values())
+        known.update(optimizer._known_elsewhere)
         aliases.update(optimizer._aliases)
     return known, aliases
 
@@ -666,11 +669,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
 
 
 def wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None, options: SyncOptions,
-         frontend: Literal["torch", "tensorflow"] = "torch") -> torch.optim.Optimizer:
+         frontend: Literal["torch", "tensorflow"] = "torch", known_elsewhere: Iterable[str] = ()
+         ) -> torch.optim.Optimizer:
     """``DistributedOptimizer`` of ``options`` (``SyncOptions.checked``) for a given ``frontend``:
     ``tensorflow`` when ``hybridsync.tensorflow`` drives it over torch mirrors of a TensorFlow model's
-    variables (whose ``groups`` lists, of mirrors, are checked here)."""
+    variables (whose ``groups`` lists, of mirrors, are checked here). ``known_elsewhere``: names of
+    the script's variables that another optimizer holds or will hold (a tape's watched variables that
+    another tape synchronizes: a GAN's, whose second tape is built after the first one's check)."""
     _check_not_wrapped(optimizer)
     options = dataclasses.replace(options, groups=normalize_groups(options.groups, 0))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, options, frontend)
+    return cls(optimizer.param_groups, named_parameters, options, frontend, known_elsewhere)

@@ -98,10 +98,12 @@ class GradientBridge:
     """Synchronizes the gradients of one fixed list of TensorFlow variables by a strategy."""
 
     def __init__(self, variables: Sequence[tf.Variable], options: SyncOptions, *, allow_parameter_exchange: bool,
-                 owner: str, follower: StepFollower | None = None) -> None:
+                 owner: str, follower: StepFollower | None = None, watched: Sequence[tf.Variable] = ()) -> None:
         """``allow_parameter_exchange``: whether the caller runs ``after_update`` after each update
         (the Keras optimizer does; a gradient tape never sees the update, so ASP/SSP and the
-        dynamic ``sync`` policies are refused). ``follower``: told after each update (Keras)."""
+        dynamic ``sync`` policies are refused). ``follower``: told after each update (Keras).
+        ``watched``: the script's other variables the caller saw (a tape's watched ones), which a
+        strategy may name for another bridge not built yet."""
         from hybridsync.optimizer import wrap
         self.variables = list(variables)
         unknown = [v.name for v in self.variables
@@ -115,7 +117,7 @@ class GradientBridge:
         mirror_of = {id(v): m for v, m in zip(self.variables, self.mirrors)}
         self.optimizer = wrap(_ExternalUpdate(self.mirrors), list(zip(self.names, self.mirrors)),
                               dataclasses.replace(options, groups=_groups_of_mirrors(options.groups, mirror_of)),
-                              frontend="tensorflow")
+                              frontend="tensorflow", known_elsewhere=variable_names(list(watched)) if watched else ())
         self._owner = owner
         self._allow_parameter_exchange = allow_parameter_exchange
         self._follower = follower
@@ -433,7 +435,9 @@ class Bridges:
         """By the ids of the variables (the bridge holds them: their ids stay theirs), in the order
         built; with ``keep``, least recently used first."""
 
-    def for_variables(self, variables: Sequence[tf.Variable]) -> GradientBridge:
+    def for_variables(self, variables: Sequence[tf.Variable],
+                      watched: Callable[[], Sequence[tf.Variable]] = tuple) -> GradientBridge:
+        """The bridge of ``variables``, built on first use (``watched()``: ``GradientBridge``'s, asked only then)."""
         key = tuple(id(v) for v in variables)
         if key in self._built:
             if self._keep is not None:  # the most recently used last
@@ -442,7 +446,8 @@ class Bridges:
         # Built on every rank in the same order: the optimizer's construction is collective.
         self._built[key] = GradientBridge(variables, self.options, owner=self._owner,
                                           allow_parameter_exchange=self._allow_parameter_exchange,
-                                          follower=None if self._follower is None else self._follower())
+                                          follower=None if self._follower is None else self._follower(),
+                                          watched=watched())
         if self._keep is not None and len(self._built) > self._keep:
             del self._built[next(iter(self._built))]
         return self._built[key]

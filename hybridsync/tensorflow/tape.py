@@ -70,7 +70,13 @@ class _DistributedGradientTape(tf.GradientTape):
                  **kwargs: Any) -> Any:
         flat_sources = tf.nest.flatten(sources)
         shared = [s for s in flat_sources if id(s) not in self._local_sources]
-        bridge = self._bridges.for_variables(shared)
+
+        def others_watched() -> list:
+            """A GAN's two tapes each watch both models' variables: the first tape's strategy check
+            knows the second's, which that tape's bridge, built after it, will hold."""
+            mine = {id(s) for s in flat_sources}
+            return [v for v in self.watched_variables() if id(v) not in mine]
+        bridge = self._bridges.for_variables(shared, others_watched)
         if tf.executing_eagerly() or bridge.optimizer.profiler is None:
             bridge.mark_backward_start()
             gradients = super(self.__class__, self).gradient(target, sources, output_gradients, **kwargs)
