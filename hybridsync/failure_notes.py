@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import types
-from typing import Callable
+from typing import Callable, Iterator
 
 from hybridsync import envvars
 
@@ -54,16 +54,19 @@ def install() -> None:
         sys.excepthook = _note_and_report
 
 
+def causes(error: BaseException | None) -> Iterator[BaseException]:
+    """``error``, then the exception it was raised from (``raise ... from``) or while handling, and so on,
+    each once (a chain may loop back)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        yield error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+
+
 def is_follower(error: BaseException) -> bool:
     """Whether ``error`` (or one it was raised from or while handling) only follows another rank's failure."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if type(current).__name__ in FOLLOWER_ERRORS or SHUT_DOWN in str(current):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+    return any(type(cause).__name__ in FOLLOWER_ERRORS or SHUT_DOWN in str(cause) for cause in causes(error))
 
 
 def _note_and_report(kind: type[BaseException], error: BaseException, trace: types.TracebackType | None) -> None:

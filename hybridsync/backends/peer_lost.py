@@ -26,6 +26,8 @@ import threading
 import types
 from typing import Callable, NoReturn
 
+from hybridsync.failure_notes import causes
+
 _HOROVOD_FRONT_ENDS = ("horovod.torch.mpi_ops", "horovod.tensorflow.mpi_ops")
 """Horovod's front ends: each has a ``shutdown`` and a ``_basics`` (``HorovodBasics``)."""
 
@@ -59,13 +61,7 @@ def arm_prompt_exit() -> None:
 
 def is_peer_lost(error: BaseException | None) -> bool:
     """Whether ``error`` is a ``PeerLostError`` or came from one (``raise ... from``, or raised while handling one)."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, PeerLostError):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
+    return any(isinstance(cause, PeerLostError) for cause in causes(error))
 
 
 def exit_promptly_on_peer_lost(kind: type[BaseException], error: BaseException,
